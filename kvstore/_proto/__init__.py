@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (scripts/gen_proto.py). Do not edit."""

@@ -1,0 +1,295 @@
+"""The node config: one TOML file, validated once at start, passed down frozen.
+
+Example (every key optional; these are the defaults unless noted)::
+
+    [server]
+    listen = "unix:kvstore-data/kvstore.sock"   # or "127.0.0.1:50051" (TCP, loopback)
+    max_message_bytes = "64MiB"   # gRPC send/receive limit per message
+    max_chunk_bytes = "4MiB"      # largest data chunk in one Get/Put stream message
+    workers = 8                   # gRPC thread pool size
+    auth_token = ""               # bearer token required on every call when set
+    tls_cert = ""                 # PEM files: serve TLS when both are set
+    tls_key = ""
+
+    [blocks]
+    block_tokens = 512            # used by clients that compute keys from tokens
+    hash = "sha256"
+
+    [tiers.hbm]                   # GPU memory; off unless a GPU is present and enabled
+    enabled = false
+    capacity = "8GiB"
+    device = 0
+
+    [tiers.host]
+    capacity = "1GiB"
+    pinned = "auto"               # auto | true | false (pinned needs a GPU)
+
+    [tiers.nvme]
+    enabled = true
+    path = "kvstore-data/nvme"
+    capacity = "16GiB"
+    io = "auto"                   # auto | gds | posix
+    fsync = false                 # fsync files and index on every put (power-loss safety)
+
+    [policy]
+    eviction = "lru"              # default policy of every tier: lru | arc | s3fifo | next_use
+    write = "write_back"          # write_back | write_through
+    params = {}                   # policy parameters, e.g. { small_ratio = 0.1 } for s3fifo
+
+    [tiers.host.policy]           # optional per-tier override of [policy]
+    eviction = "arc"
+
+    [prefetch]
+    enabled = false
+    predictor = "quantile"
+    lead_time_s = 0.05
+    quantile = 0.5
+    window = 64
+
+Unknown keys and bad values raise :class:`kvstore.errors.ConfigError` naming the key,
+e.g. ``tiers.host.capcity: unknown key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .errors import ConfigError
+from .units import parse_size
+
+EVICTION_CHOICES = ("lru", "arc", "s3fifo", "next_use")
+WRITE_CHOICES = ("write_back", "write_through")
+IO_CHOICES = ("auto", "gds", "posix")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "unix:kvstore-data/kvstore.sock"
+    max_message_bytes: int = 64 << 20
+    max_chunk_bytes: int = 4 << 20
+    workers: int = 8
+    auth_token: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+
+@dataclass(frozen=True)
+class BlocksConfig:
+    block_tokens: int = 512
+    hash: str = "sha256"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    eviction: str = "lru"
+    write: str = "write_back"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HBMConfig:
+    enabled: bool = False
+    capacity: int = 8 << 30
+    device: int = 0
+    policy: PolicyConfig | None = None
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    enabled: bool = True
+    capacity: int = 1 << 30
+    pinned: str = "auto"
+    policy: PolicyConfig | None = None
+
+
+@dataclass(frozen=True)
+class NVMeConfig:
+    enabled: bool = True
+    path: str = "kvstore-data/nvme"
+    capacity: int = 16 << 30
+    io: str = "auto"
+    fsync: bool = False
+    policy: PolicyConfig | None = None
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    hbm: HBMConfig = field(default_factory=HBMConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    nvme: NVMeConfig = field(default_factory=NVMeConfig)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    enabled: bool = False
+    predictor: str = "quantile"
+    lead_time_s: float = 0.05
+    quantile: float = 0.5
+    window: int = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    blocks: BlocksConfig = field(default_factory=BlocksConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+
+    def tier_policy(self, tier: str) -> PolicyConfig:
+        """The eviction policy config of ``tier`` (its override, else ``[policy]``)."""
+        override = getattr(self.tiers, tier).policy
+        return override if override is not None else self.policy
+
+
+_SIZE_FIELDS = {"capacity", "max_message_bytes", "max_chunk_bytes"}
+
+
+def _convert(path: str, name: str, value: Any, default: Any, ftype: Any) -> Any:
+    key = f"{path}.{name}" if path else name
+    if name in _SIZE_FIELDS:
+        try:
+            return parse_size(value, name=key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if isinstance(default, bool) or ftype in ("bool", bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if name == "params":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return dict(value)
+    raise ConfigError(f"{key}: unsupported value {value!r}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a table, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{path}.{name}" if path else name
+        if name not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{key}: unknown key (known keys here: {known})")
+        f = fields[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value, key)
+        elif name == "policy" and cls in (HBMConfig, HostConfig, NVMeConfig):
+            kwargs[name] = _build(PolicyConfig, value, key)
+        else:
+            kwargs[name] = _convert(path, name, value, default, f.type)
+    return cls(**kwargs)
+
+
+def _validate_policy(p: PolicyConfig, path: str) -> None:
+    if p.eviction not in EVICTION_CHOICES:
+        raise ConfigError(f"{path}.eviction: {p.eviction!r} is not one of {', '.join(EVICTION_CHOICES)}")
+    if p.write not in WRITE_CHOICES:
+        raise ConfigError(f"{path}.write: {p.write!r} is not one of {', '.join(WRITE_CHOICES)}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check cross-field rules; raise ConfigError naming the key. Returns ``cfg``."""
+    s = cfg.server
+    if not s.listen:
+        raise ConfigError("server.listen: must not be empty")
+    if s.workers < 1:
+        raise ConfigError(f"server.workers: must be >= 1, got {s.workers}")
+    if s.max_message_bytes < 64 << 10:
+        raise ConfigError(f"server.max_message_bytes: must be >= 64KiB, got {s.max_message_bytes}")
+    if not 0 < s.max_chunk_bytes <= s.max_message_bytes - (16 << 10):
+        raise ConfigError("server.max_chunk_bytes: must be > 0 and at least 16KiB below server.max_message_bytes")
+    if bool(s.tls_cert) != bool(s.tls_key):
+        raise ConfigError("server.tls_cert/server.tls_key: set both or neither")
+    for name in ("tls_cert", "tls_key"):
+        value = getattr(s, name)
+        if value and not os.access(value, os.R_OK):
+            raise ConfigError(f"server.{name}: cannot read {value!r}")
+    if cfg.blocks.block_tokens < 1:
+        raise ConfigError(f"blocks.block_tokens: must be >= 1, got {cfg.blocks.block_tokens}")
+    if cfg.blocks.hash not in ("sha256", "xxh3_128"):
+        raise ConfigError(f"blocks.hash: {cfg.blocks.hash!r} is not one of sha256, xxh3_128")
+    t = cfg.tiers
+    if t.host.pinned not in ("auto", "true", "false"):
+        raise ConfigError(f"tiers.host.pinned: {t.host.pinned!r} is not one of auto, true, false")
+    if t.nvme.io not in IO_CHOICES:
+        raise ConfigError(f"tiers.nvme.io: {t.nvme.io!r} is not one of {', '.join(IO_CHOICES)}")
+    if t.nvme.enabled and not t.nvme.path:
+        raise ConfigError("tiers.nvme.path: must be set when the NVMe tier is enabled")
+    enabled = [n for n in ("hbm", "host", "nvme") if getattr(t, n).enabled]
+    if not enabled:
+        raise ConfigError("tiers: at least one tier must be enabled")
+    for n in enabled:
+        if getattr(t, n).capacity <= 0:
+            raise ConfigError(f"tiers.{n}.capacity: must be > 0 for an enabled tier")
+    _validate_policy(cfg.policy, "policy")
+    for n in ("hbm", "host", "nvme"):
+        override = getattr(t, n).policy
+        if override is not None:
+            _validate_policy(override, f"tiers.{n}.policy")
+    p = cfg.prefetch
+    if not 0.0 < p.quantile < 1.0:
+        raise ConfigError(f"prefetch.quantile: must be in (0, 1), got {p.quantile}")
+    if p.lead_time_s < 0:
+        raise ConfigError(f"prefetch.lead_time_s: must be >= 0, got {p.lead_time_s}")
+    if p.window < 1:
+        raise ConfigError(f"prefetch.window: must be >= 1, got {p.window}")
+    return cfg
+
+
+def from_dict(data: Mapping[str, Any]) -> Config:
+    """Build and validate a Config from a parsed TOML table."""
+    return validate(_build(Config, dict(data), ""))
+
+
+def loads(text: str) -> Config:
+    """Parse TOML text into a validated Config. Raises ConfigError."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config is not valid TOML: {e}") from None
+    return from_dict(data)
+
+
+def load(path: str | os.PathLike[str] | None) -> Config:
+    """Load the config file at ``path``; ``None`` gives the built-in default.
+
+    Raises ConfigError when the file is unreadable, not TOML, or invalid.
+    """
+    if path is None:
+        return validate(Config())
+    p = pathlib.Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
+    return loads(text)
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+    """A copy of ``cfg`` with whole sections replaced, validated again."""
+    return validate(dataclasses.replace(cfg, **sections))

@@ -1,0 +1,70 @@
+"""A tier that accounts bytes but stores none: the simulator's stand-in for any medium."""
+
+from __future__ import annotations
+
+from kvstore.errors import TierFull
+
+from .base import ByteRanges, Tier, TierKind
+
+
+class NullTier(Tier):
+    """Capacity accounting only; :meth:`read` returns zero bytes of the right length.
+
+    Used by ``kvstore simulate`` to run the manager's placement logic on a trace
+    with virtual time and no data.
+    """
+
+    def __init__(self, kind: TierKind, capacity_bytes: int, name: str | None = None):
+        self.kind = kind
+        self.name = name or kind.name.lower()
+        self._capacity = int(capacity_bytes)
+        self._used = 0
+        self._sizes: dict[bytes, int] = {}
+        self._reserved: dict[bytes, int] = {}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def fits(self, nbytes: int) -> bool:
+        return self._used + nbytes <= self._capacity
+
+    def reserve(self, key: bytes, nbytes: int) -> None:
+        if key in self._sizes or key in self._reserved:
+            raise ValueError(f"block {key.hex()[:16]} already present in {self.name}")
+        if not self.fits(nbytes):
+            raise TierFull(f"{self.name}: {nbytes} bytes do not fit ({self._used}/{self._capacity} used)")
+        self._reserved[key] = nbytes
+        self._used += nbytes
+
+    def write(self, key: bytes, offset: int, data: memoryview | bytes) -> None:
+        if key not in self._reserved:
+            raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+
+    def commit(self, key: bytes) -> None:
+        self._sizes[key] = self._reserved.pop(key)
+
+    def abort(self, key: bytes) -> None:
+        nbytes = self._reserved.pop(key, None)
+        if nbytes is not None:
+            self._used -= nbytes
+
+    def read(self, key: bytes, ranges: ByteRanges | None = None) -> bytes:
+        size = self._sizes[key]
+        return bytes(sum(n for _, n in ranges) if ranges else size)
+
+    def size_of(self, key: bytes) -> int:
+        return self._sizes[key]
+
+    def free(self, key: bytes) -> None:
+        self._used -= self._sizes.pop(key)
