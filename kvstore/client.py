@@ -121,27 +121,56 @@ class KVStoreClient:
 
     # -------------------------------------------------------------- blocks
 
-    def _chunks(self, blocks: Iterable[tuple[bytes, bytes | memoryview]]) -> Iterator[pb.PutChunk]:
+    def _batches(self, blocks: Iterable[tuple[bytes, bytes | memoryview]]) -> Iterator[pb.PutBatch]:
+        """Pack blocks into messages of at most ``chunk_bytes`` payload bytes.
+
+        Small blocks share a message; a block larger than ``chunk_bytes`` is split
+        into chunks at increasing offsets.
+        """
         step = self.chunk_bytes
+        batch: list[pb.PutChunk] = []
+        size = 0
         for key, data in blocks:
             mv = memoryview(data).cast("B")
             total = len(mv)
             if total <= step:
-                yield pb.PutChunk(key=key, total_size=total, offset=0, data=bytes(mv))
+                if size + total > step and batch:
+                    yield pb.PutBatch(chunks=batch)
+                    batch, size = [], 0
+                batch.append(pb.PutChunk(key=key, total_size=total, offset=0, data=bytes(mv)))
+                size += total
                 continue
+            if batch:
+                yield pb.PutBatch(chunks=batch)
+                batch, size = [], 0
             for off in range(0, total, step):
-                yield pb.PutChunk(key=key, total_size=total, offset=off, data=bytes(mv[off:off + step]))
+                yield pb.PutBatch(chunks=[pb.PutChunk(key=key, total_size=total, offset=off,
+                                                      data=bytes(mv[off:off + step]))])
+        if batch:
+            yield pb.PutBatch(chunks=batch)
 
     def put(self, blocks: Iterable[tuple[bytes, bytes | memoryview]], timeout: float | None = None) -> PutResult:
-        """Store blocks given as ``(key, payload)`` pairs in one streamed call.
+        """Store blocks given as ``(key, payload)`` pairs.
 
-        A block becomes visible only when all its bytes arrived. Re-putting a stored
-        block is a no-op counted in ``already_present``.
+        Payloads that fit in one message go in one unary call; larger ones are streamed
+        in chunks. A block becomes visible only when all its bytes arrived. Re-putting a
+        stored block is a no-op counted in ``already_present``.
         Raises InvalidRequest (bad key/size), TierFull, StoreUnavailable.
         """
+        batches = self._batches(blocks)
+        first = next(batches, None)
+        if first is None:
+            return PutResult(0, 0, 0)
+        second = next(batches, None)
         try:
-            reply = self._stub.Put(self._chunks(blocks), timeout=timeout or self.timeout,
-                                   metadata=self._metadata)
+            if second is None:
+                reply = self._stub.PutInline(first, timeout=timeout or self.timeout, metadata=self._metadata)
+            else:
+                def all_batches():
+                    yield first
+                    yield second
+                    yield from batches
+                reply = self._stub.Put(all_batches(), timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise translate(e) from None
         return PutResult(reply.stored, reply.already_present, reply.bytes_stored)
@@ -156,22 +185,23 @@ class KVStoreClient:
         req = pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss,
                             ranges=[pb.ByteRange(offset=o, length=n) for o, n in (ranges or ())])
         results: list[GetResult] = []
-        cur_key: bytes | None = None
         parts: list[bytes] = []
-        cur_tier = None
         try:
             stream = self._stub.Get(req, timeout=timeout or self.timeout, metadata=self._metadata)
-            for chunk in stream:
-                if not chunk.found:
-                    results.append(GetResult(chunk.key, False))
-                    continue
-                if chunk.offset == 0:
-                    cur_key, parts, cur_tier = chunk.key, [], TierKind(chunk.tier)
-                parts.append(chunk.data)
-                if chunk.offset + len(chunk.data) >= chunk.total_size:
-                    data = parts[0] if len(parts) == 1 else b"".join(parts)
-                    results.append(GetResult(cur_key, True, cur_tier, data))
-                    cur_key, parts = None, []
+            for batch in stream:
+                for chunk in batch.chunks:
+                    if not chunk.found:
+                        results.append(GetResult(chunk.key, False))
+                        continue
+                    if chunk.offset == 0 and len(chunk.data) == chunk.total_size:
+                        results.append(GetResult(chunk.key, True, TierKind(chunk.tier), chunk.data))
+                        continue
+                    if chunk.offset == 0:
+                        parts = []
+                    parts.append(chunk.data)
+                    if chunk.offset + len(chunk.data) >= chunk.total_size:
+                        results.append(GetResult(chunk.key, True, TierKind(chunk.tier), b"".join(parts)))
+                        parts = []
         except grpc.RpcError as e:
             raise translate(e) from None
         return results

@@ -36,13 +36,18 @@ class KVStoreStub:
         """
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
-                request_serializer=kvstore__pb2.PutChunk.SerializeToString,
+                request_serializer=kvstore__pb2.PutBatch.SerializeToString,
+                response_deserializer=kvstore__pb2.PutReply.FromString,
+                _registered_method=True)
+        self.PutInline = channel.unary_unary(
+                '/kvstore.v1.KVStore/PutInline',
+                request_serializer=kvstore__pb2.PutBatch.SerializeToString,
                 response_deserializer=kvstore__pb2.PutReply.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvstore.v1.KVStore/Get',
                 request_serializer=kvstore__pb2.GetRequest.SerializeToString,
-                response_deserializer=kvstore__pb2.GetChunk.FromString,
+                response_deserializer=kvstore__pb2.GetBatch.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvstore.v1.KVStore/Lookup',
@@ -85,7 +90,15 @@ class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Put(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Streamed put: any number of batches, any block size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutInline(self, request, context):
+        """The same in one message, for batches under the message size limit (lower latency).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -143,13 +156,18 @@ def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=kvstore__pb2.PutChunk.FromString,
+                    request_deserializer=kvstore__pb2.PutBatch.FromString,
+                    response_serializer=kvstore__pb2.PutReply.SerializeToString,
+            ),
+            'PutInline': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutInline,
+                    request_deserializer=kvstore__pb2.PutBatch.FromString,
                     response_serializer=kvstore__pb2.PutReply.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=kvstore__pb2.GetRequest.FromString,
-                    response_serializer=kvstore__pb2.GetChunk.SerializeToString,
+                    response_serializer=kvstore__pb2.GetBatch.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -212,7 +230,34 @@ class KVStore:
             request_iterator,
             target,
             '/kvstore.v1.KVStore/Put',
-            kvstore__pb2.PutChunk.SerializeToString,
+            kvstore__pb2.PutBatch.SerializeToString,
+            kvstore__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutInline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/PutInline',
+            kvstore__pb2.PutBatch.SerializeToString,
             kvstore__pb2.PutReply.FromString,
             options,
             channel_credentials,
@@ -240,7 +285,7 @@ class KVStore:
             target,
             '/kvstore.v1.KVStore/Get',
             kvstore__pb2.GetRequest.SerializeToString,
-            kvstore__pb2.GetChunk.FromString,
+            kvstore__pb2.GetBatch.FromString,
             options,
             channel_credentials,
             insecure,

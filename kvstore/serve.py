@@ -1,0 +1,256 @@
+"""Daemon start-up: the one place where concrete tiers are built from the config.
+
+``kvstore serve [--config FILE]`` runs it in the foreground until SIGINT/SIGTERM.
+Tests and tools start one in-process with :func:`start_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import pathlib
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tiers.base import Tier
+
+from . import config as config_mod
+from ._proto import kvstore_pb2_grpc as pb_grpc
+from .client import channel_options
+from .config import Config
+from .errors import ConfigError
+from .manager import TierManager
+from .policy import make_policy
+from .server import BearerTokenInterceptor, KVStoreService
+from .units import format_size
+
+log = logging.getLogger("kvstore.serve")
+
+SERVICE_NAME = "kvstore.v1.KVStore"
+
+
+def gpu_available() -> bool:
+    """Whether a CUDA GPU can be used (detected once, in :mod:`tiers.gpu`)."""
+    try:
+        from tiers.gpu import gpu_available as detect
+    except ImportError:
+        return False
+    return bool(detect())
+
+
+def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
+    """Concrete tiers from the config, fastest first, as ``(config_name, tier)`` pairs.
+
+    Raises ConfigError when a configured tier cannot be built (e.g. HBM without a GPU).
+    """
+    t = cfg.tiers
+    out: list[tuple[str, Tier]] = []
+    has_gpu = gpu_available()
+    if t.hbm.enabled:
+        if not has_gpu:
+            raise ConfigError("tiers.hbm.enabled: no CUDA GPU found; disable the HBM tier on this machine")
+        from tiers.hbm import HBMTier
+        out.append(("hbm", HBMTier(t.hbm.capacity, device=t.hbm.device)))
+    if t.host.enabled:
+        from tiers.host import HostTier
+        pinned = {"auto": has_gpu, "true": True, "false": False}[t.host.pinned]
+        if pinned and not has_gpu:
+            raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
+        out.append(("host", HostTier(t.host.capacity, pinned=pinned)))
+    if t.nvme.enabled:
+        from tiers.nvme import NVMeTier
+        try:
+            pathlib.Path(t.nvme.path).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
+        try:
+            out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
+        except ValueError as e:
+            raise ConfigError(f"tiers.nvme: {e}") from None
+    return out
+
+
+def build_manager(cfg: Config) -> TierManager:
+    """The tier manager with the configured tiers and per-tier eviction policies."""
+    named = build_tiers(cfg)
+    policies = []
+    for name, tier in named:
+        pc = cfg.tier_policy(name)
+        policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params))
+    return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write)
+
+
+@dataclasses.dataclass
+class Daemon:
+    """A running daemon: gRPC server, its address and the manager behind it.
+
+    ``server, address = start_server(cfg)`` unpacks to the Daemon itself and its
+    address; ``server.stop(grace)`` stops serving and closes the tiers.
+    """
+
+    server: grpc.Server
+    address: str
+    manager: TierManager
+    service: KVStoreService
+    health: health.HealthServicer
+    background: list = dataclasses.field(default_factory=list)
+    _stopped: bool = False
+
+    def __iter__(self):
+        return iter((self, self.address))
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop serving (waiting up to ``grace`` s for calls in flight) and close the tiers."""
+        if self._stopped:
+            ev = threading.Event()
+            ev.set()
+            return ev
+        self._stopped = True
+        self.health.enter_graceful_shutdown()
+        for item in self.background:
+            item.stop()
+        ev = self.server.stop(grace)
+        ev.wait()
+        self.manager.close()
+        if self.address.startswith("unix:"):
+            try:
+                os.unlink(self.address[len("unix:"):].removeprefix("//"))
+            except OSError:
+                pass
+        return ev
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def _bind(server: grpc.Server, cfg: Config) -> str:
+    listen = cfg.server.listen
+    if listen.startswith("unix:"):
+        path = listen[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        p = pathlib.Path(path)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"server.listen: cannot create {str(p.parent)!r}: {e.strerror}") from None
+        if p.exists():
+            # a socket left by a killed daemon; refuse to steal one that is alive
+            probe = grpc.insecure_channel(f"unix:{p}")
+            try:
+                grpc.channel_ready_future(probe).result(timeout=0.5)
+                raise ConfigError(f"server.listen: another daemon is serving on {listen}")
+            except grpc.FutureTimeoutError:
+                p.unlink()
+            finally:
+                probe.close()
+        old_umask = os.umask(0o077)  # socket created 0600: only this user may connect
+        try:
+            port = server.add_insecure_port(f"unix:{p}")
+        finally:
+            os.umask(old_umask)
+        if port == 0:
+            raise ConfigError(f"server.listen: cannot bind {listen}")
+        os.chmod(p, 0o600)
+        return f"unix:{p}"
+    s = cfg.server
+    if s.tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(pathlib.Path(s.tls_key).read_bytes(), pathlib.Path(s.tls_cert).read_bytes())])
+        port = server.add_secure_port(listen, creds)
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise ConfigError(f"server.listen: cannot bind {listen}")
+    host = listen.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+def _start_prefetch(cfg: Config, manager: TierManager):
+    if not cfg.prefetch.enabled:
+        return None
+    from .prefetch import PrefetchScheduler
+    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.time)
+    scheduler.start()
+    return scheduler
+
+
+def start_server(cfg: Config) -> Daemon:
+    """Build the tiers and start serving ``cfg`` in background threads.
+
+    Returns the :class:`Daemon` (it unpacks as ``daemon, address``).
+    Raises ConfigError for a config that cannot be served (unbindable address, ...).
+    """
+    manager = build_manager(cfg)
+    try:
+        interceptors = [BearerTokenInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
+                                                        thread_name_prefix="kvstore-rpc"),
+                             options=channel_options(cfg.server.max_message_bytes),
+                             interceptors=interceptors)
+        hints = _start_prefetch(cfg, manager)
+        leases = next((t for t in manager.tiers if hasattr(t, "lease")), None)
+        service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes, hints=hints, leases=leases)
+        pb_grpc.add_KVStoreServicer_to_server(service, server)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        address = _bind(server, cfg)
+        server.start()
+    except BaseException:
+        manager.close()
+        raise
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    return Daemon(server, address, manager, service, health_servicer,
+                  background=[hints] if hints is not None else [])
+
+
+def _describe(daemon: Daemon) -> str:
+    lines = [f"kvstore serving on {daemon.address}"]
+    for u in daemon.manager.usage():
+        lines.append(f"  tier {u.name:5s} capacity {format_size(u.capacity_bytes):>12s}  "
+                     f"used {format_size(u.used_bytes):>12s}  blocks {u.blocks:>8d}  eviction {u.policy}")
+    recovered = daemon.manager.counters.get("blocks_recovered", 0)
+    if recovered:
+        lines.append(f"  recovered {recovered} blocks from NVMe")
+    return "\n".join(lines)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_mod.load(args.config)
+        if args.listen:
+            cfg = config_mod.replace(cfg, server=dataclasses.replace(cfg.server, listen=args.listen))
+        daemon = start_server(cfg)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    print(_describe(daemon), flush=True)
+    done = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: stopping", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    daemon.stop(grace=5.0)
+    print("kvstore stopped", flush=True)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground",
+                       description="Run the kvstore daemon. Without --config, a built-in default "
+                                   "(1 GiB host tier + 16 GiB NVMe tier under ./kvstore-data) is used.")
+    p.add_argument("--config", type=pathlib.Path, default=None, help="TOML config file")
+    p.add_argument("--listen", default=None, help="override [server] listen, e.g. 127.0.0.1:50051")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,242 @@
+"""Tier manager: placement, demotion, promotion, pins, accounting (in-memory tiers)."""
+
+import threading
+
+import pytest
+
+from kvstore.errors import InvalidRequest, TierFull
+from kvstore.manager import TierManager
+from kvstore.policy import make_policy
+from tiers.base import TierKind
+from tiers.null import NullTier
+
+
+class MemTier(NullTier):
+    """NullTier that keeps the bytes, for data checks."""
+
+    def __init__(self, kind, capacity):
+        super().__init__(kind, capacity)
+        self.data = {}
+        self.bufs = {}
+
+    def reserve(self, key, nbytes):
+        super().reserve(key, nbytes)
+        self.bufs[key] = bytearray(nbytes)
+
+    def write(self, key, offset, data):
+        super().write(key, offset, data)
+        self.bufs[key][offset:offset + len(data)] = data
+
+    def commit(self, key):
+        super().commit(key)
+        self.data[key] = bytes(self.bufs.pop(key))
+
+    def abort(self, key):
+        super().abort(key)
+        self.bufs.pop(key, None)
+
+    def read(self, key, ranges=None):
+        return self.data[key]
+
+    def free(self, key):
+        super().free(key)
+        del self.data[key]
+
+
+def K(i):
+    return i.to_bytes(4, "big") * 8
+
+
+def make(host_blocks=4, nvme_blocks=None, block=100, write="write_back"):
+    tiers = [MemTier(TierKind.HOST, host_blocks * block)]
+    if nvme_blocks is not None:
+        tiers.append(MemTier(TierKind.NVME, nvme_blocks * block))
+    policies = [make_policy("lru", t.capacity_bytes) for t in tiers]
+    return TierManager(tiers, policies, write_policy=write)
+
+
+def payload(i, n=100):
+    return bytes([i % 251]) * n
+
+
+def test_put_get_roundtrip_and_idempotent_put():
+    m = make()
+    assert m.put(K(1), payload(1)) is True
+    assert m.put(K(1), payload(1)) is False
+    r = m.get(K(1))
+    assert r.found and r.tier == TierKind.HOST and r.data == payload(1)
+    assert not m.get(K(2)).found
+    assert m.counters["puts_already_present"] == 1
+
+
+def test_lru_demotes_to_nvme_not_drops():
+    m = make(host_blocks=2, nvme_blocks=10)
+    for i in range(5):
+        m.put(K(i), payload(i))
+    host, nvme = m.tiers
+    assert len(host) == 2 and host.used_bytes == 200
+    assert {K(3), K(4)} == set(host.data)
+    assert {K(0), K(1), K(2)} <= set(nvme.data)
+    assert m.lookup([K(i) for i in range(5)]).tiers == (TierKind.NVME,) * 3 + (TierKind.HOST,) * 2
+    # a get from NVMe promotes to host (evicting the LRU host block, K(3), to NVMe)
+    r = m.get(K(0))
+    assert r.tier == TierKind.NVME and r.data == payload(0)
+    assert m.tier_of(K(0)) == TierKind.HOST
+    assert K(3) in nvme.data and K(3) not in host.data
+
+
+def test_last_tier_victims_are_deleted():
+    m = make(host_blocks=1, nvme_blocks=2)
+    for i in range(4):
+        m.put(K(i), payload(i))
+    assert len(m) == 3
+    assert not m.get(K(0)).found
+    assert m.counters["blocks_dropped"] == 1
+
+
+def test_no_nvme_tier_drops_lru():
+    m = make(host_blocks=2)
+    for i in range(3):
+        m.put(K(i), payload(i))
+    assert [m.get(K(i)).found for i in range(3)] == [False, True, True]
+
+
+def test_lookup_prefix_semantics():
+    m = make(host_blocks=10)
+    for i in (0, 1, 3):
+        m.put(K(i), payload(i))
+    res = m.lookup([K(0), K(1), K(2), K(3)])
+    assert res.hit_blocks == 2 and len(res.tiers) == 2
+
+
+def test_pinned_block_is_not_evicted():
+    m = make(host_blocks=2)
+    m.put(K(0), payload(0))
+    m.put(K(1), payload(1))
+    entry = m._pin(K(0))          # a reader holds K(0)
+    m.put(K(2), payload(2))       # must evict K(1), not the older but pinned K(0)
+    assert K(0) in m and K(1) not in m
+    m._unpin(K(0), entry)
+
+
+def test_everything_pinned_gives_tier_full():
+    m = make(host_blocks=1)
+    m.put(K(0), payload(0))
+    entry = m._pin(K(0))
+    with pytest.raises(TierFull):
+        m.put(K(1), payload(1))
+    m._unpin(K(0), entry)
+    assert m.put(K(1), payload(1))
+
+
+def test_block_larger_than_every_tier():
+    m = make(host_blocks=1, nvme_blocks=1)
+    with pytest.raises(TierFull):
+        m.put(K(0), b"x" * 101)
+
+
+def test_invisible_until_committed():
+    m = make()
+    out = m.begin_put(K(7), 100)
+    m.write_chunk(out.pending, 0, payload(7, 50))
+    assert K(7) not in m and m.lookup([K(7)]).hit_blocks == 0
+    m.write_chunk(out.pending, 50, payload(7, 50))
+    m.commit_put(out.pending)
+    assert m.get(K(7)).data == payload(7)
+
+
+def test_chunk_errors_and_short_commit():
+    m = make()
+    out = m.begin_put(K(1), 100)
+    with pytest.raises(InvalidRequest):
+        m.write_chunk(out.pending, 10, b"x")
+    with pytest.raises(InvalidRequest):
+        m.write_chunk(out.pending, 0, b"x" * 101)
+    m.write_chunk(out.pending, 0, b"x" * 60)
+    with pytest.raises(InvalidRequest):
+        m.commit_put(out.pending)
+    assert K(1) not in m and m.tiers[0].used_bytes == 0
+
+
+def test_bad_key_and_size():
+    m = make()
+    with pytest.raises(InvalidRequest):
+        m.put(b"short", b"x")
+    with pytest.raises(InvalidRequest):
+        m.begin_put(K(1), 0)
+    with pytest.raises(InvalidRequest):
+        m.get(b"x" * 31)
+
+
+def test_delete_returns_used_bytes_to_zero():
+    m = make(host_blocks=3, nvme_blocks=6)
+    for i in range(8):
+        m.put(K(i), payload(i))
+    m.get(K(0))   # promoted to host; its NVMe copy stays (inclusive), K(5) demoted
+    assert m.tiers[1].used_bytes == 600 and m.tiers[0].used_bytes == 300
+    assert m.delete([K(i) for i in range(10)]) == 8
+    assert [t.used_bytes for t in m.tiers] == [0, 0]
+    assert len(m) == 0
+    assert all(len(p) == 0 for p in m.policies)
+
+
+def test_delete_while_pinned_frees_after_unpin():
+    m = make()
+    m.put(K(1), payload(1))
+    entry = m._pin(K(1))
+    assert m.delete([K(1)]) == 1
+    assert K(1) not in m and m.tiers[0].used_bytes == 100
+    m._unpin(K(1), entry)
+    assert m.tiers[0].used_bytes == 0
+
+
+def test_write_through_copies_to_every_tier():
+    m = make(host_blocks=2, nvme_blocks=4, write="write_through")
+    m.put(K(1), payload(1))
+    assert K(1) in m.tiers[0].data and K(1) in m.tiers[1].data
+    # demotion of a block that NVMe already holds copies nothing
+    m.put(K(2), payload(2))
+    m.put(K(3), payload(3))
+    assert m.counters["demotions"] == 0
+    assert m.get(K(1)).data == payload(1)
+
+
+def test_ranges():
+    m = make()
+    data = bytes(range(100))
+    m.put(K(1), data)
+    assert m.get(K(1), ranges=[(0, 2), (50, 3)]).data == bytes([0, 1, 50, 51, 52])
+    with pytest.raises(InvalidRequest):
+        m.get(K(1), ranges=[(99, 2)])
+
+
+def test_concurrent_same_key_puts_store_one_value():
+    m = make(host_blocks=10)
+    errors = []
+
+    def worker(i):
+        try:
+            m.put(K(5), payload(i))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert m.counters["blocks_put"] == 1 and m.counters["puts_already_present"] == 7
+    assert m.get(K(5)).data in {payload(i) for i in range(8)}
+    assert m.tiers[0].used_bytes == 100
+
+
+def test_repeated_cycles_restore_accounting():
+    m = make(host_blocks=3, nvme_blocks=6)
+    for cycle in range(20):
+        for i in range(10):
+            m.put(K(i), payload(i + cycle))
+        for i in range(0, 10, 3):
+            m.get(K(i))
+        m.delete([K(i) for i in range(10)])
+        assert [t.used_bytes for t in m.tiers] == [0, 0]

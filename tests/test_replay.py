@@ -1,0 +1,91 @@
+"""Trace replay through a real daemon, on small traces with hand-computed answers."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import CONVERSATION_TRACE, daemon_config
+from kvstore.client import KVStoreClient
+from kvstore.replay import block_token_counts, payload_for, replay, trace_key
+from kvstore.serve import start_server
+
+
+def R(input_length, ids):
+    return SimpleNamespace(input_length=input_length, hash_ids=ids)
+
+
+TRACE = [R(1000, [1, 2]), R(1536, [1, 2, 3]), R(600, [1, 4])]
+
+
+def run(tmp_path, **caps):
+    d = start_server(daemon_config(tmp_path, **caps))
+    try:
+        with KVStoreClient(d.address) as c:
+            return replay(TRACE, c, bytes_per_token=1, progress=False)
+    finally:
+        d.stop(0)
+
+
+def test_block_token_counts():
+    assert block_token_counts(1000, 2) == [512, 488]
+    assert block_token_counts(1024, 2) == [512, 512]
+    with pytest.raises(ValueError):
+        block_token_counts(1025, 2)
+
+
+def test_unbounded_cache_hand_computed(tmp_path):
+    rep = run(tmp_path)
+    # r2 hits blocks 1,2 (1024 tokens), r3 hits block 1 (512 tokens)
+    assert rep.input_tokens == 3136 and rep.hit_tokens == 1536
+    assert rep.token_hit_rate == pytest.approx(1536 / 3136)
+    assert rep.block_hit_rate == pytest.approx(3 / 7)
+    assert rep.blocks_put == 4 and rep.blocks_got == 3
+    assert rep.bytes_put == 4 * 512 and rep.bytes_got == 3 * 512
+    assert rep.hits_by_tier == {"host": 1536}
+    assert rep.corrupt_blocks == 0
+
+
+def test_two_block_host_tier_without_nvme(tmp_path):
+    # host holds 2 blocks of 512 B; after r2 puts block 3, LRU block 1 is dropped, so r3 misses
+    rep = run(tmp_path, host=1024, nvme=None)
+    assert rep.hit_tokens == 1024
+    assert rep.blocks_put == 5
+
+
+def test_two_block_host_tier_with_nvme(tmp_path):
+    # the same, but block 1 is demoted to NVMe, so r3 hits it there
+    rep = run(tmp_path, host=1024, nvme="1MiB")
+    assert rep.hit_tokens == 1536
+    assert rep.hits_by_tier == {"host": 1024, "nvme": 512}
+
+
+def test_wrong_bytes_are_counted_as_corrupt(tmp_path):
+    d = start_server(daemon_config(tmp_path))
+    try:
+        with KVStoreClient(d.address) as c:
+            # another block's payload stored under block 1's key
+            c.put([(trace_key(1), payload_for(trace_key(9), 512))])
+            rep = replay([R(600, [1, 4])], c, bytes_per_token=1, progress=False)
+    finally:
+        d.stop(0)
+    assert rep.corrupt_blocks == 1 and rep.hit_tokens == 0
+
+
+@pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")
+def test_cli_replay_first_requests_of_real_trace(tmp_path, capsys):
+    from kvstore.cli import main
+
+    d = start_server(daemon_config(tmp_path))
+    try:
+        out = tmp_path / "r.json"
+        assert main(["replay", str(CONVERSATION_TRACE), "--target", d.address, "--limit", "300",
+                     "--bytes-per-token", "2", "--quiet", "--json", str(out)]) == 0
+    finally:
+        d.stop(0)
+    rep = json.loads(out.read_text())
+    assert rep["requests"] == 300 and rep["corrupt_blocks"] == 0
+    assert 0 < rep["token_hit_rate"] < 1
+    for field in ("block_hit_rate", "hits_by_tier", "blocks_put", "blocks_got", "bytes_put", "bytes_got", "seconds"):
+        assert field in rep
+    assert "token hit rate" in capsys.readouterr().out
