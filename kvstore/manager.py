@@ -210,12 +210,17 @@ class TierManager:
     def _make_room(self, i: int, nbytes: int, incoming: bytes | None) -> None:
         """Evict from tier ``i`` until ``nbytes`` fit. Raises TierFull / NoVictim."""
         tier, policy = self.tiers[i], self.policies[i]
-        if nbytes > tier.capacity_bytes:
-            raise TierFull(f"{tier.name}: a {nbytes}-byte block exceeds the tier's capacity "
-                           f"({tier.capacity_bytes} bytes)")
+        limit = getattr(tier, "max_block_bytes", tier.capacity_bytes)
+        if nbytes > limit:
+            raise TierFull(f"{tier.name}: a {nbytes}-byte block exceeds the largest block the tier "
+                           f"can hold ({limit} bytes)")
+        if tier.fits(nbytes):
+            return
+        leased = getattr(tier, "is_leased", None)   # HBM: blocks lent to workers by CUDA IPC
+        evictable = self._evictable if leased is None else (lambda k: self._evictable(k) and not leased(k))
         now = self.clock()
         while not tier.fits(nbytes):
-            victim = policy.victim(self._evictable, incoming=incoming, now=now)
+            victim = policy.victim(evictable, incoming=incoming, now=now)
             self._evict(i, victim)
 
     def _evict(self, i: int, key: bytes) -> None:
@@ -503,6 +508,9 @@ class TierManager:
         with self._lock:
             e = self._entries.get(key)
             if e is None or e.deleted or frm not in e.tiers or e.pins:
+                return False
+            leased = getattr(self.tiers[frm], "is_leased", None)
+            if leased is not None and leased(key):
                 return False
             self._evict(frm, key)
             return True

@@ -72,7 +72,9 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
             raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
         try:
             out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
-        except ValueError as e:
+        except (ValueError, NotImplementedError, OSError) as e:  # TierIOError is an OSError
+            for _, tier in out:
+                tier.close()
             raise ConfigError(f"tiers.nvme: {e}") from None
     return out
 

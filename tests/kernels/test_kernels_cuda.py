@@ -1,0 +1,103 @@
+"""CUDA kernels against the torch reference on a GPU, bit for bit (skipped without one)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernel_cases import DTYPES, make_caches
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is False)"),
+]
+
+
+def _cuda():
+    from kernels import cuda
+    if not cuda.available():
+        pytest.skip("CuPy is not installed: the CUDA kernels cannot run")
+    return cuda
+
+
+def _random_case(rng: random.Random):
+    L = rng.randint(1, 4)
+    nb = rng.randint(2, 40)
+    bs = rng.choice([1, 3, 16, 32])
+    nh = rng.randint(1, 8)
+    hd = rng.choice([1, 5, 64, 128])
+    h0 = rng.randrange(nh)
+    h1 = rng.randint(h0 + 1, nh)
+    layers = rng.sample(range(L), rng.randint(1, L))
+    n = rng.randint(1, nb)
+    ids = rng.sample(range(nb), n)               # distinct, any order
+    return L, nb, bs, nh, hd, (h0, h1), layers, ids
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_match_reference(layout, dtype, seed):
+    cuda = _cuda()
+    rng = random.Random(seed * 7919 + DTYPES.index(dtype))
+    L, nb, bs, nh, hd, heads, layers, ids = _random_case(rng)
+    caches = make_caches(L, nb, bs, nh, hd, layout, dtype, device="cuda", seed=seed, strided=seed % 3 == 2)
+    want = reference.gather_blocks(caches, ids, heads=heads, layers=layers, layout=layout)
+    got = cuda.gather_blocks(caches, ids, heads=heads, layers=layers, layout=layout)
+    assert got.is_cuda and got.shape == want.shape
+    assert torch.equal(got, want)
+
+    src = torch.randn(want.shape, device="cuda").to(dtype)
+    expected = [c.clone() for c in caches]
+    reference.scatter_blocks(expected, ids, src, heads=heads, layers=layers, layout=layout)
+    cuda.scatter_blocks(caches, ids, src, heads=heads, layers=layers, layout=layout)
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+
+
+def test_llama70b_shard_shape_uses_16_byte_units():
+    cuda = _cuda()
+    caches = make_caches(4, 64, 16, 8, 128, "NHD", torch.float16, device="cuda", seed=1)
+    ids = torch.randperm(64, device="cuda")[:32]
+    got = cuda.gather_blocks(caches, ids, heads=(2, 4), layers=[3, 1])
+    assert torch.equal(got, reference.gather_blocks(caches, ids, heads=(2, 4), layers=[3, 1]))
+    p = cuda.plan_launch(caches, [3, 1], 2, "NHD", got)
+    assert p.unit == 16
+
+
+def test_out_on_host_and_src_on_host():
+    cuda = _cuda()
+    caches = make_caches(2, 8, 16, 4, 64, "HND", torch.bfloat16, device="cuda", seed=2)
+    out = torch.empty(3, 2, 2, 4, 16, 64, dtype=torch.bfloat16).pin_memory()
+    ret = cuda.gather_blocks(caches, [7, 0, 5], layout="HND", out=out)
+    assert ret is out
+    assert torch.equal(out, reference.gather_blocks(caches, [7, 0, 5], layout="HND").cpu())
+    fresh = [torch.zeros_like(c) for c in caches]
+    cuda.scatter_blocks(fresh, [1, 2, 3], out, layout="HND")     # CPU src
+    assert torch.equal(reference.gather_blocks(fresh, [1, 2, 3], layout="HND").cpu(), out)
+
+
+def test_dispatch_uses_cuda_for_cuda_tensors():
+    cuda = _cuda()
+    caches = make_caches(1, 4, 4, 2, 8, "NHD", torch.float32, device="cuda")
+    assert kernels.implementation(caches) is cuda
+    assert kernels.implementation([c.cpu() for c in caches]) is reference
+
+
+def test_empty_and_errors_match_reference():
+    cuda = _cuda()
+    caches = make_caches(2, 4, 4, 2, 8, "NHD", torch.float16, device="cuda")
+    assert cuda.gather_blocks(caches, []).shape == (0, 2, 2, 2, 4, 8)
+    for call in (lambda m: m.gather_blocks(caches, [4]),
+                 lambda m: m.gather_blocks(caches, [0], heads=(0, 3)),
+                 lambda m: m.gather_blocks(caches, [0], layers=[5]),
+                 lambda m: m.scatter_blocks(caches, [1, 1], torch.empty(2, 2, 2, 2, 4, 8, dtype=torch.float16,
+                                                                        device="cuda"))):
+        with pytest.raises(ValueError) as want:
+            call(reference)
+        with pytest.raises(ValueError) as got:
+            call(cuda)
+        assert str(got.value) == str(want.value)

@@ -1,0 +1,200 @@
+"""GPUDirect Storage: block files read and written straight from device memory (kvikio).
+
+Same on-disk format as the POSIX path of :mod:`tiers.nvme` (a block written by one
+path is read by the other):
+
+- the payload's ``nbytes`` bytes at file offset 0;
+- with ``pad=True`` (what an O_DIRECT writer produces) the file is extended with zeros
+  to :func:`padded_size` (a multiple of 4096 bytes); without it the file has the exact
+  payload size. Readers read ``nbytes`` (the index's real size) from offset 0 and accept
+  both.
+
+kvikio's ``CuFile`` moves the bytes: by GDS (NVMe <-> GPU DMA, no host copy) when the
+cuFile driver and file system allow it, otherwise in its compatibility mode (POSIX
+reads/writes through kvikio's own pinned bounce buffers). :func:`gds_info` says which.
+Page-aligned device addresses and sizes take the direct path; the HBM tier places
+blocks on 4096-byte boundaries for that reason.
+
+These helpers do the I/O only. File naming, the ``.tmp`` + rename protocol, the index
+and checksums belong to the NVMe tier.
+
+Every function here needs a CUDA GPU and kvikio; on a CPU machine they raise
+:class:`tiers.gpu.GPUUnavailable` and the NVMe tier uses POSIX I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import CorruptBlock, TierIOError
+
+from .gpu import GPUUnavailable, cuda_buffer, gpu_info
+
+__all__ = ["PAGE", "GDSInfo", "gds_available", "gds_info", "padded_size", "read_block_file",
+           "write_block_file"]
+
+PAGE = 4096
+"""O_DIRECT / GDS unit in bytes; padded files are a multiple of it."""
+
+
+@dataclass(frozen=True)
+class GDSInfo:
+    """What :func:`gds_info` found.
+
+    Attributes:
+        available: kvikio imports and a CUDA GPU is present: the helpers here work.
+        mode: ``"gds"`` (kvikio will try the cuFile driver), ``"compat"`` (kvikio's POSIX
+            compatibility mode) or ``""`` when not available.
+        reason: why not available (empty when available).
+    """
+
+    available: bool
+    mode: str
+    reason: str
+
+
+def _compat_mode_preferred(kvikio: Any) -> bool:
+    defaults = kvikio.defaults
+    if hasattr(defaults, "is_compat_mode_preferred"):      # kvikio >= 25.02
+        return bool(defaults.is_compat_mode_preferred())
+    return bool(defaults.compat_mode())                      # kvikio 24.x
+
+
+@functools.lru_cache(maxsize=1)
+def gds_info() -> GDSInfo:
+    """Detect kvikio once (cached), after the GPU detection of :mod:`tiers.gpu`. Never raises."""
+    gpu = gpu_info()
+    if not gpu.available:
+        return GDSInfo(False, "", gpu.reason)
+    try:
+        import kvikio
+    except ImportError:
+        return GDSInfo(False, "", "kvikio is not installed (pip install 'kvstore[gpu]')")
+    except Exception as e:
+        return GDSInfo(False, "", f"kvikio failed to import ({type(e).__name__}: {e})")
+    try:
+        mode = "compat" if _compat_mode_preferred(kvikio) else "gds"
+    except Exception as e:
+        return GDSInfo(False, "", f"kvikio cannot read its settings ({type(e).__name__}: {e})")
+    return GDSInfo(True, mode, "")
+
+
+def gds_available() -> bool:
+    """True when the helpers here can run (see :func:`gds_info`)."""
+    return gds_info().available
+
+
+def padded_size(nbytes: int, page: int = PAGE) -> int:
+    """Bytes a padded block file of ``nbytes`` payload bytes has: whole pages, at least one."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return -(-max(nbytes, 1) // page) * page
+
+
+def _kvikio():
+    info = gds_info()
+    if not info.available:
+        raise GPUUnavailable(f"GPUDirect Storage needs a CUDA GPU and kvikio ({info.reason})")
+    import kvikio
+    return kvikio
+
+
+def _payload_bytes(buf: Any, nbytes: int | None) -> int:
+    available = cuda_buffer(buf)[1]
+    n = available if nbytes is None else nbytes
+    if not 0 <= n <= available:
+        raise ValueError(f"{n} bytes requested but the device buffer has {available}")
+    return n
+
+
+def write_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int | None = None, *,
+                     pad: bool = True, fsync: bool = False) -> int:
+    """Write the first ``nbytes`` bytes of device buffer ``buf`` to a new file ``path``.
+
+    Args:
+        path: file to create (truncated if it exists). The caller picks a temporary
+            name and renames it when the block is complete.
+        buf: C-contiguous device array (CuPy array, torch CUDA tensor, an HBM tier's
+            ``device_array(key)``), any dtype; ``nbytes`` counts bytes.
+        nbytes: payload bytes (default: the whole buffer).
+        pad: extend the file with zeros to :func:`padded_size` (the O_DIRECT format).
+        fsync: flush the file to the device before returning.
+    Returns:
+        the file's size in bytes.
+    Raises:
+        GPUUnavailable: no GPU or no kvikio.
+        ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
+        TierIOError: the write failed or was short (the partial file is removed).
+    """
+    kvikio = _kvikio()
+    n = _payload_bytes(buf, nbytes)
+    size = padded_size(n) if pad else n
+    try:
+        f = kvikio.CuFile(path, "w")
+        try:
+            written = f.write(buf, size=n, file_offset=0) if n else 0
+        finally:
+            f.close()
+        if written != n:
+            raise TierIOError(f"short GDS write to {os.fspath(path)!r}: {written} of {n} bytes")
+        if size != n:
+            os.truncate(path, size)                  # the tail reads as zeros
+        if fsync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except TierIOError:
+        _remove_quietly(path)
+        raise
+    except (OSError, RuntimeError) as e:             # kvikio raises RuntimeError for cuFile errors
+        _remove_quietly(path)
+        raise TierIOError(f"GDS write of {n} bytes to {os.fspath(path)!r} failed: {e}") from e
+    return size
+
+
+def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int) -> None:
+    """Read a block file's ``nbytes`` payload bytes (from offset 0) into device buffer ``buf``.
+
+    Accepts padded and unpadded files. Does not verify a checksum (the caller does).
+
+    Raises:
+        GPUUnavailable: no GPU or no kvikio.
+        ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
+        FileNotFoundError: no such file.
+        CorruptBlock: the file holds fewer than ``nbytes`` bytes.
+        TierIOError: the read failed.
+    """
+    kvikio = _kvikio()
+    n = _payload_bytes(buf, nbytes)
+    try:
+        on_disk = os.stat(path).st_size
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise TierIOError(f"cannot stat {os.fspath(path)!r}: {e}") from e
+    if on_disk < n:
+        raise CorruptBlock(f"block file {os.fspath(path)!r} is truncated: {on_disk} of {n} bytes")
+    if n == 0:
+        return
+    try:
+        f = kvikio.CuFile(path, "r")
+        try:
+            got = f.read(buf, size=n, file_offset=0)
+        finally:
+            f.close()
+    except (OSError, RuntimeError) as e:
+        raise TierIOError(f"GDS read of {n} bytes from {os.fspath(path)!r} failed: {e}") from e
+    if got != n:
+        raise CorruptBlock(f"short GDS read from {os.fspath(path)!r}: {got} of {n} bytes")
+
+
+def _remove_quietly(path: str | os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

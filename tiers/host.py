@@ -1,0 +1,332 @@
+"""The host tier: blocks in one preallocated host-memory arena.
+
+The arena is a single buffer from :func:`tiers.memory.allocate_host_buffer` (pinned on a
+GPU node, pageable otherwise), allocated once at start; nothing is allocated per block
+on the hot path. Blocks are placed by an extent allocator (:class:`ExtentAllocator`):
+best fit over the free extents, neighbours coalesced on free, as in LMCache v1's
+``memory_management.py`` host allocator (our own code)::
+
+    arena  |blk a |  free  |blk b|blk c|      free       |
+           0      ^ start  ^ end                          capacity
+
+Sizes are rounded up to ``alignment`` bytes (64 by default: a cache line), and every
+block starts on an ``alignment`` boundary of the arena, whose own start is page aligned.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left, insort
+from typing import Iterable
+
+from kvstore.errors import TierFull
+
+from .base import ByteRanges, Tier, TierKind, check_ranges
+from .memory import DEFAULT_ALIGNMENT, allocate_host_buffer
+
+# A free extent is kept in the size index as one int, ``size << _SHIFT | start``: ints sort
+# by size first, then by start (best fit, lowest address among equals), and compare faster
+# than tuples. Arenas up to 2**48 bytes (256 TiB).
+_SHIFT = 48
+_START_MASK = (1 << _SHIFT) - 1
+
+
+class ExtentAllocator:
+    """Best-fit allocator of byte extents in ``[0, capacity)``, coalescing on free.
+
+    Free extents are indexed three ways: by start and by end (dicts, for O(1) merging with
+    both neighbours) and by size (a sorted list, searched with bisect for the smallest
+    extent that fits). An allocation or a free costs O(log n) comparisons plus one list
+    insert/delete (a memmove), n being the number of free extents.
+
+    Args:
+        capacity: bytes to manage; rounded down to a multiple of ``alignment``.
+        alignment: allocation unit in bytes (a power of two). Every extent start and
+            size is a multiple of it.
+    """
+
+    def __init__(self, capacity: int, alignment: int):
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0 bytes, got {capacity}")
+        self.alignment = alignment
+        self.capacity = capacity - capacity % alignment
+        if self.capacity > _START_MASK:
+            raise ValueError(f"capacity {capacity} exceeds the allocator's limit of {_START_MASK} bytes")
+        self.used = 0
+        self._by_start: dict[int, int] = {}   # start -> size
+        self._by_end: dict[int, int] = {}     # end -> start
+        self._by_size: list[int] = []         # sorted size << _SHIFT | start
+        if self.capacity:
+            self._insert(0, self.capacity)
+
+    # -------------------------------------------------------------- queries
+
+    def round_up(self, nbytes: int) -> int:
+        """Bytes an allocation of ``nbytes`` takes: at least one unit, a multiple of ``alignment``."""
+        a = self.alignment
+        return (max(nbytes, 1) + a - 1) & ~(a - 1)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def largest_free(self) -> int:
+        """Size of the largest free extent in bytes (0 when full)."""
+        return self._by_size[-1] >> _SHIFT if self._by_size else 0
+
+    @property
+    def num_free_extents(self) -> int:
+        return len(self._by_size)
+
+    def can_allocate(self, nbytes: int) -> bool:
+        """True iff :meth:`allocate` of ``nbytes`` would succeed now."""
+        return nbytes >= 0 and bool(self._by_size) and (self._by_size[-1] >> _SHIFT) >= self.round_up(nbytes)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """Free extents as ``(start, size)`` in bytes, by ascending start (for tests and stats)."""
+        return sorted(self._by_start.items())
+
+    # -------------------------------------------------------------- changes
+
+    def allocate(self, nbytes: int) -> tuple[int, int]:
+        """Allocate room for ``nbytes`` bytes; return ``(start, size)``, size being rounded up.
+
+        Raises TierFull when no free extent is large enough (also when the total free
+        space would be, but is fragmented), ValueError for a negative size.
+        """
+        if nbytes < 0:
+            raise ValueError(f"block size must be >= 0 bytes, got {nbytes}")
+        size = self.round_up(nbytes)
+        by_size = self._by_size
+        i = bisect_left(by_size, size << _SHIFT)
+        if i == len(by_size):
+            raise TierFull(f"no free extent of {size} bytes ({self.free_bytes} bytes free in "
+                           f"{len(by_size)} extents, largest {self.largest_free})")
+        item = by_size.pop(i)
+        extent, start = item >> _SHIFT, item & _START_MASK
+        del self._by_start[start]
+        del self._by_end[start + extent]
+        if extent > size:
+            self._insert(start + size, extent - size)
+        self.used += size
+        return start, size
+
+    def release(self, start: int, size: int) -> None:
+        """Return an extent from :meth:`allocate`, merging it with free neighbours."""
+        self.used -= size
+        end = start + size
+        prev = self._by_end.get(start)
+        if prev is not None:
+            prev_size = self._by_start[prev]
+            self._remove(prev, prev_size)
+            start, size = prev, size + prev_size
+        next_size = self._by_start.get(end)
+        if next_size is not None:
+            self._remove(end, next_size)
+            size += next_size
+        self._insert(start, size)
+
+    def _insert(self, start: int, size: int) -> None:
+        self._by_start[start] = size
+        self._by_end[start + size] = start
+        insort(self._by_size, size << _SHIFT | start)
+
+    def _remove(self, start: int, size: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + size]
+        by_size = self._by_size
+        del by_size[bisect_left(by_size, size << _SHIFT | start)]
+
+
+class _HostBlock:
+    """One block's place in the arena: ``start`` and ``alloc`` (rounded) bytes, ``size``
+    payload bytes, ``written`` bytes copied in so far (reservations only)."""
+
+    __slots__ = ("start", "alloc", "size", "written")
+
+    def __init__(self, start: int, alloc: int, size: int):
+        self.start = start
+        self.alloc = alloc
+        self.size = size
+        self.written = 0
+
+
+def _as_byte_view(data: memoryview | bytes) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer (bytes, memoryview, numpy array)."""
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+class HostTier(Tier):
+    """Blocks in one preallocated host-memory arena of ``capacity_bytes`` bytes.
+
+    Args:
+        capacity_bytes: arena size in bytes; rounded down to a multiple of ``alignment``
+            (that is :attr:`capacity_bytes`).
+        name: tier name in logs and stats.
+        alignment: block start and size unit in bytes (a power of two, default 64).
+        pinned: page-locked memory for DMA to a GPU (needs a GPU build; see
+            :func:`tiers.memory.allocate_host_buffer`).
+
+    ``used_bytes`` counts allocated (rounded) bytes of committed blocks and open
+    reservations. :meth:`fits` is exact: it accounts for fragmentation.
+
+    Thread safety: the block maps and the allocator are guarded by a lock of this tier;
+    the copies into and out of the arena (``write``, ``read``) run outside it, so
+    several threads may copy different blocks at once.
+
+    Raises ValueError for bad arguments, MemoryError when the arena cannot be allocated.
+    """
+
+    kind = TierKind.HOST
+
+    def __init__(self, capacity_bytes: int, *, name: str = "host", alignment: int = 64,
+                 pinned: bool = False):
+        self.name = name
+        self._alloc = ExtentAllocator(int(capacity_bytes), alignment)
+        self._buffer = allocate_host_buffer(self._alloc.capacity,
+                                            alignment=max(alignment, DEFAULT_ALIGNMENT), pinned=pinned)
+        self.pinned = self._buffer.pinned
+        self._arena = memoryview(self._buffer.array)          # writable, flat uint8
+        self._arena_ro = self._arena.toreadonly()
+        self._reserved: dict[bytes, _HostBlock] = {}
+        self._blocks: dict[bytes, _HostBlock] = {}
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- accounting
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used
+
+    @property
+    def alignment(self) -> int:
+        return self._alloc.alignment
+
+    @property
+    def free_extents(self) -> int:
+        """Number of free extents (1 when the arena is empty, 0 when it is full)."""
+        return self._alloc.num_free_extents
+
+    @property
+    def largest_free_extent(self) -> int:
+        """Bytes of the largest free extent: the largest block that fits now (rounded)."""
+        return self._alloc.largest_free
+
+    @property
+    def fragmentation(self) -> float:
+        """``1 - largest free extent / free bytes``: 0.0 when all free space is contiguous."""
+        free = self._alloc.free_bytes
+        return 1.0 - self._alloc.largest_free / free if free else 0.0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def fits(self, nbytes: int) -> bool:
+        with self._lock:
+            return self._alloc.can_allocate(nbytes)
+
+    def size_of(self, key: bytes) -> int:
+        return self._blocks[key].size
+
+    def offset_of(self, key: bytes) -> int:
+        """Byte offset of a committed block in the arena (for DMA from the arena).
+
+        Raises KeyError if not stored here."""
+        return self._blocks[key].start
+
+    def keys(self) -> Iterable[bytes]:
+        """Keys of the committed blocks (a snapshot)."""
+        with self._lock:
+            return list(self._blocks)
+
+    # -------------------------------------------------------------- two-phase write
+
+    def reserve(self, key: bytes, nbytes: int) -> None:
+        with self._lock:
+            if key in self._blocks or key in self._reserved:
+                raise ValueError(f"block {key.hex()[:16]} already present in {self.name}")
+            try:
+                start, alloc = self._alloc.allocate(nbytes)
+            except TierFull as e:
+                raise TierFull(f"{self.name}: {nbytes} bytes do not fit: {e}") from None
+            self._reserved[key] = _HostBlock(start, alloc, nbytes)
+
+    def write(self, key: bytes, offset: int, data: memoryview | bytes) -> None:
+        src = _as_byte_view(data)
+        n = src.nbytes
+        with self._lock:
+            block = self._reserved.get(key)
+            if block is None:
+                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            if offset != block.written:
+                raise ValueError(f"chunk at offset {offset} but {block.written} bytes written so far")
+            if offset + n > block.size:
+                raise ValueError(f"chunk [{offset}, {offset + n}) overruns the block's {block.size} bytes")
+            block.written = offset + n
+            start = block.start + offset
+        self._arena[start:start + n] = src            # memcpy, outside the lock
+
+    def commit(self, key: bytes) -> None:
+        with self._lock:
+            block = self._reserved.get(key)
+            if block is None:
+                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            if block.written != block.size:
+                raise ValueError(f"block {key.hex()[:16]}: {block.written} of {block.size} bytes written")
+            del self._reserved[key]
+            self._blocks[key] = block
+
+    def abort(self, key: bytes) -> None:
+        with self._lock:
+            block = self._reserved.pop(key, None)
+            if block is not None:
+                self._alloc.release(block.start, block.alloc)
+
+    # -------------------------------------------------------------- read / free
+
+    def read(self, key: bytes, ranges: ByteRanges | None = None) -> bytes:
+        block = self._blocks[key]                     # one dict lookup: atomic
+        start, size = block.start, block.size
+        if not ranges:
+            return bytes(self._arena[start:start + size])
+        check_ranges(ranges, size)
+        arena = self._arena
+        return b"".join(arena[start + off:start + off + n] for off, n in ranges)
+
+    def view(self, key: bytes) -> memoryview:
+        """Read-only zero-copy view of the block in the arena (valid while the block is pinned)."""
+        block = self._blocks[key]
+        return self._arena_ro[block.start:block.start + block.size]
+
+    def free(self, key: bytes) -> None:
+        with self._lock:
+            block = self._blocks.pop(key)
+            self._alloc.release(block.start, block.alloc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self._reserved.clear()
+            self._alloc = ExtentAllocator(0, self._alloc.alignment)
+            try:
+                self._arena_ro.release()
+                self._arena.release()
+            except BufferError:   # a caller still holds an export; the memory goes with it
+                pass
+
+    def describe(self) -> str:
+        return (f"{self.name}(host, {self.capacity_bytes} bytes, alignment {self.alignment}, "
+                f"{'pinned' if self.pinned else 'pageable'})")
