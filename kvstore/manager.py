@@ -38,6 +38,7 @@ from tiers.base import ByteRanges, Tier, TierKind, check_ranges
 from .errors import CorruptBlock, InvalidRequest, KVStoreError, TierFull, TierIOError
 from .keys import KEY_BYTES
 from .policy import EvictionPolicy, NoVictim
+from .transfer import Transfer, TransferQueues
 
 log = logging.getLogger("kvstore.manager")
 
@@ -119,11 +120,19 @@ class TierManager:
         promote_on_get: copy blocks served from a lower tier into the first tier.
         writer_wait_s: how long a put of a key that another client is writing waits
             for that write to finish (seconds).
+        async_moves: run tier-to-tier copies on background transfer queues, one per
+            (source, destination) pair, with the manager lock released during the I/O
+            (the daemon). False: copies run inline in the calling thread, which keeps
+            the simulator deterministic.
+        transfer_timeout_s: a demotion that the evicting thread waits on longer than
+            this is marked failed: its source pin is released and the eviction fails
+            with TierIOError (seconds).
     """
 
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
                  write_policy: str = WRITE_BACK, clock: Callable[[], float] = time.monotonic,
-                 promote_on_get: bool = True, writer_wait_s: float = 30.0):
+                 promote_on_get: bool = True, writer_wait_s: float = 30.0,
+                 async_moves: bool = False, transfer_timeout_s: float = 30.0):
         if not tiers:
             raise ValueError("the manager needs at least one tier")
         if len(tiers) != len(policies):
@@ -141,6 +150,9 @@ class TierManager:
         self._pending: dict[bytes, PendingWrite] = {}
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self._moving: dict[tuple[bytes, int], Transfer] = {}
+        self.transfer_timeout_s = transfer_timeout_s
+        self._queues = TransferQueues() if async_moves else None
         self._recover()
 
     # ------------------------------------------------------------------ recovery
@@ -224,20 +236,35 @@ class TierManager:
             self._evict(i, victim)
 
     def _evict(self, i: int, key: bytes) -> None:
-        """Move ``key`` out of tier ``i``: demote to the next tier or drop it."""
+        """Move ``key`` out of tier ``i``: demote it to the next tier, or drop it.
+
+        Called with the lock held. With async moves the copy runs on the (i, i+1)
+        transfer queue while this thread waits with the lock released; the block stays
+        pinned meanwhile. If a reader pinned it during the copy, its tier-``i`` copy is
+        kept (now clean) and the caller simply picks another victim.
+
+        Raises TierIOError when the demotion fails or times out (the block is kept).
+        """
         entry = self._entries[key]
         lower = [j for j in entry.tiers if j > i]
         if not lower and i + 1 < len(self.tiers):
             try:
-                self._copy(key, entry, i, i + 1)
+                t = self._start_transfer(key, entry, i, i + 1)
             except (TierFull, NoVictim) as e:
-                # The next tier cannot take it: only the last-tier victims are dropped;
-                # here the block is dropped too, loudly, rather than kept over capacity.
-                log.debug("demotion of %s to %s failed (%s); dropping it",
+                # The next tier cannot take it (full of pinned blocks, or the block is
+                # larger than it): the block is dropped from the store, and counted.
+                log.debug("demotion of %s to %s impossible (%s); dropping it",
                           key.hex()[:16], self.tiers[i + 1].name, e)
                 self.counters["demotions_failed"] += 1
             else:
+                self._run_transfer(t, wait=True)
+                if not t.ok:
+                    self.counters["demotions_failed"] += 1
+                    raise TierIOError(f"demotion of block {key.hex()[:16]} from {self.tiers[i].name} to "
+                                      f"{self.tiers[i + 1].name} failed: {t.error}")
                 self.counters["demotions"] += 1
+                if self._entries.get(key) is not entry or i not in entry.tiers or entry.pins:
+                    return  # deleted, or read again while it was copied: keep the clean copy
         self.tiers[i].free(key)
         self.policies[i].evicted(key)
         entry.tiers.remove(i)
@@ -246,25 +273,143 @@ class TierManager:
             del self._entries[key]
             self.counters["blocks_dropped"] += 1
 
-    def _copy(self, key: bytes, entry: Entry, src: int, dst: int,
-              data: memoryview | bytes | None = None) -> None:
-        """Copy a committed block from tier ``src`` (or ``data``) into tier ``dst``."""
-        entry.pins += 1  # the source copy must not be evicted while room is made below
+    # ------------------------------------------------------------------ transfers
+
+    def _start_transfer(self, key: bytes, entry: Entry, src: int, dst: int,
+                        data: bytes | None = None) -> Transfer:
+        """Reserve room in ``dst`` and pin the block: phase one of a copy. Lock held.
+
+        Returns the transfer already in flight for ``(key, dst)`` if there is one.
+        Raises TierFull / NoVictim when ``dst`` cannot make room.
+        """
+        existing = self._moving.get((key, dst))
+        if existing is not None:
+            return existing
+        if dst in entry.tiers:
+            return Transfer.finished(key, src, dst)
+        entry.pins += 1  # the source copy must stay while room is made below and bytes move
         try:
             self._make_room(dst, entry.size, incoming=key)
-        finally:
-            entry.pins -= 1
-        dst_tier = self.tiers[dst]
-        dst_tier.reserve(key, entry.size)
-        try:
-            dst_tier.write(key, 0, data if data is not None else self.tiers[src].view(key))
-            dst_tier.commit(key)
+            self.tiers[dst].reserve(key, entry.size)
         except BaseException:
-            dst_tier.abort(key)
+            self._unpin_locked(key, entry)
             raise
-        self.policies[dst].insert(key, entry.size, self.clock())
-        entry.tiers.append(dst)
-        entry.tiers.sort()
+        t = Transfer(key, src, dst, entry, data=data)
+        self._moving[(key, dst)] = t
+        return t
+
+    def _run_transfer(self, t: Transfer, wait: bool) -> None:
+        """Phase two: copy the bytes, then commit. Lock held on entry.
+
+        Inline mode copies in this thread. Async mode hands the copy to the
+        ``(src, dst)`` queue; with ``wait`` the lock is released until it finishes or
+        ``transfer_timeout_s`` passes (then it is abandoned: marked failed, unpinned).
+        """
+        if t.done.is_set():
+            return
+        if self._queues is None:
+            self._copy_bytes(t)
+            return
+        if not t.submitted:
+            t.submitted = True
+            self._queues.submit(t.src, t.dst, lambda: self._copy_bytes(t))
+        if not wait:
+            return
+        deadline = time.monotonic() + self.transfer_timeout_s
+        while not t.done.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._abandon(t)
+                return
+            self._changed.wait(remaining)
+
+    def _copy_bytes(self, t: Transfer) -> None:
+        """Copy a pinned block's bytes from ``t.src`` to the reservation in ``t.dst``.
+
+        Runs without the lock in async mode (the source is pinned, the destination
+        reserved), then commits under it.
+        """
+        err: BaseException | None = None
+        try:
+            data = t.data if t.data is not None else self.tiers[t.src].view(t.key)
+            self.tiers[t.dst].write(t.key, 0, data)
+        except BaseException as e:  # noqa: BLE001 - reported through the transfer
+            err = e
+        with self._lock:
+            self._finish_transfer(t, err)
+
+    def _finish_transfer(self, t: Transfer, err: BaseException | None) -> None:
+        self._moving.pop((t.key, t.dst), None)
+        dst = self.tiers[t.dst]
+        if err is None and not t.abandoned:
+            try:
+                dst.commit(t.key)
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        if err is not None or t.abandoned:
+            dst.abort(t.key)
+            t.error = err or TimeoutError(f"transfer exceeded {self.transfer_timeout_s}s")
+            self.counters["transfers_failed"] += 1
+            log.warning("copy of block %s from %s to %s failed: %s", t.key.hex()[:16],
+                        self.tiers[t.src].name, dst.name, t.error)
+        else:
+            self.policies[t.dst].insert(t.key, t.entry.size, self.clock())
+            t.entry.tiers.append(t.dst)
+            t.entry.tiers.sort()
+            t.ok = True
+        if not t.abandoned:
+            self._unpin_locked(t.key, t.entry)
+        t.done.set()
+        self._changed.notify_all()
+
+    def _abandon(self, t: Transfer) -> None:
+        """A transfer outlived its timeout: release its source pin now (lock held).
+
+        The destination reservation is dropped when the stuck I/O returns.
+        """
+        t.abandoned = True
+        t.error = TimeoutError(f"transfer did not finish in {self.transfer_timeout_s}s")
+        self.counters["transfers_timed_out"] += 1
+        self._unpin_locked(t.key, t.entry)
+
+    def _copy(self, key: bytes, entry: Entry, src: int, dst: int,
+              data: memoryview | bytes | None = None) -> None:
+        """Copy a committed block from tier ``src`` (or ``data``) into tier ``dst`` and
+        wait for it. Lock held. Raises TierFull / NoVictim / TierIOError."""
+        t = self._start_transfer(key, entry, src, dst, data=data)
+        self._run_transfer(t, wait=True)
+        if not t.ok:
+            raise TierIOError(f"copy of block {key.hex()[:16]} to {self.tiers[dst].name} failed: {t.error}")
+
+    def _copy_later(self, key: bytes, src: int, dst: int, data: bytes | None = None) -> None:
+        """Fire-and-forget copy (async promotion, write-behind); inline without queues.
+
+        Room is made by the queue worker, so the caller never waits on evictions.
+        """
+        def job() -> None:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None or entry.deleted or dst in entry.tiers or (key, dst) in self._moving:
+                    return
+                try:
+                    t = self._start_transfer(key, entry, entry.tiers[0] if data is None else src, dst, data=data)
+                except (KVStoreError, NoVictim) as e:
+                    self.counters["promotions_skipped" if dst < src else "write_through_failed"] += 1
+                    log.debug("copy of %s to %s skipped: %s", key.hex()[:16], self.tiers[dst].name, e)
+                    return
+            self._copy_bytes(t)
+            if t.ok:
+                self.counters["promotions" if dst < src else "write_through_copies"] += 1
+
+        if self._queues is None:
+            job()
+        else:
+            self._queues.submit(src, dst, job)
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every queued transfer has finished (tests, shutdown)."""
+        if self._queues is not None:
+            self._queues.drain(timeout)
 
     # ------------------------------------------------------------------ put
 
@@ -354,8 +499,12 @@ class TierManager:
             self.policies[pending.tier].insert(pending.key, pending.size, self.clock())
             self.counters["blocks_put"] += 1
             self.counters["bytes_put"] += pending.size
+            self._changed.notify_all()
             if self.write_policy == WRITE_THROUGH:
                 for j in range(pending.tier + 1, len(self.tiers)):
+                    if self._queues is not None:
+                        self._copy_later(pending.key, pending.tier, j)
+                        continue
                     try:
                         self._copy(pending.key, entry, pending.tier, j)
                         self.counters["write_through_copies"] += 1
@@ -363,7 +512,6 @@ class TierManager:
                         log.warning("write-through of %s to %s failed: %s",
                                     pending.key.hex()[:16], self.tiers[j].name, e)
                         self.counters["write_through_failed"] += 1
-            self._changed.notify_all()
 
     def abort_put(self, pending: PendingWrite) -> None:
         """Drop an open put and its reserved room. Safe to call twice."""
@@ -406,9 +554,14 @@ class TierManager:
 
     def _unpin(self, key: bytes, entry: Entry) -> None:
         with self._lock:
-            entry.pins -= 1
-            if entry.deleted and entry.pins == 0:
+            self._unpin_locked(key, entry)
+
+    def _unpin_locked(self, key: bytes, entry: Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0:
+            if entry.deleted:
                 self._free_entry(key, entry)
+            self._changed.notify_all()
 
     def get(self, key: bytes, ranges: ByteRanges | None = None) -> GetResult:
         """Read one block (or ``ranges`` of it).
@@ -470,6 +623,10 @@ class TierManager:
                 del self._entries[key]
 
     def _promote_after_read(self, key: bytes, entry: Entry, data: bytes) -> None:
+        if self._queues is not None:
+            # the Get returns now; the (src, 0) queue makes room and copies the bytes read
+            self._copy_later(key, entry.tiers[0], 0, data=data)
+            return
         with self._lock:
             if entry.deleted or 0 in entry.tiers:
                 return
@@ -546,5 +703,8 @@ class TierManager:
         return deleted
 
     def close(self) -> None:
+        """Finish queued transfers, stop the queues and close every tier."""
+        if self._queues is not None:
+            self._queues.stop(timeout=self.transfer_timeout_s)
         for tier in self.tiers:
             tier.close()

@@ -28,7 +28,8 @@ from .config import Config
 from .errors import ConfigError
 from .manager import TierManager
 from .policy import make_policy
-from .server import BearerTokenInterceptor, KVStoreService
+from .auth import Authenticator
+from .server import BearerTokenInterceptor, KVStoreService, RequestDecodeInterceptor
 from .units import format_size
 
 log = logging.getLogger("kvstore.serve")
@@ -86,7 +87,7 @@ def build_manager(cfg: Config) -> TierManager:
     for name, tier in named:
         pc = cfg.tier_policy(name)
         policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params))
-    return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write)
+    return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True)
 
 
 @dataclasses.dataclass
@@ -192,14 +193,17 @@ def start_server(cfg: Config) -> Daemon:
     """
     manager = build_manager(cfg)
     try:
-        interceptors = [BearerTokenInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
+        auth = Authenticator.from_config(cfg.server)
+        interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
+        interceptors.append(RequestDecodeInterceptor())
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
                                                         thread_name_prefix="kvstore-rpc"),
                              options=channel_options(cfg.server.max_message_bytes),
                              interceptors=interceptors)
         hints = _start_prefetch(cfg, manager)
         leases = next((t for t in manager.tiers if hasattr(t, "lease")), None)
-        service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes, hints=hints, leases=leases)
+        service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes, hints=hints, leases=leases,
+                                 auth=auth)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

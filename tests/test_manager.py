@@ -47,12 +47,30 @@ def K(i):
     return i.to_bytes(4, "big") * 8
 
 
+MODE = {"async": False}
+
+
+@pytest.fixture(autouse=True, params=["inline", "async"])
+def moves(request):
+    """Run every test with inline copies (simulator) and with transfer queues (daemon)."""
+    MODE["async"] = request.param == "async"
+    made.clear()
+    yield request.param
+    for m in made:
+        m.close()
+
+
+made = []
+
+
 def make(host_blocks=4, nvme_blocks=None, block=100, write="write_back"):
     tiers = [MemTier(TierKind.HOST, host_blocks * block)]
     if nvme_blocks is not None:
         tiers.append(MemTier(TierKind.NVME, nvme_blocks * block))
     policies = [make_policy("lru", t.capacity_bytes) for t in tiers]
-    return TierManager(tiers, policies, write_policy=write)
+    m = TierManager(tiers, policies, write_policy=write, async_moves=MODE["async"])
+    made.append(m)
+    return m
 
 
 def payload(i, n=100):
@@ -81,6 +99,7 @@ def test_lru_demotes_to_nvme_not_drops():
     # a get from NVMe promotes to host (evicting the LRU host block, K(3), to NVMe)
     r = m.get(K(0))
     assert r.tier == TierKind.NVME and r.data == payload(0)
+    m.drain()
     assert m.tier_of(K(0)) == TierKind.HOST
     assert K(3) in nvme.data and K(3) not in host.data
 
@@ -173,6 +192,7 @@ def test_delete_returns_used_bytes_to_zero():
     for i in range(8):
         m.put(K(i), payload(i))
     m.get(K(0))   # promoted to host; its NVMe copy stays (inclusive), K(5) demoted
+    m.drain()
     assert m.tiers[1].used_bytes == 600 and m.tiers[0].used_bytes == 300
     assert m.delete([K(i) for i in range(10)]) == 8
     assert [t.used_bytes for t in m.tiers] == [0, 0]
@@ -193,10 +213,13 @@ def test_delete_while_pinned_frees_after_unpin():
 def test_write_through_copies_to_every_tier():
     m = make(host_blocks=2, nvme_blocks=4, write="write_through")
     m.put(K(1), payload(1))
+    m.drain()
     assert K(1) in m.tiers[0].data and K(1) in m.tiers[1].data
     # demotion of a block that NVMe already holds copies nothing
     m.put(K(2), payload(2))
+    m.drain()
     m.put(K(3), payload(3))
+    m.drain()
     assert m.counters["demotions"] == 0
     assert m.get(K(1)).data == payload(1)
 
@@ -238,5 +261,59 @@ def test_repeated_cycles_restore_accounting():
             m.put(K(i), payload(i + cycle))
         for i in range(0, 10, 3):
             m.get(K(i))
+        m.drain()
         m.delete([K(i) for i in range(10)])
         assert [t.used_bytes for t in m.tiers] == [0, 0]
+
+
+class SlowTier(MemTier):
+    """A tier whose writes block until released: a hung NVMe write."""
+
+    def __init__(self, kind, capacity):
+        super().__init__(kind, capacity)
+        self.release = threading.Event()
+
+    def write(self, key, offset, data):
+        self.release.wait(10)
+        super().write(key, offset, data)
+
+
+def test_get_is_not_blocked_by_a_slow_demotion(moves):
+    if moves != "async":
+        pytest.skip("inline copies hold the lock by design (simulator)")
+    host, nvme = MemTier(TierKind.HOST, 200), SlowTier(TierKind.NVME, 1000)
+    m = TierManager([host, nvme], [make_policy("lru", 200), make_policy("lru", 1000)], async_moves=True)
+    made.append(m)
+    m.put(K(0), payload(0))
+    m.put(K(1), payload(1))
+    t = threading.Thread(target=m.put, args=(K(2), payload(2)))   # must demote K(0) to the slow tier
+    t.start()
+    for _ in range(100):
+        if m._moving:
+            break
+        threading.Event().wait(0.01)
+    assert m._moving, "the demotion should be in flight"
+    assert m.get(K(1)).data == payload(1)          # served while the demotion hangs
+    assert m.lookup([K(0), K(1)]).hit_blocks == 2  # K(0) still visible in host
+    nvme.release.set()
+    t.join(10)
+    assert m.tier_of(K(0)) == TierKind.NVME and m.tier_of(K(2)) == TierKind.HOST
+
+
+def test_hung_demotion_times_out_and_releases_pins(moves):
+    if moves != "async":
+        pytest.skip("timeouts apply to queued transfers")
+    host, nvme = MemTier(TierKind.HOST, 200), SlowTier(TierKind.NVME, 1000)
+    m = TierManager([host, nvme], [make_policy("lru", 200), make_policy("lru", 1000)],
+                    async_moves=True, transfer_timeout_s=0.2)
+    made.append(m)
+    m.put(K(0), payload(0))
+    m.put(K(1), payload(1))
+    from kvstore.errors import TierIOError
+    with pytest.raises(TierIOError, match="demotion"):
+        m.put(K(2), payload(2))
+    assert m._entries[K(0)].pins == 0 and m.get(K(0)).data == payload(0)   # kept, readable
+    assert m.counters["transfers_timed_out"] == 1
+    nvme.release.set()
+    m.drain()
+    assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m._moving
