@@ -1,0 +1,35 @@
+"""Reference tensor-parallel runner and the adapter that pages agent prefixes back from kvstore.
+
+Modules, one responsibility each:
+
+==============  =============================================================
+``config``      :class:`ModelConfig` (architecture), :class:`EngineConfig`
+``weights``     seeded or safetensors weights, Megatron split per TP rank
+``model``       Llama decoder of one TP rank over a paged KV cache
+``paged_cache`` per-layer paged KV cache (vLLM layout), block table, allocator
+``layout``      stored block payload layout and the store namespace
+``transfer``    background page back (per layer) and background store
+``adapter``     Lookup, MIN agreement of TP ranks, per-layer gate, store of new blocks
+``runner``      prefill / decode / greedy generation of one TP rank
+``tp``          TP collectives and the process launcher
+``session``     synthetic multi-turn agent session
+``demo``        ``kvstore agent-demo``
+==============  =============================================================
+
+Importing this package is light; torch is imported by the modules that need it.
+"""
+
+__all__ = ["ModelConfig", "EngineConfig", "Runner", "TPGroup", "launch"]
+
+
+def __getattr__(name: str):
+    if name in ("ModelConfig", "EngineConfig"):
+        from . import config
+        return getattr(config, name)
+    if name == "Runner":
+        from .runner import Runner
+        return Runner
+    if name in ("TPGroup", "launch"):
+        from . import tp
+        return getattr(tp, name)
+    raise AttributeError(name)

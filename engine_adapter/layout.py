@@ -1,0 +1,112 @@
+"""The stored block payload layout and the store namespace of a runner.
+
+One block's payload (``docs/block_layout.md`` is the reference) holds the KV of
+``block_tokens`` tokens for **all** layers and **all** KV heads, C order::
+
+    [layer][k|v][kv_head][token][head_dim]     dtype = the KV dtype, little-endian
+
+so, for one (layer, k|v), the KV heads ``[h0, h1)`` of any TP rank are one
+contiguous byte range. A rank pages back only its heads with two byte ranges per
+layer (k and v), and a block written at one TP size is read at any other.
+
+The namespace (:class:`kvstore.keys.Namespace`) holds the model id, the dtype, this
+layout's id, ``block_tokens`` and the shape fields (layers, KV heads, head dim); it
+deliberately leaves out the TP size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.keys import Namespace
+
+from .config import EngineConfig, ModelConfig
+
+LAYOUT_ID = "layer.kv.head.token.dim/v1"
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Sizes and byte offsets of the payload layout.
+
+    Attributes:
+        num_layers, num_kv_heads (all of them, not a rank's), block_tokens, head_dim: sizes.
+        dtype: KV dtype.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    block_tokens: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: ModelConfig, engine: EngineConfig) -> "BlockLayout":
+        return cls(model.num_layers, model.num_kv_heads, engine.block_tokens, model.head_dim, engine.torch_dtype)
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one (layer, k|v, KV head): ``block_tokens * head_dim`` elements."""
+        return self.block_tokens * self.head_dim * self.elem_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of a whole block payload."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_bytes
+
+    def block_shape(self, heads: int | None = None, layers: int | None = None) -> tuple[int, ...]:
+        """``(layers, 2, heads, block_tokens, head_dim)`` of one block (defaults: all)."""
+        return (self.num_layers if layers is None else layers, 2,
+                self.num_kv_heads if heads is None else heads, self.block_tokens, self.head_dim)
+
+    def layer_ranges(self, layer: int, heads: tuple[int, int]) -> list[tuple[int, int]]:
+        """``(offset, length)`` byte ranges of KV heads ``[h0, h1)`` of ``layer``: k, then v.
+
+        Fetched and concatenated, they form a ``(1, 2, h1 - h0, block_tokens, head_dim)``
+        buffer. Raises ValueError for a layer or head range outside the layout.
+        """
+        h0, h1 = heads
+        if not 0 <= layer < self.num_layers or not 0 <= h0 < h1 <= self.num_kv_heads:
+            raise ValueError(f"layer {layer} / heads [{h0}, {h1}) outside the block layout")
+        per_kv = self.num_kv_heads * self.head_bytes
+        return [((layer * 2 + kv) * per_kv + h0 * self.head_bytes, (h1 - h0) * self.head_bytes)
+                for kv in (0, 1)]
+
+    def to_payload(self, block: torch.Tensor) -> bytes:
+        """Payload bytes of one block ``(num_layers, 2, num_kv_heads, block_tokens, head_dim)``.
+
+        Raises ValueError for a wrong shape or dtype.
+        """
+        if tuple(block.shape) != self.block_shape() or block.dtype != self.dtype:
+            raise ValueError(f"a block is {self.block_shape()} {self.dtype}, got {tuple(block.shape)} {block.dtype}")
+        return block.contiguous().view(torch.uint8).numpy().tobytes()
+
+    def copy_payload(self, data: bytes | memoryview, out: torch.Tensor) -> None:
+        """Copy payload bytes (a whole block or the ranges of one request) into ``out``.
+
+        ``out`` is a contiguous tensor of this layout's dtype whose byte size equals
+        ``len(data)``. Raises ValueError when the sizes differ (a truncated or
+        corrupt payload).
+        """
+        dst = out.view(torch.uint8).view(-1).numpy()
+        src = np.frombuffer(data, dtype=np.uint8)
+        if src.size != dst.size:
+            raise ValueError(f"payload is {src.size} bytes, expected {dst.size}")
+        dst[:] = src
+
+
+def namespace(model: ModelConfig, engine: EngineConfig) -> Namespace:
+    """The store namespace of a runner: model id, dtype, layout, block_tokens, tenant and the
+    KV shape (layers, KV heads, head dim). The TP size is not part of it."""
+    return Namespace(
+        model=engine.model_id, dtype=engine.dtype, layout=LAYOUT_ID, block_tokens=engine.block_tokens,
+        tenant=engine.tenant,
+        extra={"num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim},
+    )

@@ -1,0 +1,165 @@
+"""Page back at TP=1 against an in-memory store: same logits as recompute, and every failure
+(missing, corrupt, store down, store hanging, store unreachable) falls back to recompute."""
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ea_support import TINY, FaultyStore, MemoryStore, engine
+from engine_adapter import adapter as adapter_mod
+from engine_adapter.runner import Runner
+from engine_adapter.session import AgentSession, SessionOptions, play_session
+from engine_adapter.tp import TPGroup
+from kvstore.client import KVStoreClient
+
+BT = 16
+SESSION = AgentSession(turns=6, system_tokens=96, observation_tokens=40, answer_tokens=8, seed=7)
+
+
+def assert_same(a, b):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """Recompute-only generations of two prompts (the second extends the first)."""
+    runner = Runner(TINY, engine(), TPGroup.single())
+    p1 = np.random.default_rng(0).integers(0, TINY.vocab_size, 150).tolist()
+    g1 = runner.generate(p1, 4, page_back=False, store=False)
+    p2 = p1 + g1.tokens + np.random.default_rng(1).integers(0, TINY.vocab_size, 30).tolist()
+    g2 = runner.generate(p2, 4, page_back=False, store=False)
+    return p1, g1, p2, g2
+
+
+def two_turns(store, baseline, arm=None, **eng):
+    """Turn 1 stores the prefix; ``arm(keys)`` injects a fault; turn 2 pages back. Returns turn 2."""
+    p1, g1, p2, g2 = baseline
+    runner = Runner(TINY, engine(**eng), TPGroup.single(), store=store)
+    assert_same(runner.generate(p1, 4), g1)
+    assert runner.flush()
+    if arm is not None:
+        arm(runner.adapter.keyer.keys(p2))
+    t0 = time.perf_counter()
+    out = runner.generate(p2, 4)
+    out.wall_s = time.perf_counter() - t0
+    assert_same(out, g2)
+    runner.close()
+    return out
+
+
+def test_session_page_back_equals_recompute():
+    runner = Runner(TINY, engine(), TPGroup.single(), store=MemoryStore())
+    records = play_session(runner, SESSION, SessionOptions(baseline=True))
+    for rec in records:
+        assert_same(rec.result, rec.baseline)
+        assert rec.result.stats.paged_tokens + rec.result.stats.prefilled_tokens == rec.prompt_tokens
+        assert rec.result.stats.restarts == 0 and not rec.result.stats.problems
+    # turn i pages back every full block of turn i-1's prompt and answer but the last token
+    for prev, rec in zip(records, records[1:]):
+        assert rec.result.stats.paged_tokens == (prev.prompt_tokens + SESSION.answer_tokens - 1) // BT * BT
+    assert records[0].result.stats.paged_tokens == 0
+
+
+def test_one_get_per_layer_for_the_whole_prefix(baseline):
+    store = MemoryStore()
+    two_turns(store, baseline, arm=lambda keys: store.calls.clear())
+    assert store.calls.count("get") == TINY.num_layers
+    assert store.calls[0] == "lookup"
+
+
+def test_layer_load_overlaps_previous_layer_compute(baseline, monkeypatch):
+    """Layer N's Get is still in flight when layer N-1's attention starts."""
+    events = []
+    lock = threading.Lock()
+
+    class SlowStore(MemoryStore):
+        def get(self, *a, **kw):
+            time.sleep(0.15)
+            out = super().get(*a, **kw)
+            with lock:
+                events.append(("loaded", time.perf_counter()))
+            return out
+
+    real_call = adapter_mod.PageBackGate.__call__
+
+    def gate_call(self, layer):
+        real_call(self, layer)
+        with lock:
+            events.append(("compute", time.perf_counter()))
+
+    monkeypatch.setattr(adapter_mod.PageBackGate, "__call__", gate_call)
+    store = SlowStore()
+    two_turns(store, baseline, arm=lambda keys: events.clear())
+    kinds = [k for k, _ in events]
+    assert kinds.count("loaded") == kinds.count("compute") == TINY.num_layers
+    # compute of layer 0 starts before layer 1 is loaded, and so on
+    assert kinds[:3] == ["loaded", "compute", "loaded"]
+
+
+@pytest.mark.parametrize("mode", ["missing", "corrupt"])
+def test_block_missing_or_corrupt_mid_load_recomputes_from_it(baseline, caplog, mode):
+    store = FaultyStore(MemoryStore())
+    with caplog.at_level(logging.WARNING, logger="engine_adapter"):
+        out = two_turns(store, baseline, arm=lambda keys: store.arm(mode, key=keys[3], after_gets=2))
+    assert out.stats.lookup_hit_tokens == 9 * BT
+    assert out.stats.restarts == 1
+    assert out.stats.paged_tokens == 3 * BT
+    assert f"block 3 {mode} in layer 2" in out.stats.problems[0]
+    assert "recomputing 96 tokens" in caplog.text
+
+
+def test_store_down_mid_load_recomputes_everything(baseline, caplog):
+    store = FaultyStore(MemoryStore())
+    with caplog.at_level(logging.WARNING, logger="engine_adapter"):
+        out = two_turns(store, baseline, arm=lambda keys: store.arm("down", after_gets=1))
+    assert (out.stats.restarts, out.stats.paged_tokens) == (1, 0)
+    assert "store error in layer 1" in out.stats.problems[0]
+    assert "storing" in caplog.text  # puts failed too, with a warning
+
+
+def test_hanging_store_times_out_and_recomputes(baseline):
+    store = FaultyStore(MemoryStore())
+    out = two_turns(store, baseline, arm=lambda keys: store.arm("hang", after_gets=1, hang_s=3.0),
+                    load_timeout_s=0.3)
+    assert out.stats.paged_tokens == 0
+    assert "load timeout" in out.stats.problems[0]
+    assert out.wall_s < 2.0
+
+
+def test_unreachable_store_recomputes_with_warning(baseline, caplog, tmp_path):
+    client = KVStoreClient(f"unix:{tmp_path}/nobody.sock", timeout=2.0)
+    p1, g1, _, _ = baseline
+    runner = Runner(TINY, engine(store_timeout_s=2.0), TPGroup.single(), store=client)
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="engine_adapter"):
+        out = runner.generate(p1, 4)
+        runner.flush()
+    assert time.perf_counter() - t0 < 5.0
+    assert_same(out, g1)
+    assert "prefix lookup failed" in caplog.text and "storing" in caplog.text
+    runner.close()
+
+
+def test_store_runs_in_background_and_owns_its_buffer(baseline):
+    """A slow Put does not delay the next step, and reusing the cache blocks before the Put
+    finished does not change what is stored."""
+    p1, g1, p2, g2 = baseline
+    store = FaultyStore(MemoryStore())
+    store.put_delay_s = 2.0
+    runner = Runner(TINY, engine(), TPGroup.single(), store=store)
+    t0 = time.perf_counter()
+    runner.generate(p1, 4)
+    other = np.random.default_rng(5).integers(0, TINY.vocab_size, 200).tolist()
+    runner.generate(other, 2, page_back=False, store=False)   # overwrites the released blocks
+    assert time.perf_counter() - t0 < 2.0
+    assert store.put_started.is_set() and not store.inner.blocks
+    assert runner.flush(timeout_s=10)
+    assert len(store.inner.blocks) == 150 // BT
+    out = runner.generate(p2, 4, store=False)
+    assert out.stats.paged_tokens == 150 // BT * BT
+    assert_same(out, g2)
+    runner.close()
