@@ -5,11 +5,14 @@ Example (every key optional; these are the defaults unless noted)::
     [server]
     listen = "unix:kvstore-data/kvstore.sock"   # or "127.0.0.1:50051" (TCP, loopback)
     max_message_bytes = "64MiB"   # gRPC send/receive limit per message
-    max_chunk_bytes = "4MiB"      # largest data chunk in one Get/Put stream message
+    max_chunk_bytes = "1MiB"      # largest payload in one Get message (measured: larger is slower)
     workers = 8                   # gRPC thread pool size
     auth_token = ""               # bearer token required on every call when set
     tls_cert = ""                 # PEM files: serve TLS when both are set
     tls_key = ""
+
+    [server.tenants]              # optional, instead of auth_token: tenant name = "token";
+    alice = "token-of-alice"      # each tenant gets a private key space (kvstore/auth.py)
 
     [blocks]
     block_tokens = 512            # used by clients that compute keys from tokens
@@ -53,6 +56,7 @@ e.g. ``tiers.host.capcity: unknown key``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 from dataclasses import dataclass, field
@@ -75,11 +79,12 @@ IO_CHOICES = ("auto", "gds", "posix")
 class ServerConfig:
     listen: str = "unix:kvstore-data/kvstore.sock"
     max_message_bytes: int = 64 << 20
-    max_chunk_bytes: int = 4 << 20
+    max_chunk_bytes: int = 1 << 20
     workers: int = 8
     auth_token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    tenants: Mapping[str, str] = field(default_factory=dict)   # tenant name -> bearer token
 
 
 @dataclass(frozen=True)
@@ -152,15 +157,22 @@ class Config:
 
 
 _SIZE_FIELDS = {"capacity", "max_message_bytes", "max_chunk_bytes"}
+MAX_SIZE = (1 << 63) - 1
+"""Largest size any key accepts (bytes): sizes travel as uint64 in the gRPC stats."""
 
 
 def _convert(path: str, name: str, value: Any, default: Any, ftype: Any) -> Any:
     key = f"{path}.{name}" if path else name
     if name in _SIZE_FIELDS:
         try:
-            return parse_size(value, name=key)
+            size = parse_size(value, name=key)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        except OverflowError:   # hundreds of digits: parse_size's float becomes infinite
+            raise ConfigError(f"{key}: size {value!r} is too large") from None
+        if size > MAX_SIZE:
+            raise ConfigError(f"{key}: size {value!r} is too large (at most {MAX_SIZE} bytes)")
+        return size
     if isinstance(default, bool) or ftype in ("bool", bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -172,14 +184,25 @@ def _convert(path: str, name: str, value: Any, default: Any, ftype: Any) -> Any:
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if isinstance(default, str):
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
+        if "\x00" in value:       # paths and addresses: the OS would raise ValueError at start
+            raise ConfigError(f"{key}: must not contain a NUL character")
         return value
     if name == "params":
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return dict(value)
+    if name == "tenants":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of tenant = \"token\" entries, got {value!r}")
+        for tenant, token in value.items():
+            if not isinstance(token, str):
+                raise ConfigError(f"{key}.{tenant}: expected a token string, got {token!r}")
         return dict(value)
     raise ConfigError(f"{key}: unsupported value {value!r}")
 
@@ -205,6 +228,44 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def _is_loopback(listen: str) -> bool:
+    """True for a TCP ``host:port`` on the loopback interface."""
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def _check_token(key: str, token: str) -> None:
+    # gRPC metadata values are printable ASCII; a token with spaces or other bytes
+    # could never be sent, so every call would be refused.
+    if not token or not all("!" <= c <= "~" for c in token):
+        raise ConfigError(f"{key}: a token must be non-empty printable ASCII without spaces")
+
+
+def _validate_access(s: ServerConfig) -> None:
+    """Tokens, tenants, and no unauthenticated TCP beyond the loopback interface."""
+    if s.auth_token:
+        _check_token("server.auth_token", s.auth_token)
+    if s.tenants:
+        if s.auth_token:
+            raise ConfigError("server.tenants: cannot be combined with server.auth_token (a caller of the "
+                              "shared key space could compute tenants' keys); give each client a tenant")
+        seen: dict[str, str] = {}
+        for tenant, token in s.tenants.items():
+            if not tenant or not tenant.isprintable():
+                raise ConfigError(f"server.tenants: tenant name {tenant!r} must be non-empty and printable")
+            _check_token(f"server.tenants.{tenant}", token)
+            if token in seen:
+                raise ConfigError(f"server.tenants.{tenant}: same token as tenant {seen[token]!r}; "
+                                  "every tenant needs its own token")
+            seen[token] = tenant
+    if not s.listen.startswith("unix:") and not _is_loopback(s.listen) and not (s.auth_token or s.tenants):
+        raise ConfigError(f"server.listen: {s.listen!r} is reachable from other machines; set "
+                          "server.auth_token or server.tenants, or listen on a unix socket or loopback")
+
+
 def _validate_policy(p: PolicyConfig, path: str) -> None:
     if p.eviction not in EVICTION_CHOICES:
         raise ConfigError(f"{path}.eviction: {p.eviction!r} is not one of {', '.join(EVICTION_CHOICES)}")
@@ -215,14 +276,15 @@ def _validate_policy(p: PolicyConfig, path: str) -> None:
 def validate(cfg: Config) -> Config:
     """Check cross-field rules; raise ConfigError naming the key. Returns ``cfg``."""
     s = cfg.server
-    if not s.listen:
-        raise ConfigError("server.listen: must not be empty")
+    if not s.listen or s.listen.startswith("unix:") and not s.listen[len("unix:"):].strip("/"):
+        raise ConfigError(f"server.listen: {s.listen!r} names no address or socket path")
     if s.workers < 1:
         raise ConfigError(f"server.workers: must be >= 1, got {s.workers}")
     if s.max_message_bytes < 64 << 10:
         raise ConfigError(f"server.max_message_bytes: must be >= 64KiB, got {s.max_message_bytes}")
     if not 0 < s.max_chunk_bytes <= s.max_message_bytes - (16 << 10):
         raise ConfigError("server.max_chunk_bytes: must be > 0 and at least 16KiB below server.max_message_bytes")
+    _validate_access(s)
     if bool(s.tls_cert) != bool(s.tls_key):
         raise ConfigError("server.tls_cert/server.tls_key: set both or neither")
     for name in ("tls_cert", "tls_key"):
@@ -240,6 +302,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"tiers.nvme.io: {t.nvme.io!r} is not one of {', '.join(IO_CHOICES)}")
     if t.nvme.enabled and not t.nvme.path:
         raise ConfigError("tiers.nvme.path: must be set when the NVMe tier is enabled")
+    if t.hbm.device < 0:
+        raise ConfigError(f"tiers.hbm.device: must be >= 0, got {t.hbm.device}")
     enabled = [n for n in ("hbm", "host", "nvme") if getattr(t, n).enabled]
     if not enabled:
         raise ConfigError("tiers: at least one tier must be enabled")
@@ -284,9 +348,11 @@ def load(path: str | os.PathLike[str] | None) -> Config:
         return validate(Config())
     p = pathlib.Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start})") from None
     return loads(text)
 
 

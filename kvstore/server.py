@@ -16,12 +16,18 @@ TierIOError            UNAVAILABLE (the medium failed; retry may succeed)
 Unauthenticated        UNAUTHENTICATED (missing or wrong bearer token)
 anything else          INTERNAL (logged with a traceback)
 =====================  ======================================================
+
+A request whose bytes do not decode as its protobuf message also gets
+INVALID_ARGUMENT (:class:`RequestDecodeInterceptor`), not grpc's INTERNAL.
+
+**Tenants** (:mod:`kvstore.auth`): with ``[server.tenants]`` every client key is mapped
+to the caller's tenant key space before the manager sees it, and keys in replies are the
+client's own; a tenant can neither read, look up nor delete another tenant's blocks.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 from typing import Callable, Iterable, Iterator
 
@@ -32,10 +38,15 @@ from tiers.base import TierKind
 from . import errors
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
+from .auth import SHARED, Authenticator, KeySpace
 from .keys import KEY_BYTES
 from .manager import TierManager
 
 log = logging.getLogger("kvstore.server")
+
+SERVICE_PREFIX = "/kvstore.v1.KVStore/"
+MAX_RANGES = 4096
+"""Most byte ranges one Get may ask for (a TP rank asks for 2 per layer)."""
 
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
@@ -48,8 +59,20 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+class _StatusError(Exception):
+    """Ends a call with a status code that no store error stands for (the call needs a
+    component that is not configured). Handlers raise it instead of calling
+    ``context.abort``, whose bare exception the handler wrappers would turn into INTERNAL."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code of an exception raised while serving a call."""
+    if isinstance(exc, _StatusError):
+        return exc.code
     for cls, code in _STATUS:
         if isinstance(exc, cls):
             return code
@@ -69,7 +92,7 @@ def _unary(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
-            return method(self, request, context)
+            return method(self, _well_formed(request), context)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
             _abort(context, exc, method.__name__)
     return wrapper
@@ -79,7 +102,7 @@ def _streaming(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
-            yield from method(self, request, context)
+            yield from method(self, _well_formed(request), context)
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, method.__name__)
     return wrapper
@@ -93,6 +116,38 @@ def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
     return out
 
 
+def _check_ranges(ranges) -> list[tuple[int, int]] | None:
+    """Byte ranges of a Get: at most MAX_RANGES, none overlapping another, so the bytes
+    returned per block never exceed the block (bounds are checked against each block)."""
+    out = [(r.offset, r.length) for r in ranges]
+    if not out:
+        return None
+    if len(out) > MAX_RANGES:
+        raise errors.InvalidRequest(f"{len(out)} byte ranges; at most {MAX_RANGES} per request")
+    end = 0
+    for off, length in sorted(out):
+        if off < end:
+            raise errors.InvalidRequest(f"byte range ({off}, {length}) overlaps another range")
+        end = off + length
+    return out
+
+
+class MalformedRequest:
+    """Stands in for a request message whose bytes did not decode (see
+    :class:`RequestDecodeInterceptor`); the handlers turn it into INVALID_ARGUMENT."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _well_formed(request):
+    if isinstance(request, MalformedRequest):
+        raise errors.InvalidRequest(f"request message does not decode: {request.error}")
+    return request
+
+
 class KVStoreService(pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.manager.TierManager`.
 
@@ -104,36 +159,56 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             None: the calls return FAILED_PRECONDITION.
         leases: object with ``lease(keys, ttl) -> (lease_id, handles, expires_at)`` and
             ``release(lease_id) -> bool`` (the HBM tier); None: UNIMPLEMENTED.
+        auth: maps each call's bearer token to its tenant (:mod:`kvstore.auth`); None: one
+            shared key space and no token (the interceptor, when configured, checks it).
     """
 
-    def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 4 << 20, hints=None, leases=None):
+    def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 4 << 20, hints=None, leases=None,
+                 auth: Authenticator | None = None):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
         self.hints = hints
         self.leases = leases
+        self.auth = auth
+
+    def _space(self, context) -> KeySpace:
+        """The caller's key space. Raises Unauthenticated (defence in depth: the
+        :class:`BearerTokenInterceptor` refuses such calls before they get here)."""
+        if self.auth is None:
+            return SHARED
+        space = self.auth.key_space(context.invocation_metadata())
+        if space is None:
+            raise errors.Unauthenticated("missing or wrong bearer token")
+        return space
 
     # ------------------------------------------------------------------ put
 
     @_unary
     def Put(self, request_iterator: Iterator[pb.PutBatch], context) -> pb.PutReply:
-        return self._put(chunk for batch in request_iterator for chunk in batch.chunks)
+        space = self._space(context)
+        return self._put((chunk for batch in request_iterator for chunk in _well_formed(batch).chunks), space)
 
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
-        return self._put(request.chunks)
+        return self._put(request.chunks, self._space(context))
 
-    def _put(self, chunks: Iterable[pb.PutChunk]) -> pb.PutReply:
-        """Store a sequence of chunks (blocks in order, each block's chunks in order)."""
+    def _put(self, chunks: Iterable[pb.PutChunk], space: KeySpace = SHARED) -> pb.PutReply:
+        """Store a sequence of chunks (blocks in order, each block's chunks in order).
+
+        Error messages name blocks by the client's key; the manager sees ``space``'s keys.
+        """
         m = self.manager
         stored = present = nbytes = 0
         pending = None
+        name = ""                      # the client key of ``pending`` (hex prefix), for messages
         skip_key: bytes | None = None
         skip_left = 0
         try:
             for chunk in chunks:
-                key = chunk.key
-                if len(key) != KEY_BYTES:
-                    raise errors.InvalidRequest(f"key has {len(key)} bytes; block keys are {KEY_BYTES} bytes")
+                client_key = chunk.key
+                if len(client_key) != KEY_BYTES:
+                    raise errors.InvalidRequest(f"key has {len(client_key)} bytes; block keys are {KEY_BYTES} bytes")
+                key = space.internal(client_key)
                 if skip_key is not None and key == skip_key and chunk.offset > 0:
                     # further chunks of a block that was already stored
                     skip_left -= len(chunk.data)
@@ -143,15 +218,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 skip_key = None
                 if pending is not None and key != pending.key:
                     raise errors.InvalidRequest(
-                        f"block {pending.key.hex()[:16]} ended after {pending.written} of {pending.size} bytes")
+                        f"block {name} ended after {pending.written} of {pending.size} bytes")
                 if pending is None:
+                    name = client_key.hex()[:16]
                     if chunk.offset != 0:
-                        raise errors.InvalidRequest(f"first chunk of block {key.hex()[:16]} starts at "
+                        raise errors.InvalidRequest(f"first chunk of block {name} starts at "
                                                     f"offset {chunk.offset}, not 0")
                     if chunk.total_size == 0:
-                        raise errors.InvalidRequest(f"block {key.hex()[:16]} has total_size 0")
+                        raise errors.InvalidRequest(f"block {name} has total_size 0")
                     if len(chunk.data) > chunk.total_size:
-                        raise errors.InvalidRequest(f"block {key.hex()[:16]}: {len(chunk.data)} bytes of data "
+                        raise errors.InvalidRequest(f"block {name}: {len(chunk.data)} bytes of data "
                                                     f"for total_size {chunk.total_size}")
                     outcome = m.begin_put(key, chunk.total_size)
                     if outcome.already_present:
@@ -161,7 +237,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         continue
                     pending = outcome.pending
                 elif chunk.total_size != pending.size:
-                    raise errors.InvalidRequest(f"block {key.hex()[:16]}: total_size changed from "
+                    raise errors.InvalidRequest(f"block {name}: total_size changed from "
                                                 f"{pending.size} to {chunk.total_size} mid-block")
                 m.write_chunk(pending, chunk.offset, chunk.data)
                 if pending.written == pending.size:
@@ -170,7 +246,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     stored += 1
                     nbytes += done.size
             if pending is not None:
-                raise errors.InvalidRequest(f"stream ended inside block {pending.key.hex()[:16]} "
+                raise errors.InvalidRequest(f"stream ended inside block {name} "
                                             f"({pending.written} of {pending.size} bytes)")
         finally:
             if pending is not None:
@@ -181,15 +257,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_streaming
     def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetBatch]:
+        space = self._space(context)
         keys = _check_keys(request.keys)
-        ranges = [(r.offset, r.length) for r in request.ranges] or None
+        ranges = _check_ranges(request.ranges)
         step = self.max_chunk_bytes
         if request.max_chunk_bytes:
             step = min(step, request.max_chunk_bytes)
         batch: list[pb.GetChunk] = []
         batch_bytes = 0
-        for key in keys:
-            res = self.manager.get(key, ranges)
+        for key in keys:                       # replies carry the client's key
+            res = self.manager.get(space.internal(key), ranges)
             if not res.found:
                 batch.append(pb.GetChunk(key=key, found=False))
                 if request.stop_at_miss:
@@ -217,15 +294,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_unary
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupReply:
-        res = self.manager.lookup(_check_keys(request.keys))
+        space = self._space(context)
+        res = self.manager.lookup(space.internal_many(_check_keys(request.keys)))
         return pb.LookupReply(hit_blocks=res.hit_blocks, tiers=[int(t) for t in res.tiers])
 
     @_unary
     def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteReply:
-        return pb.DeleteReply(deleted=self.manager.delete(_check_keys(request.keys)))
+        space = self._space(context)
+        return pb.DeleteReply(deleted=self.manager.delete(space.internal_many(_check_keys(request.keys))))
 
     @_unary
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        self._space(context)
         tiers = [pb.TierStats(tier=int(u.kind), name=u.name, capacity_bytes=u.capacity_bytes,
                               used_bytes=u.used_bytes, blocks=u.blocks, policy=u.policy)
                  for u in self.manager.usage()]
@@ -234,71 +314,109 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_unary
     def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
+        space = self._space(context)
         if self.hints is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefetch is disabled ([prefetch] enabled = false)")
+            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "prefetch is disabled ([prefetch] enabled = false)")
         if not request.trajectory_id:
             raise errors.InvalidRequest("trajectory_id must not be empty")
-        keys = _check_keys(request.keys)
-        predicted = self.hints.tool_call_start(request.trajectory_id, request.tool,
+        keys = space.internal_many(_check_keys(request.keys))
+        predicted = self.hints.tool_call_start(space.scoped(request.trajectory_id), request.tool,
                                                request.start_time or None, keys)
         return pb.ToolCallStartReply(predicted_resume_time=predicted)
 
     @_unary
     def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
+        space = self._space(context)
         if self.hints is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefetch is disabled ([prefetch] enabled = false)")
-        known, observed = self.hints.resume(request.trajectory_id, request.time or None)
+            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "prefetch is disabled ([prefetch] enabled = false)")
+        known, observed = self.hints.resume(space.scoped(request.trajectory_id), request.time or None)
         return pb.ResumeReply(known=known, observed_seconds=observed)
 
     @_unary
     def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
+        space = self._space(context)
         if self.leases is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no HBM tier is configured ([tiers.hbm] enabled = false)")
+            raise _StatusError(grpc.StatusCode.UNIMPLEMENTED, "no HBM tier is configured ([tiers.hbm] enabled = false)")
         keys = _check_keys(request.keys)
-        lease_id, handles, expires_at = self.leases.lease(keys, request.ttl_seconds or None)
+        internal = space.internal_many(keys)
+        client_of = dict(zip(internal, keys))
+        lease_id, handles, expires_at = self.leases.lease(internal, request.ttl_seconds or None)
         return pb.LeaseReply(lease_id=lease_id, expires_at=expires_at, blocks=[
-            pb.BlockHandle(key=h.key, found=h.found, ipc_handle=h.ipc_handle, offset=h.offset,
-                           size=h.size, device=h.device) for h in handles])
+            pb.BlockHandle(key=client_of.get(h.key, h.key), found=h.found, ipc_handle=h.ipc_handle,
+                           offset=h.offset, size=h.size, device=h.device) for h in handles])
 
     @_unary
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
+        self._space(context)
         if self.leases is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no HBM tier is configured ([tiers.hbm] enabled = false)")
+            raise _StatusError(grpc.StatusCode.UNIMPLEMENTED, "no HBM tier is configured ([tiers.hbm] enabled = false)")
         return pb.ReleaseReply(released=self.leases.release(request.lease_id))
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``.
+def _denial_handlers(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcMethodHandler]:
+    """Handlers that fail a call with ``code``, one per request/response streaming kind."""
 
-    The comparison is constant-time (:func:`hmac.compare_digest`). The standard
-    health service stays open so that liveness probes need no secret.
+    def deny(request, context):
+        context.abort(code, message)
+
+    return {
+        "unary": grpc.unary_unary_rpc_method_handler(deny),
+        "stream_in": grpc.stream_unary_rpc_method_handler(deny),
+        "stream_out": grpc.unary_stream_rpc_method_handler(deny),
+        "stream_both": grpc.stream_stream_rpc_method_handler(deny),
+    }
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls whose ``authorization`` metadata carries no configured bearer token.
+
+    Args:
+        auth: an :class:`~kvstore.auth.Authenticator`, or a single token string (one
+            shared key space).
+
+    Every call is checked, streaming or not, known method or not; the comparison is
+    constant-time (see :mod:`kvstore.auth`). The standard health service stays open so
+    that liveness probes need no secret.
     """
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
-        self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
+    def __init__(self, auth: Authenticator | str):
+        self.auth = Authenticator({auth: ""}) if isinstance(auth, str) else auth
+        self._deny = _denial_handlers(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method or ""
         if method.startswith("/grpc.health.v1.Health/"):
             return continuation(handler_call_details)
-        got = b""
-        for k, v in handler_call_details.invocation_metadata or ():
-            if k == "authorization":
-                got = v.encode() if isinstance(v, str) else v
-        if hmac.compare_digest(got, self._expected):
+        if self.auth.tenant_for(handler_call_details.invocation_metadata) is not None:
             return continuation(handler_call_details)
-        if method.endswith("/Put") and not method.endswith("/PutInline"):
-            return self._deny_stream_in
-        if method.endswith("/Get"):
-            return self._deny_stream_out
-        return self._deny_unary
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return self._deny["unary"]
+        kind = {(False, False): "unary", (True, False): "stream_in", (False, True): "stream_out",
+                (True, True): "stream_both"}[(handler.request_streaming, handler.response_streaming)]
+        return self._deny[kind]
 
 
-__all__ = ["KVStoreService", "BearerTokenInterceptor", "status_for", "TierKind"]
+class RequestDecodeInterceptor(grpc.ServerInterceptor):
+    """Makes a request that does not decode reach the service as a :class:`MalformedRequest`
+    (answered INVALID_ARGUMENT with the decoder's message) instead of grpc's bare INTERNAL
+    "Exception deserializing request!". Applies to the KVStore service only."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or not method.startswith(SERVICE_PREFIX) or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return decode(data)
+            except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
+                return MalformedRequest(f"{type(e).__name__}: {e}")
+
+        return handler._replace(request_deserializer=lenient)
+
+
+__all__ = ["KVStoreService", "BearerTokenInterceptor", "RequestDecodeInterceptor", "MalformedRequest",
+           "status_for", "TierKind"]

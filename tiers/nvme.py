@@ -33,6 +33,11 @@ files are outside the capacity accounting and bounded (``spare_files``, ``spare_
 
 Reads verify the size and the checksum of every block on every read; a missing,
 truncated or altered file raises :class:`kvstore.errors.CorruptBlock`, never wrong bytes.
+
+Disk full (ENOSPC/EDQUOT while writing, e.g. a capacity larger than the free space): the
+write raises :class:`DiskFull` (a TierFull and a TierIOError); from then on the tier's
+capacity is what the disk can take (its blocks, spare files and free space) until the disk
+has room for the configured capacity again, so the manager evicts instead of failing.
 """
 
 from __future__ import annotations
@@ -70,6 +75,15 @@ _INDEX_VALUE = struct.Struct("<QQd")
 _HEX = frozenset("0123456789abcdef")
 _ZEROS = memoryview(bytes(PAGE))
 _MIN_BOUNCE = 1 << 20
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(TierIOError, TierFull):
+    """The filesystem ran out of space before the tier reached its configured capacity
+    (a capacity larger than the free space, or other files filling the disk). It is a
+    TierFull (RESOURCE_EXHAUSTED to clients) and, for callers that expect I/O errors from
+    writes, a TierIOError. The tier then holds its capacity to what the disk can take
+    (see ``NVMeTier.capacity_bytes``)."""
 
 
 def disk_bytes(nbytes: int) -> int:
@@ -338,6 +352,7 @@ class NVMeTier(Tier):
         self.io = "posix"
         self.path = os.path.abspath(os.fspath(path))
         self._capacity = int(capacity_bytes)
+        self._disk_limited = False          # the disk filled up before the capacity: see _disk_room
         self._fsync = bool(fsync)
         self._blocks_dir = os.path.join(self.path, "blocks")
         self._lock = threading.Lock()
@@ -448,7 +463,9 @@ class NVMeTier(Tier):
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        """The configured capacity; after the disk filled up (:class:`DiskFull`), what the
+        disk can take, until it has room for the configured capacity again."""
+        return self._disk_room() if self._disk_limited else self._capacity
 
     @property
     def used_bytes(self) -> int:
@@ -466,7 +483,7 @@ class NVMeTier(Tier):
         return len(self._index)
 
     def fits(self, nbytes: int) -> bool:
-        return nbytes >= 0 and self._used + disk_bytes(nbytes) <= self._capacity
+        return nbytes >= 0 and self._used + disk_bytes(nbytes) <= self.capacity_bytes
 
     def size_of(self, key: bytes) -> int:
         return self._index[key][0]
@@ -482,9 +499,10 @@ class NVMeTier(Tier):
         with self._lock:
             if key in self._index or key in self._pending:
                 raise ValueError(f"block {key.hex()[:16]} already present in {self.name}")
-            if self._used + disk > self._capacity:
+            capacity = self.capacity_bytes
+            if self._used + disk > capacity:
                 raise TierFull(f"{self.name}: {nbytes} bytes do not fit "
-                               f"({self._used}/{self._capacity} bytes used)")
+                               f"({self._used}/{capacity} bytes used)")
             self._used += disk
             self._pending[key] = _Pending(nbytes, disk)
 
@@ -534,8 +552,35 @@ class NVMeTier(Tier):
                 _pwrite_all(p.fd, src, offset)
         except OSError as e:
             self._discard(key, p)
-            what = "disk full" if e.errno == errno.ENOSPC else str(e)
-            raise TierIOError(f"{self.name}: writing block {key.hex()[:16]} failed: {what}") from e
+            if e.errno in _DISK_FULL:
+                raise self._disk_full(f"writing block {key.hex()[:16]} failed: disk full") from e
+            raise TierIOError(f"{self.name}: writing block {key.hex()[:16]} failed: {e}") from e
+
+    def _disk_full(self, what: str) -> DiskFull:
+        """The filesystem is full: from now on the capacity follows the room on the disk
+        (:meth:`_disk_room`), so the manager evicts from this tier to make room instead of
+        failing every later write. Returns the error to raise."""
+        self._disk_limited = True
+        room = self._disk_room()
+        log.warning("%s: %s; capacity held to the %d bytes the disk can take (configured %d) "
+                    "until it has room again", self.name, what, room, self._capacity)
+        return DiskFull(f"{self.name}: {what} (capacity now {room} bytes)")
+
+    def _disk_room(self) -> int:
+        """Bytes this tier can hold on its disk: its blocks, its spare files (reused for new
+        blocks) and the free space; the configured capacity again once that is reached."""
+        try:
+            st = os.statvfs(self.path)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
+        room = self._used + self.spare_bytes + free
+        if room >= self._capacity:
+            if self._disk_limited:
+                log.info("%s: the disk has room again; capacity back to %d bytes", self.name, self._capacity)
+            self._disk_limited = False
+            return self._capacity
+        return room
 
     def _stage(self, p: _Pending, src: memoryview) -> None:
         """O_DIRECT: copy ``src`` into the bounce buffer, writing it out whenever it is
@@ -594,6 +639,8 @@ class NVMeTier(Tier):
                 self._index[key] = entry
         except (OSError, lmdb.Error) as e:
             self._discard(key, p, final if renamed else None)
+            if isinstance(e, OSError) and e.errno in _DISK_FULL:
+                raise self._disk_full(f"committing block {key.hex()[:16]} failed: disk full") from e
             raise TierIOError(f"{self.name}: committing block {key.hex()[:16]} failed: {e}") from e
         finally:
             if p.bounce is not None:

@@ -1,0 +1,384 @@
+"""Helpers of the reliability tests: keys and payloads that check themselves, a daemon in
+a subprocess (kill, restart, RSS), an audit of an NVMe folder, in-memory tiers with
+fault hooks for manager-level tests.
+
+Payloads are derived from keys (:func:`payload`), so any byte served can be checked
+against its key: a partial, shifted, stale or foreign block never passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import lmdb
+import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.errors import TierFull, TierIOError
+from tiers.base import Tier, TierKind, check_ranges
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+INDEX_VALUE = struct.Struct("<QQd")      # tiers/nvme.py's index value: size, xxh3_64, time
+PAGE = 4096
+
+
+# ---------------------------------------------------------------------------- keys, payloads
+
+def key(i: int, tag: str = "k") -> bytes:
+    """A 32-byte block key, well spread (the NVMe tier fans files out by its first bytes)."""
+    return hashlib.sha256(f"{tag}:{i}".encode()).digest()
+
+
+def size_for(k: bytes, lo: int = 1024, hi: int = 256 << 10) -> int:
+    """A payload size in ``[lo, hi)`` bytes derived from the key."""
+    return lo + int.from_bytes(k[:4], "big") % (hi - lo)
+
+
+def payload(k: bytes, n: int | None = None, variant: int = 0) -> bytes:
+    """``n`` bytes (default :func:`size_for`) derived from the key and the position in the
+    block (SHAKE-128 stream): truncated, shifted or foreign data never matches."""
+    n = size_for(k) if n is None else n
+    return hashlib.shake_128(b"payload/%d/" % variant + k).digest(n)
+
+
+def is_payload_of(k: bytes, data: bytes, n: int | None = None) -> bool:
+    n = size_for(k) if n is None else n
+    return len(data) == n and data == payload(k, n)
+
+
+# ---------------------------------------------------------------------------- config files
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def write_toml(path: pathlib.Path, data: dict) -> pathlib.Path:
+    """Write nested dicts of str/int/bool as TOML tables (enough for daemon configs)."""
+    lines: list[str] = []
+
+    def table(prefix: str, d: dict) -> None:
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        if prefix:
+            lines.append(f"[{prefix}]")
+        for k, v in scalars.items():
+            lines.append(f'"{k}" = {_toml_value(v)}')
+        for k, v in d.items():
+            if isinstance(v, dict):
+                table(f"{prefix}.{k}" if prefix else k, v)
+
+    table("", data)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def short_socket_dir() -> pathlib.Path:
+    """A short folder for unix sockets (their paths are limited to ~107 bytes)."""
+    return pathlib.Path(tempfile.mkdtemp(prefix="kvs-rel-"))
+
+
+# ---------------------------------------------------------------------------- daemon process
+
+class DaemonProcess:
+    """``kvstore serve --config FILE`` in a subprocess.
+
+    Args:
+        config: the TOML file.
+        address: the gRPC target it listens on (``unix:...`` or ``127.0.0.1:port``).
+        log_path: stdout and stderr of the daemon go here (shown when it fails to start).
+    """
+
+    def __init__(self, config: pathlib.Path, address: str, log_path: pathlib.Path):
+        self.config = config
+        self.address = address
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True, timeout: float = 30.0) -> "DaemonProcess":
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(self.config)],
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+        finally:
+            log.close()
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until the health service says SERVING. Raises RuntimeError with the log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with grpc.insecure_channel(self.address) as ch:
+                    reply = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon not ready after {timeout}s:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (graceful: the tiers are closed) and wait; returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise RuntimeError(f"daemon ignored SIGTERM for {timeout}s:\n{self.log_tail()}")
+        return self.proc.returncode
+
+    def status(self, field: str) -> int:
+        """A ``kB`` field of ``/proc/PID/status`` in bytes (VmRSS, VmHWM = peak RSS)."""
+        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(field)
+
+
+# ---------------------------------------------------------------------------- NVMe audit
+
+def nvme_audit(path: pathlib.Path, verify_checksums: bool = True) -> dict:
+    """Compare an NVMe tier folder's LMDB index with its block files (tier closed).
+
+    Returns counts: ``indexed``, ``files``, ``temp`` (``*.tmp``), ``orphans`` (block files
+    without an index entry), ``missing`` (index entries without a file), ``bad_size``,
+    ``bad_checksum``, ``misplaced`` (not under ``ab/cd/`` of their own name), ``other``
+    (anything else under ``blocks/``), and ``keys`` (the indexed keys).
+    """
+    path = pathlib.Path(path)
+    out = dict(indexed=0, files=0, temp=0, orphans=0, missing=0, bad_size=0, bad_checksum=0,
+               misplaced=0, other=0, keys=set())
+    index: dict[bytes, tuple[int, int, float]] = {}
+    if (path / "index").exists():
+        env = lmdb.open(str(path / "index"), readonly=True, lock=False, subdir=True)
+        try:
+            with env.begin() as txn:
+                for k, v in txn.cursor():
+                    index[bytes(k)] = INDEX_VALUE.unpack(v)
+        finally:
+            env.close()
+    out["indexed"] = len(index)
+    out["keys"] = set(index)
+    seen: set[bytes] = set()
+    blocks = path / "blocks"
+    for f in (blocks.rglob("*") if blocks.exists() else ()):
+        if f.is_dir():
+            continue
+        name = f.name
+        if name.endswith(".tmp"):
+            out["temp"] += 1
+            continue
+        try:
+            k = bytes.fromhex(name)
+        except ValueError:
+            out["other"] += 1
+            continue
+        if len(k) != 32:
+            out["other"] += 1
+            continue
+        out["files"] += 1
+        rel = f.relative_to(blocks).parts
+        if rel[:2] != (name[:2], name[2:4]) or len(rel) != 3:
+            out["misplaced"] += 1
+        if k not in index:
+            out["orphans"] += 1
+            continue
+        seen.add(k)
+        size, checksum, _ = index[k]
+        st = f.stat()
+        if st.st_size not in (size, -(-max(size, 1) // PAGE) * PAGE):
+            out["bad_size"] += 1
+            continue
+        if verify_checksums:
+            with open(f, "rb") as fh:
+                data = fh.read(size)
+            if xxhash.xxh3_64_intdigest(data) != checksum:
+                out["bad_checksum"] += 1
+    out["missing"] = len(set(index) - seen)
+    return out
+
+
+# ---------------------------------------------------------------------------- in-memory tiers
+
+class MemTier(Tier):
+    """A tier in a dict, with byte accounting and fault hooks for manager-level tests.
+
+    Hooks (all optional, settable at any time):
+        write_gate: a threading.Event that ``write`` waits on (a hung write; it times out
+            after ``gate_timeout`` s and then raises TierIOError, like an I/O error).
+        fail_writes: ``write`` raises TierIOError (a failing medium).
+        read_gate: a threading.Event that ``read`` waits on (a slow read); ``reading``
+            is set when a read is inside the gate.
+    """
+
+    def __init__(self, kind: TierKind, capacity: int, name: str | None = None):
+        self.kind = kind
+        self.name = name or kind.name.lower()
+        self._capacity = capacity
+        self._used = 0
+        self.data: dict[bytes, bytes] = {}
+        self._reserved: dict[bytes, bytearray] = {}
+        self._written: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self.write_gate: threading.Event | None = None
+        self.gate_timeout = 20.0
+        self.writing = threading.Event()
+        self.fail_writes = False
+        self.read_gate: threading.Event | None = None
+        self.reading = threading.Event()
+        self.writes = 0
+        self.waiting_writes = 0        # calls now held at write_gate
+        self.waiting_reads = 0         # calls now held at read_gate
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def fits(self, nbytes: int) -> bool:
+        return self._used + nbytes <= self._capacity
+
+    def reserve(self, key: bytes, nbytes: int) -> None:
+        with self._lock:
+            if key in self.data or key in self._reserved:
+                raise ValueError(f"block {key.hex()[:16]} already present in {self.name}")
+            if self._used + nbytes > self._capacity:
+                raise TierFull(f"{self.name}: {nbytes} bytes do not fit ({self._used}/{self._capacity})")
+            self._used += nbytes
+            self._reserved[key] = bytearray(nbytes)
+            self._written[key] = 0
+
+    def write(self, key: bytes, offset: int, data) -> None:
+        self.writes += 1
+        gate = self.write_gate
+        if gate is not None:
+            self.writing.set()
+            with self._lock:
+                self.waiting_writes += 1
+            try:
+                if not gate.wait(self.gate_timeout):
+                    raise TierIOError(f"{self.name}: write of {key.hex()[:16]} hung for {self.gate_timeout}s")
+            finally:
+                with self._lock:
+                    self.waiting_writes -= 1
+        if self.fail_writes:
+            raise TierIOError(f"{self.name}: injected write failure")
+        data = bytes(data)
+        with self._lock:
+            buf = self._reserved.get(key)
+            if buf is None:
+                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            if offset != self._written[key] or offset + len(data) > len(buf):
+                raise ValueError(f"bad chunk at {offset}")
+            buf[offset:offset + len(data)] = data
+            self._written[key] = offset + len(data)
+
+    def commit(self, key: bytes) -> None:
+        with self._lock:
+            buf = self._reserved.get(key)
+            if buf is None:
+                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            if self._written[key] != len(buf):
+                raise ValueError(f"block {key.hex()[:16]}: incomplete")
+            del self._reserved[key], self._written[key]
+            self.data[key] = bytes(buf)
+
+    def abort(self, key: bytes) -> None:
+        with self._lock:
+            buf = self._reserved.pop(key, None)
+            if buf is not None:
+                del self._written[key]
+                self._used -= len(buf)
+
+    def read(self, key: bytes, ranges=None) -> bytes:
+        if key not in self.data:
+            raise KeyError(key)
+        gate = self.read_gate
+        if gate is not None:
+            self.reading.set()
+            with self._lock:
+                self.waiting_reads += 1
+            try:
+                gate.wait(self.gate_timeout)
+            finally:
+                with self._lock:
+                    self.waiting_reads -= 1
+        data = self.data[key]     # after the wait: a block freed meanwhile is a KeyError here
+        if ranges:
+            check_ranges(ranges, len(data))
+            return b"".join(data[o:o + n] for o, n in ranges)
+        return data
+
+    def size_of(self, key: bytes) -> int:
+        return len(self.data[key])
+
+    def free(self, key: bytes) -> None:
+        with self._lock:
+            data = self.data.pop(key)
+            self._used -= len(data)
+
+
+def run_in_thread(fn, *args, **kwargs):
+    """Start ``fn`` in a daemon thread; returns ``(thread, box)`` where ``box`` gets
+    ``"result"`` or ``"error"``."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box

@@ -1,0 +1,145 @@
+"""Disk full: the NVMe tier's folder on a small filesystem (an 8 MiB tmpfs, mounted by the
+test when it runs as root) while its configured capacity is 64 MiB; and, everywhere, an
+injected ENOSPC.
+
+Expected: a put that hits the full disk fails with RESOURCE_EXHAUSTED (or, when the block
+was being demoted, a clear error naming the disk), the tier lowers its capacity to what it
+holds, later puts evict instead of failing, the daemon keeps serving, and nothing served is
+ever corrupt.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import daemon_config
+from kvstore import errors
+from kvstore.client import KVStoreClient
+from kvstore.serve import start_server
+from rel_support import key, payload
+
+BLOCK = 256 << 10
+FS_BYTES = 8 << 20
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """An 8 MiB tmpfs at ``tmp_path/small``; skips when it cannot be mounted."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command to make a small filesystem")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES},mode=0700", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount an {FS_BYTES >> 20} MiB tmpfs (needs root): {done.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def put_many(c: KVStoreClient, tag: str, n: int) -> tuple[list[bytes], list[str]]:
+    """Put ``n`` blocks one by one; returns the acknowledged keys and the errors."""
+    acked, failures = [], []
+    for i in range(n):
+        k = key(i, tag)
+        try:
+            c.put([(k, payload(k, BLOCK))])
+            acked.append(k)
+        except errors.KVStoreError as e:
+            failures.append(str(e))
+    return acked, failures
+
+
+def check_served(c: KVStoreClient, keys: list[bytes]) -> int:
+    """Every block served is whole and right; returns how many are served."""
+    served = 0
+    for i in range(0, len(keys), 16):
+        for g in c.get(keys[i:i + 16]):
+            if g.found:
+                assert g.data == payload(g.key, BLOCK), f"corrupt block {g.key.hex()[:16]} served"
+                served += 1
+    return served
+
+
+@pytest.mark.parametrize("layout", ["nvme only", "host and nvme"])
+def test_disk_smaller_than_the_configured_capacity(small_fs, layout):
+    extra = {"tiers": {"host": {"enabled": False}}} if layout == "nvme only" else None
+    d = start_server(daemon_config(small_fs, host="1MiB", nvme="64MiB", extra=extra))
+    try:
+        with KVStoreClient(d.address, timeout=20) as c:
+            acked, failures = put_many(c, "df", 3 * FS_BYTES // BLOCK)      # 3x what the disk holds
+            assert failures, "the 8 MiB filesystem never filled up"
+            for f in failures:
+                if layout == "nvme only":
+                    assert f.startswith("RESOURCE_EXHAUSTED") and "disk full" in f, f
+                else:
+                    assert "disk full" in f, f
+            assert len(failures) <= 2, f"the tier did not adapt to the full disk: {len(failures)} failures"
+            _, later = put_many(c, "df-after", 8)                           # puts now evict instead
+            assert later == []
+            served = check_served(c, acked)
+            assert 0 < served < len(acked)                                   # evicted ones are misses
+            stats = c.stats()
+            nvme = next(t for t in stats["tiers"] if t["name"] == "nvme")
+            assert nvme["capacity_bytes"] <= FS_BYTES and nvme["used_bytes"] <= nvme["capacity_bytes"]
+            assert stats["counters"].get("corrupt_blocks", 0) == 0
+            assert stats["counters"]["evictions_nvme"] > 0
+        d.manager.drain(20) if hasattr(d.manager, "drain") else None
+    finally:
+        d.stop(0)
+    # after a restart the blocks on the full disk are all intact
+    d = start_server(daemon_config(small_fs, host="1MiB", nvme="64MiB", extra=extra))
+    try:
+        with KVStoreClient(d.address, timeout=20) as c:
+            assert check_served(c, acked) > 0
+    finally:
+        d.stop(0)
+
+
+def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, monkeypatch):
+    """The same path without root: ``os.pwrite`` fails with ENOSPC while ``full`` is set."""
+    d = start_server(daemon_config(tmp_path, host="1MiB", nvme="64MiB",
+                                   extra={"tiers": {"host": {"enabled": False}}}))
+    real_pwrite, real_statvfs = os.pwrite, os.statvfs
+    full = {"on": False}
+
+    def pwrite(fd, data, offset):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        if not full["on"]:
+            return st
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0) + tuple(st)[5:])
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    try:
+        nvme = d.manager.tiers[0]
+        with KVStoreClient(d.address, timeout=20) as c:
+            acked, failures = put_many(c, "before", 6)
+            assert failures == []
+            full["on"] = True
+            _, failures = put_many(c, "full", 1)
+            assert len(failures) == 1 and failures[0].startswith("RESOURCE_EXHAUSTED"), failures
+            assert nvme.capacity_bytes == nvme.used_bytes + nvme.spare_bytes == 6 * BLOCK
+            assert check_served(c, acked) == 6                              # nothing lost or damaged
+            assert c.lookup([key(0, "full")]).hit_blocks == 0
+            nvme_stats = next(t for t in c.stats()["tiers"] if t["name"] == "nvme")
+            assert nvme_stats["capacity_bytes"] == 6 * BLOCK                # the stats show the limit
+            full["on"] = False                                              # room again (files deleted)
+            more, failures = put_many(c, "after", 3)
+            assert failures == [] and check_served(c, more) == 3
+            assert check_served(c, acked) == 6
+            assert nvme.capacity_bytes == 64 << 20
+            assert c.stats()["counters"].get("corrupt_blocks", 0) == 0
+    finally:
+        monkeypatch.undo()
+        d.stop(0)
