@@ -248,23 +248,30 @@ class TierManager:
         entry = self._entries[key]
         lower = [j for j in entry.tiers if j > i]
         if not lower and i + 1 < len(self.tiers):
-            try:
-                t = self._start_transfer(key, entry, i, i + 1)
-            except (TierFull, NoVictim) as e:
-                # The next tier cannot take it (full of pinned blocks, or the block is
-                # larger than it): the block is dropped from the store, and counted.
-                log.debug("demotion of %s to %s impossible (%s); dropping it",
-                          key.hex()[:16], self.tiers[i + 1].name, e)
-                self.counters["demotions_failed"] += 1
-            else:
-                self._run_transfer(t, wait=True)
-                if not t.ok:
+            for attempt in (1, 2):
+                try:
+                    t = self._start_transfer(key, entry, i, i + 1)
+                except TierIOError:
+                    raise
+                except (TierFull, NoVictim) as e:
+                    # The next tier cannot take it (full of pinned blocks, or the block is
+                    # larger than it): the block is dropped from the store, and counted.
+                    log.warning("demotion of block %s to %s impossible (%s); dropping it",
+                                key.hex()[:16], self.tiers[i + 1].name, e)
                     self.counters["demotions_failed"] += 1
-                    raise TierIOError(f"demotion of block {key.hex()[:16]} from {self.tiers[i].name} to "
-                                      f"{self.tiers[i + 1].name} failed: {t.error}")
-                self.counters["demotions"] += 1
-                if self._entries.get(key) is not entry or i not in entry.tiers or entry.pins:
-                    return  # deleted, or read again while it was copied: keep the clean copy
+                    break
+                self._run_transfer(t, wait=True)
+                if t.ok:
+                    self.counters["demotions"] += 1
+                    if self._entries.get(key) is not entry or i not in entry.tiers or entry.pins:
+                        return  # deleted, or read again while it was copied: keep the clean copy
+                    break
+                self.counters["demotions_failed"] += 1
+                if isinstance(t.error, TierFull) and attempt == 1:
+                    continue   # the disk filled up: the tier now evicts to fit, so retry once
+                cls = TierFull if isinstance(t.error, TierFull) else TierIOError
+                raise cls(f"demotion of block {key.hex()[:16]} from {self.tiers[i].name} to "
+                          f"{self.tiers[i + 1].name} failed: {t.error}")
         self.tiers[i].free(key)
         self.policies[i].evicted(key)
         entry.tiers.remove(i)
@@ -284,6 +291,9 @@ class TierManager:
         """
         existing = self._moving.get((key, dst))
         if existing is not None:
+            if existing.abandoned:
+                raise TierIOError(f"an earlier copy of block {key.hex()[:16]} to {self.tiers[dst].name} "
+                                  "is stuck (timed out); not retrying until it returns")
             return existing
         if dst in entry.tiers:
             return Transfer.finished(key, src, dst)
@@ -367,6 +377,8 @@ class TierManager:
 
         The destination reservation is dropped when the stuck I/O returns.
         """
+        if t.abandoned or t.done.is_set():
+            return
         t.abandoned = True
         t.error = TimeoutError(f"transfer did not finish in {self.transfer_timeout_s}s")
         self.counters["transfers_timed_out"] += 1
@@ -403,8 +415,11 @@ class TierManager:
 
         if self._queues is None:
             job()
-        else:
+            return
+        try:
             self._queues.submit(src, dst, job)
+        except RuntimeError:   # queues stopped: the manager is closing
+            log.debug("copy of %s skipped: transfer queues are stopped", key.hex()[:16])
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued transfer has finished (tests, shutdown)."""
@@ -441,22 +456,43 @@ class TierManager:
                 if remaining <= 0:
                     raise TimeoutError(f"block {key.hex()[:16]} is still being written or read by another client")
                 self._changed.wait(remaining)
-            errors = []
-            now = self.clock()
-            for i, tier in enumerate(self.tiers):
-                if not self.policies[i].admit(key, nbytes, now):
-                    continue
+            # Claim the key before making room: _make_room may release the lock while it
+            # waits on a demotion, and a second put of the same key must wait, not reserve.
+            pending = PendingWrite(key, -1, nbytes)
+            self._pending[key] = pending
+            try:
+                pending.tier = self._reserve_somewhere(key, nbytes)
+            except BaseException:
+                del self._pending[key]
+                self._changed.notify_all()
+                raise
+            return PutOutcome(key, already_present=False, pending=pending)
+
+    def _reserve_somewhere(self, key: bytes, nbytes: int) -> int:
+        """Reserve ``nbytes`` for ``key`` in the fastest tier that admits it. Lock held.
+
+        Returns the tier index. Raises TierFull when no tier has or can make room.
+        """
+        errors = []
+        now = self.clock()
+        for i, tier in enumerate(self.tiers):
+            if not self.policies[i].admit(key, nbytes, now):
+                continue
+            for _attempt in range(3):   # room made while the lock was released may be taken
                 try:
                     self._make_room(i, nbytes, incoming=key)
                     tier.reserve(key, nbytes)
+                    return i
+                except TierIOError as err:
+                    if not isinstance(err, TierFull):
+                        raise
+                    errors.append(f"{tier.name}: {err}")
                 except (TierFull, NoVictim) as err:
                     errors.append(f"{tier.name}: {err}")
-                    continue
-                pending = PendingWrite(key, i, nbytes)
-                self._pending[key] = pending
-                return PutOutcome(key, already_present=False, pending=pending)
-            self.counters["puts_rejected_full"] += 1
-            raise TierFull(f"no tier can hold a {nbytes}-byte block: " + "; ".join(errors))
+                    if nbytes > getattr(tier, "max_block_bytes", tier.capacity_bytes) or isinstance(err, NoVictim):
+                        break
+        self.counters["puts_rejected_full"] += 1
+        raise TierFull(f"no tier can hold a {nbytes}-byte block: " + "; ".join(errors[-3:]))
 
     def write_chunk(self, pending: PendingWrite, offset: int, data: memoryview | bytes) -> None:
         """Copy one chunk of an open put (in order). Runs without the manager lock.
@@ -502,9 +538,7 @@ class TierManager:
             self._changed.notify_all()
             if self.write_policy == WRITE_THROUGH:
                 for j in range(pending.tier + 1, len(self.tiers)):
-                    if self._queues is not None:
-                        self._copy_later(pending.key, pending.tier, j)
-                        continue
+                    # acknowledged only once every lower copy exists (crash-safe)
                     try:
                         self._copy(pending.key, entry, pending.tier, j)
                         self.counters["write_through_copies"] += 1

@@ -49,14 +49,7 @@ def settle(d, expected, what: str) -> None:
     assert usage(d) == expected, what
 
 
-SAME_KEY_RACE = ("manager rework: begin_put waits for a demotion with the lock released before it "
-                 "registers the pending write, so two puts of one key both reserve it; the second gets "
-                 "ValueError 'already present' (INTERNAL). Deterministic version in test_rel_faults.py")
-
-
-def test_same_key_written_concurrently_by_many_clients(layout_daemon, request):
-    if request.node.callspec.params["layout_daemon"] == "host+nvme":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=SAME_KEY_RACE))
+def test_same_key_written_concurrently_by_many_clients(layout_daemon):
     d = layout_daemon
     baseline = usage(d)
     writers = 8

@@ -73,7 +73,10 @@ def test_disk_smaller_than_the_configured_capacity(small_fs, layout):
     try:
         with KVStoreClient(d.address, timeout=20) as c:
             acked, failures = put_many(c, "df", 3 * FS_BYTES // BLOCK)      # 3x what the disk holds
-            assert failures, "the 8 MiB filesystem never filled up"
+            if layout == "nvme only":
+                assert failures, "the 8 MiB filesystem never filled up"
+            # with host + NVMe, a demotion that hits the full disk is retried once after the
+            # NVMe tier shrank to what the disk holds, so puts may all succeed by evicting
             for f in failures:
                 if layout == "nvme only":
                     assert f.startswith("RESOURCE_EXHAUSTED") and "disk full" in f, f

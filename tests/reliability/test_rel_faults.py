@@ -113,9 +113,6 @@ def test_hung_demotion_times_out_releases_pins_and_never_blocks_readers():
         m.close()
 
 
-@pytest.mark.xfail(strict=True, reason="manager rework: a second eviction of a block whose demotion is "
-                                      "still stuck re-abandons the same Transfer and unpins it again "
-                                      "(pins -1: the block can never be evicted or demoted)")
 def test_retried_eviction_of_a_block_whose_demotion_is_stuck():
     """A disk that hangs for longer than the transfer timeout: every following put picks the
     same victim again while the first copy is still stuck. Pins must stay balanced."""
@@ -151,9 +148,6 @@ def test_failing_demotion_keeps_the_block_and_fails_visibly():
         m.close()
 
 
-@pytest.mark.xfail(strict=True, reason="manager rework: with async_moves, write-through copies are queued "
-                                      "(_copy_later) and the put is acknowledged before the NVMe copy "
-                                      "exists; a daemon crash then loses acknowledged blocks")
 def test_write_through_put_is_acknowledged_after_the_lower_copy():
     """``write = "write_through"``: when put returns, the NVMe copy exists, so a crash of
     the daemon right after the acknowledgement loses nothing (write-back does not promise
@@ -174,10 +168,6 @@ def test_write_through_put_is_acknowledged_after_the_lower_copy():
         m.close()
 
 
-@pytest.mark.xfail(strict=True, reason="manager rework: begin_put releases the lock while it makes room "
-                                      "(waiting on a demotion) before registering the pending write, so a "
-                                      "second put of the same key passes the 'being written' check too and "
-                                      "its reserve fails: ValueError 'already present in host'")
 def test_same_key_put_twice_while_room_is_being_made():
     m = make(host_blocks=2, nvme_blocks=10)
     nvme = m.tiers[1]
