@@ -1,0 +1,35 @@
+"""Optional hint interfaces a policy may implement on top of :class:`EvictionPolicy`.
+
+The manager never calls these; the agent-aware components do:
+
+- :class:`UsesReuseModel`: the policy reads learned reuse statistics from a shared
+  :class:`kvstore.predictor.ReuseModel` (``next_use``). The
+  :class:`kvstore.prefetch.PrefetchScheduler` (daemon) and ``kvstore simulate`` feed
+  the model every request's keys and :meth:`attach` it to every policy that wants it.
+- :class:`AcceptsNextUse`: the policy takes explicit predicted next-use times for keys
+  (``next_use`` from tool-call predictions, ``opt`` from the simulator's oracle).
+
+Both are checked with ``isinstance`` (runtime protocols), so a policy opts in by
+defining the method; :class:`kvstore.policy.lru.LRUPolicy` and the other classic
+policies simply ignore hints.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..predictor import ReuseModel
+
+
+@runtime_checkable
+class UsesReuseModel(Protocol):
+    def attach(self, model: "ReuseModel") -> None:
+        """Use ``model`` (shared by all tiers) for record membership and reuse distances."""
+
+
+@runtime_checkable
+class AcceptsNextUse(Protocol):
+    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
+        """Predicted next use of ``keys``: one time for all, or one per key (seconds, same
+        clock as ``now``; ``math.inf`` = never). ``keys`` are in prefix order."""

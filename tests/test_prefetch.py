@@ -1,0 +1,162 @@
+"""The prefetch scheduler: predictions, timed promotion, protection, and a small workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore import simulate
+from kvstore.agent_trace import AgentWorkload, generate
+from kvstore.config import PrefetchConfig
+from kvstore.manager import TierManager
+from kvstore.policy import make_policy
+from kvstore.prefetch import PrefetchScheduler
+from kvstore.trace import Request
+from tiers.base import TierKind
+from tiers.null import NullTier
+
+BLOCK = 100
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def key(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def make(enabled: bool = True, hbm_blocks: int = 4, policy: str = "lru"):
+    clock = Clock()
+    tiers = [NullTier(TierKind.HBM, hbm_blocks * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
+    policies = [make_policy(policy, t.capacity_bytes) for t in tiers]
+    m = TierManager(tiers, policies, clock=clock)
+    s = PrefetchScheduler(m, PrefetchConfig(enabled=enabled, quantile=0.5, lead_time_s=0.1, window=8),
+                          clock=clock, measure_bandwidth=False)
+    for tool, seconds in (("search", 10.0), ("fast", 2.0)):   # teach the predictor
+        for i in range(5):
+            s.tool_call_start(f"warm-{tool}-{i}", tool, 1.0, [])
+            s.resume(f"warm-{tool}-{i}", 1.0 + seconds)
+    s.stats.__init__()
+    return m, s, clock
+
+
+def put(m: TierManager, names: str) -> list[bytes]:
+    keys = [key(n) for n in names]
+    for k in keys:
+        m.put(k, bytes(BLOCK))
+    return keys
+
+
+def in_hbm(m: TierManager, keys) -> bool:
+    return all(k in m.tiers[0] for k in keys)
+
+
+def test_predicted_resume_and_unknown_resume():
+    m, s, clock = make()
+    assert s.tool_call_start("T", "search", 100.0, []) == pytest.approx(110.0)
+    assert s.tool_call_start("U", "never-seen", 100.0, []) > 100.0      # pooled estimate
+    assert s.resume("nobody", 105.0) == (False, 0.0)
+    assert s.resume("T", 112.0) == (True, pytest.approx(12.0))
+    assert s.stats.resumes == 1 and s.stats.resumes_unknown == 1
+    assert s.stats.abs_error_s == [pytest.approx(2.0)]
+
+
+@pytest.mark.parametrize("enabled, ready", [(True, 1.0), (False, 0.0)])
+def test_demoted_prefix_is_back_in_hbm_before_the_resume(enabled, ready):
+    m, s, clock = make(enabled)
+    clock.t = 100.0
+    t_keys = put(m, "abcd")
+    s.tool_call_start("T", "search", 100.0, t_keys)           # resumes at ~110
+    clock.t = 101.0
+    put(m, "wxyz")                                             # other work pushes T to host
+    assert not any(k in m.tiers[0] for k in t_keys)
+    clock.t = 105.0
+    s.tick(105.0)
+    assert not any(k in m.tiers[0] for k in t_keys)            # not due yet
+    due = s.next_due()
+    if enabled:   # 109.9 (the median less the lead time) less 4 blocks at 64 GB/s
+        assert due == pytest.approx(109.9 - 4 * BLOCK / 64e9, abs=1e-12)
+    else:
+        assert due == float("inf")
+    clock.t = 109.9
+    s.tick(109.9)
+    assert in_hbm(m, t_keys) == enabled
+    assert s.resume("T", 110.0) == (True, pytest.approx(10.0))
+    assert s.stats.ready_rate == ready
+    assert s.stats.promoted_bytes == (4 * BLOCK if enabled else 0)
+    assert s.stats.wasted_bytes == 0
+
+
+def test_promotion_never_evicts_a_trajectory_needed_sooner():
+    m, s, clock = make(hbm_blocks=4)
+    clock.t = 100.0
+    t_keys = put(m, "abc")
+    s.tool_call_start("T", "search", 100.0, t_keys)           # expected back at 110
+    clock.t = 101.0
+    put(m, "op")
+    clock.t = 107.95
+    v_keys = put(m, "vu")                                      # HBM now holds o p v u
+    s.tool_call_start("V", "fast", 107.95, v_keys)            # expected back at 109.95: sooner
+    clock.t = 109.9
+    s.tick(109.9)
+    assert in_hbm(m, v_keys)                                   # V kept
+    assert key("o") not in m.tiers[0] and key("p") not in m.tiers[0]
+    assert in_hbm(m, t_keys[:2]) and t_keys[2] not in m.tiers[0]   # head first, then blocked
+    assert s.stats.promotions_blocked == 1
+
+
+def test_waste_counts_promoted_blocks_evicted_before_use():
+    m, s, clock = make(hbm_blocks=4)
+    clock.t = 100.0
+    t_keys = put(m, "ab")
+    s.tool_call_start("T", "search", 100.0, t_keys)
+    clock.t = 101.0
+    put(m, "wxyz")
+    clock.t = 109.9
+    s.tick(109.9)
+    assert in_hbm(m, t_keys)
+    put(m, "qrst")                                             # LRU pushes the promoted blocks out
+    s.resume("T", 110.0)
+    assert s.stats.promoted_bytes == 2 * BLOCK
+    assert s.stats.wasted_bytes == 2 * BLOCK and s.stats.waste == 1.0
+    assert s.stats.ready_rate == 0.0
+
+
+def test_disabled_scheduler_moves_nothing_but_still_measures():
+    m, s, clock = make(enabled=False)
+    clock.t = 100.0
+    t_keys = put(m, "ab")
+    s.tool_call_start("T", "search", 100.0, t_keys)
+    s.tick(109.9)
+    assert s.next_due() == float("inf")
+    s.resume("T", 110.0)
+    assert s.stats.ready_rate == 1.0 and s.stats.promoted_blocks == 0
+
+
+def test_background_thread_starts_and_stops():
+    m, s, clock = make()
+    s.start()
+    s.start()            # idempotent
+    s.stop()
+    assert s._thread is None
+
+
+def test_small_generated_workload_prefetch_raises_readiness():
+    w = AgentWorkload(agents=6, duration_s=600.0, seed=1)
+    reqs_raw, events = generate(w)
+    reqs = [Request(float(r["timestamp"]), r["input_length"], r["output_length"], r["hash_ids"])
+            for r in reqs_raw]
+    tiers = [simulate.TierSpec("hbm", 60 * BLOCK, "next_use"), simulate.TierSpec("host", 10_000 * BLOCK, "next_use")]
+    out = {}
+    for enabled in (False, True):
+        r = simulate.run(reqs, tiers, block_bytes=BLOCK, events=events,
+                         prefetch=PrefetchConfig(enabled=enabled, quantile=0.1, lead_time_s=0.05))
+        out[enabled] = r.prefetch
+    assert out[False]["resumes"] == out[True]["resumes"] > 100
+    assert out[False]["promoted_bytes"] == 0
+    assert out[True]["ready_rate"] >= out[False]["ready_rate"] + 0.05
+    assert out[True]["waste"] <= 0.1

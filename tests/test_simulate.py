@@ -1,0 +1,160 @@
+"""``kvstore simulate``: counting, tiers, OPT ceiling, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+
+import pytest
+
+from kvstore import simulate
+from kvstore.trace import Request, read_mooncake_trace
+
+CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+                      / "mooncake_conversation_trace.jsonl")
+
+POLICIES = ("lru", "arc", "s3fifo", "next_use", "opt")
+
+
+def ideal_token_hit_rate(reqs: list[Request]) -> float:
+    """Infinite cache, prefix semantics, computed without the simulator."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in reqs:
+        k = 0
+        while k < len(r.hash_ids) and r.hash_ids[k] in seen:
+            k += 1
+        hit += r.input_length if k == len(r.hash_ids) else 512 * k
+        total += r.input_length
+        seen.update(r.hash_ids)
+    return hit / total
+
+
+def synthetic(n: int = 400, seed: int = 0) -> list[Request]:
+    """Conversations that grow and come back, plus one-off prompts, over a shared block 0."""
+    rng = random.Random(seed)
+    convs: list[list[int]] = []
+    next_id = 1
+    out = []
+    for i in range(n):
+        if convs and rng.random() < 0.5:
+            ids = rng.choice(convs)
+            ids.extend(range(next_id, next_id + rng.randint(1, 3)))
+            next_id = ids[-1] + 1
+        else:
+            ids = [0] + list(range(next_id, next_id + rng.randint(1, 6)))
+            next_id = ids[-1] + 1
+            convs.append(ids)
+        out.append(Request(i * 100.0, 512 * (len(ids) - 1) + rng.randint(1, 512), 10, list(ids)))
+    return out
+
+
+def one_tier(policy: str, blocks: int) -> list[simulate.TierSpec]:
+    return [simulate.TierSpec("host", blocks * 1024, policy)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_unbounded_capacity_gives_the_ideal_hit_rate(policy):
+    reqs = synthetic()
+    r = simulate.run(reqs, one_tier(policy, 10**9), block_bytes=1024, oracle=policy == "opt")
+    assert r.hit_rate == pytest.approx(ideal_token_hit_rate(reqs), abs=1e-12)
+    assert r.refused_puts == 0
+
+
+@pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason="../shared/data traces not present")
+def test_unbounded_on_the_conversation_trace_head_is_ideal():
+    reqs = read_mooncake_trace(CONVERSATION_TRACE)[:1500]
+    ideal = ideal_token_hit_rate(reqs)
+    for policy in ("lru", "next_use"):
+        assert simulate.run(reqs, one_tier(policy, 10**9), block_bytes=1024).hit_rate == pytest.approx(ideal)
+
+
+def test_opt_is_a_ceiling_for_every_online_policy():
+    reqs = synthetic(600, seed=2)
+    opt = simulate.opt_hit_rate(reqs, 40 * 1024, block_bytes=1024).hit_rate
+    for policy in POLICIES[:-1]:
+        r = simulate.run(reqs, one_tier(policy, 40), block_bytes=1024)
+        assert 0 < r.hit_rate <= opt + 1e-12, policy
+
+
+def test_hits_are_credited_to_the_tier_that_held_them():
+    # hbm holds 2 blocks (LRU), host the rest. [1 2 3] puts 1, 2, 3 and pushes 1 to host;
+    # the same request again hits 1 in host, 2 and 3 in hbm.
+    reqs = [Request(0.0, 1536, 1, [1, 2, 3]), Request(1.0, 1536, 1, [1, 2, 3])]
+    tiers = [simulate.TierSpec("hbm", 2 * 1024, "lru"), simulate.TierSpec("host", 100 * 1024, "lru")]
+    r = simulate.run(reqs, tiers, block_bytes=1024)
+    assert r.hit_tokens == {"hbm": 1024, "host": 512}
+    assert r.hit_rate == 0.5
+    assert r.tier_hit_rates == {"hbm": 1024 / 3072, "host": 512 / 3072}
+
+
+def test_the_last_block_counts_its_real_tokens_and_a_miss_stops_the_prefix():
+    reqs = [Request(0.0, 600, 1, [1, 2]), Request(1.0, 600, 1, [1, 2]),
+            Request(2.0, 1100, 1, [9, 2, 3])]         # block 2 is stored but its prefix missed
+    r = simulate.run(reqs, one_tier("lru", 100), block_bytes=1024)
+    assert r.hit_tokens == {"host": 600}
+    assert r.hit_blocks == 2 and r.blocks == 7
+
+
+def test_tiers_from_config_and_overrides():
+    from kvstore import config
+
+    cfg = config.from_dict({"tiers": {"hbm": {"enabled": True, "capacity": "2MiB"}, "host": {"capacity": "8MiB"},
+                                      "nvme": {"enabled": False}},
+                            "policy": {"eviction": "arc"}})
+    specs = simulate.tiers_from_config(cfg, first_tier_bytes=3 << 20, policy="s3fifo")
+    assert [(s.name, s.capacity_bytes, s.policy) for s in specs] == [("hbm", 3 << 20, "s3fifo"),
+                                                                      ("host", 8 << 20, "s3fifo")]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore")
+    simulate.register(p.add_subparsers())
+    return p
+
+
+def test_cli_help_and_a_sweep_with_json(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["simulate", "--help"])
+    assert e.value.code == 0
+    assert "--sweep" in capsys.readouterr().out
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                         "output_length": 1, "hash_ids": r.hash_ids}) + "\n"
+                             for r in synthetic(200)))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[tiers.host]\ncapacity = "64MiB"\n[tiers.nvme]\nenabled = false\n')
+    out = tmp_path / "r.json"
+    args = _parser().parse_args(["simulate", str(trace), "--config", str(cfg), "--sweep", "10,1000",
+                                 "--policies", "lru,next_use", "--json", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "host:lru" in printed and "OPT" in printed
+    rows = json.loads(out.read_text())
+    assert [(r["tiers"][0]["capacity_blocks"], r["tiers"][0]["policy"]) for r in rows] == \
+        [(10, "lru"), (10, "next_use"), (1000, "lru"), (1000, "next_use")]
+    for r in rows:
+        assert r["hit_rate"] <= r["opt_hit_rate"] + 1e-12
+    assert rows[2]["hit_rate"] == pytest.approx(ideal_token_hit_rate(synthetic(200)))
+
+
+def test_cli_reports_a_bad_trace(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{}\n")
+    args = _parser().parse_args(["simulate", str(bad)])
+    assert args.func(args) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    reqs = synthetic(100)
+    rs = []
+    for blocks in (5, 50):
+        r = simulate.run(reqs, one_tier("lru", blocks), block_bytes=1024)
+        r.opt_hit_rate = simulate.opt_hit_rate(reqs, blocks * 1024, block_bytes=1024).hit_rate
+        rs.append(r)
+    simulate.plot(rs, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

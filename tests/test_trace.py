@@ -1,0 +1,56 @@
+"""Mooncake trace reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstore.trace import Request, TraceError, block_key, parse_lines, read_mooncake_trace
+
+
+def line(**kw) -> str:
+    d = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    d.update(kw)
+    return json.dumps(d)
+
+
+def test_reads_and_sorts_by_timestamp(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join([line(timestamp=30), "", line(timestamp=10, hash_ids=[7, 8])]) + "\n")
+    reqs = read_mooncake_trace(p)
+    assert [r.timestamp_ms for r in reqs] == [10.0, 30.0]
+    assert reqs[0] == Request(10.0, 600, 5, [7, 8])
+    assert reqs[0].time_s == 0.01
+    assert reqs[0].block_tokens(0) == 512 and reqs[0].block_tokens(1) == 88
+    assert reqs[0].prefix_tokens(1) == 512 and reqs[0].prefix_tokens(2) == 600
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"input_length": 5, "output_length": 1, "hash_ids": [1]}), "missing field 'timestamp'"),
+    (line(timestamp=-1), "timestamp must be"),
+    (line(input_length="600"), "'input_length' must be a number"),
+    (line(hash_ids=[1]), "1 hash_ids for input_length 600"),
+    (line(hash_ids=[1, -2]), "hash_ids must hold integers >= 0"),
+    (line(hash_ids=[]), "non-empty list"),
+    (line(output_length=-3), "output_length must be >= 0"),
+])
+def test_malformed_lines_name_the_line(text, message):
+    with pytest.raises(TraceError, match=message) as e:
+        parse_lines([line(), text], name="x.jsonl")
+    assert "x.jsonl:2" in str(e.value)
+
+
+def test_missing_file_is_a_trace_error(tmp_path):
+    with pytest.raises(TraceError, match="cannot read trace"):
+        read_mooncake_trace(tmp_path / "absent.jsonl")
+
+
+def test_block_key_is_stable_and_matches_replay():
+    from kvstore.replay import trace_key
+
+    assert len(block_key(5)) == 32
+    assert block_key(5) == block_key(5) != block_key(6)
+    assert block_key(12345) == trace_key(12345)
