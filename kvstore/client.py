@@ -57,6 +57,7 @@ class PutResult:
     stored: int
     already_present: int
     bytes_stored: int
+    not_admitted: int = 0   # blocks no tier's admission policy wanted (not stored)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -174,7 +175,7 @@ class KVStoreClient:
                 reply = self._stub.Put(all_batches(), timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise translate(e) from None
-        return PutResult(reply.stored, reply.already_present, reply.bytes_stored)
+        return PutResult(reply.stored, reply.already_present, reply.bytes_stored, reply.not_admitted)
 
     def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
             stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:

@@ -46,7 +46,7 @@ Example (every key optional; these are the defaults unless noted)::
     enabled = false
     predictor = "quantile"
     lead_time_s = 0.05
-    quantile = 0.5
+    quantile = 0.1                # the prefix must be back in HBM by this quantile of the tool's duration
     window = 64
 
 Unknown keys and bad values raise :class:`kvstore.errors.ConfigError` naming the key,
@@ -138,7 +138,7 @@ class PrefetchConfig:
     enabled: bool = False
     predictor: str = "quantile"
     lead_time_s: float = 0.05
-    quantile: float = 0.5
+    quantile: float = 0.1
     window: int = 64
 
 

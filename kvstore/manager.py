@@ -91,11 +91,18 @@ class GetResult:
 
 @dataclass
 class PutOutcome:
-    """What :meth:`TierManager.begin_put` decided."""
+    """What :meth:`TierManager.begin_put` decided: the block is already stored, no tier's
+    admission policy wants it (``not_admitted``: a normal outcome, nothing stored), or
+    room was reserved (``pending``)."""
 
     key: bytes
     already_present: bool
     pending: PendingWrite | None = None
+    not_admitted: bool = False
+
+
+class _NotAdmitted(Exception):
+    """No tier's admission policy accepted the block (internal to the manager)."""
 
 
 @dataclass
@@ -173,6 +180,11 @@ class TierManager:
                     continue
                 self.policies[i].insert(key, nbytes, now)
                 self.counters["blocks_recovered"] += 1
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The catalogue lock: hold it to see (and change) a consistent placement."""
+        return self._lock
 
     # ------------------------------------------------------------------ queries
 
@@ -462,6 +474,11 @@ class TierManager:
             self._pending[key] = pending
             try:
                 pending.tier = self._reserve_somewhere(key, nbytes)
+            except _NotAdmitted:
+                del self._pending[key]
+                self._changed.notify_all()
+                self.counters["puts_not_admitted"] += 1
+                return PutOutcome(key, already_present=False, not_admitted=True)
             except BaseException:
                 del self._pending[key]
                 self._changed.notify_all()
@@ -471,13 +488,16 @@ class TierManager:
     def _reserve_somewhere(self, key: bytes, nbytes: int) -> int:
         """Reserve ``nbytes`` for ``key`` in the fastest tier that admits it. Lock held.
 
-        Returns the tier index. Raises TierFull when no tier has or can make room.
+        Returns the tier index. Raises TierFull when no tier has or can make room,
+        _NotAdmitted when no tier's policy admits the block.
         """
         errors = []
         now = self.clock()
+        admitted = False
         for i, tier in enumerate(self.tiers):
             if not self.policies[i].admit(key, nbytes, now):
                 continue
+            admitted = True
             for _attempt in range(3):   # room made while the lock was released may be taken
                 try:
                     self._make_room(i, nbytes, incoming=key)
@@ -491,6 +511,8 @@ class TierManager:
                     errors.append(f"{tier.name}: {err}")
                     if nbytes > getattr(tier, "max_block_bytes", tier.capacity_bytes) or isinstance(err, NoVictim):
                         break
+        if not admitted:
+            raise _NotAdmitted()
         self.counters["puts_rejected_full"] += 1
         raise TierFull(f"no tier can hold a {nbytes}-byte block: " + "; ".join(errors[-3:]))
 
@@ -557,9 +579,10 @@ class TierManager:
                 self._changed.notify_all()
 
     def put(self, key: bytes, data: bytes | memoryview) -> bool:
-        """Store a whole block in one call. Returns False when it was already stored."""
+        """Store a whole block in one call. Returns False when it was already stored or no
+        tier admitted it."""
         outcome = self.begin_put(key, len(data))
-        if outcome.already_present:
+        if outcome.already_present or outcome.not_admitted:
             return False
         assert outcome.pending is not None
         try:

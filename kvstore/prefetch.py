@@ -210,7 +210,7 @@ class PrefetchScheduler:
 
     def _mlock(self):
         """The manager's lock, so victim choice and demotion see one consistent state."""
-        return getattr(self.manager, "_lock", None) or nullcontext()
+        return getattr(self.manager, "lock", None) or nullcontext()
 
     def _hint(self, keys: Sequence[bytes], t: float, now: float) -> None:
         for p in self.manager.policies:

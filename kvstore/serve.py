@@ -177,7 +177,10 @@ def _bind(server: grpc.Server, cfg: Config) -> str:
 
 
 def _start_prefetch(cfg: Config, manager: TierManager):
-    if not cfg.prefetch.enabled:
+    """The prefetch scheduler: moves blocks when ``[prefetch] enabled``; with prefetch off it
+    still runs, observing only, when a policy learns from it (``next_use``)."""
+    from .policy.hints import UsesReuseModel
+    if not cfg.prefetch.enabled and not any(isinstance(p, UsesReuseModel) for p in manager.policies):
         return None
     from .prefetch import PrefetchScheduler
     scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.time)

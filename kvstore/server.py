@@ -198,7 +198,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         Error messages name blocks by the client's key; the manager sees ``space``'s keys.
         """
         m = self.manager
-        stored = present = nbytes = 0
+        stored = present = refused = nbytes = 0
         pending = None
         name = ""                      # the client key of ``pending`` (hex prefix), for messages
         skip_key: bytes | None = None
@@ -210,7 +210,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     raise errors.InvalidRequest(f"key has {len(client_key)} bytes; block keys are {KEY_BYTES} bytes")
                 key = space.internal(client_key)
                 if skip_key is not None and key == skip_key and chunk.offset > 0:
-                    # further chunks of a block that was already stored
+                    # further chunks of a block that is already stored or was not admitted
                     skip_left -= len(chunk.data)
                     if skip_left <= 0:
                         skip_key = None
@@ -230,8 +230,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         raise errors.InvalidRequest(f"block {name}: {len(chunk.data)} bytes of data "
                                                     f"for total_size {chunk.total_size}")
                     outcome = m.begin_put(key, chunk.total_size)
-                    if outcome.already_present:
-                        present += 1
+                    if outcome.already_present or outcome.not_admitted:
+                        present += outcome.already_present
+                        refused += outcome.not_admitted
                         skip_left = chunk.total_size - len(chunk.data)
                         skip_key = key if skip_left > 0 else None
                         continue
@@ -251,7 +252,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         finally:
             if pending is not None:
                 m.abort_put(pending)
-        return pb.PutReply(stored=stored, already_present=present, bytes_stored=nbytes)
+        return pb.PutReply(stored=stored, already_present=present, bytes_stored=nbytes, not_admitted=refused)
 
     # ------------------------------------------------------------------ get
 
@@ -295,7 +296,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupReply:
         space = self._space(context)
-        res = self.manager.lookup(space.internal_many(_check_keys(request.keys)))
+        keys = space.internal_many(_check_keys(request.keys))
+        if self.hints is not None:
+            self.hints.observe_request(keys)   # reuse statistics for next_use and prefetch
+        res = self.manager.lookup(keys)
         return pb.LookupReply(hit_blocks=res.hit_blocks, tiers=[int(t) for t in res.tiers])
 
     @_unary
@@ -316,7 +320,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
         space = self._space(context)
         if self.hints is None:
-            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "prefetch is disabled ([prefetch] enabled = false)")
+            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "tool-call hints are off: set [prefetch] enabled = true "
+                               "or use the next_use eviction policy")
         if not request.trajectory_id:
             raise errors.InvalidRequest("trajectory_id must not be empty")
         keys = space.internal_many(_check_keys(request.keys))
@@ -328,7 +333,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
         space = self._space(context)
         if self.hints is None:
-            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "prefetch is disabled ([prefetch] enabled = false)")
+            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "tool-call hints are off: set [prefetch] enabled = true "
+                               "or use the next_use eviction policy")
         known, observed = self.hints.resume(space.scoped(request.trajectory_id), request.time or None)
         return pb.ResumeReply(known=known, observed_seconds=observed)
 

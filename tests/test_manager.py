@@ -317,3 +317,21 @@ def test_hung_demotion_times_out_and_releases_pins(moves):
     nvme.release.set()
     m.drain()
     assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m._moving
+
+
+def test_block_no_tier_admits_is_a_normal_not_stored_outcome():
+    from kvstore.policy.lru import LRUPolicy
+
+    class Picky(LRUPolicy):
+        name = "picky-test"
+
+        def admit(self, key, nbytes, now):
+            return key != K(9)
+
+    m = TierManager([MemTier(TierKind.HOST, 400)], [Picky(400)], async_moves=MODE["async"])
+    made.append(m)
+    outcome = m.begin_put(K(9), 100)
+    assert outcome.not_admitted and outcome.pending is None and not outcome.already_present
+    assert m.put(K(9), payload(9)) is False and K(9) not in m
+    assert m.put(K(1), payload(1)) is True
+    assert m.counters["puts_not_admitted"] == 2 and m.tiers[0].used_bytes == 100

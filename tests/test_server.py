@@ -160,3 +160,20 @@ def test_restart_serves_nvme_blocks_and_corrupt_file_misses(tmp_path):
         assert d.manager.counters["corrupt_blocks"] == 1
     finally:
         d.stop(0)
+
+
+def test_tool_call_hints_need_prefetch_or_next_use(tmp_path, daemon):
+    with KVStoreClient(daemon.address) as c, pytest.raises(errors.KVStoreError, match="FAILED_PRECONDITION"):
+        c.tool_call_start("t1", "search", [K(1)])
+    d = start_server(daemon_config(tmp_path / "second", extra={"policy": {"eviction": "next_use"}}))
+    try:
+        with KVStoreClient(d.address) as c:
+            c.put([(K(1), b"x" * 10)])
+            assert c.lookup([K(1)]).hit_blocks == 1
+            predicted = c.tool_call_start("t1", "search", [K(1)])
+            assert predicted > 0
+            known, observed = c.resume("t1")
+            assert known and observed >= 0
+            assert c.resume("never-started")[0] is False
+    finally:
+        d.stop(0)
