@@ -314,7 +314,44 @@ def measure_gds(folder: pathlib.Path, hbm, keys: list[bytes], total: int, block:
     rows.append(Row("NVMe -> HBM (GDS read_block_file)",
                     best_rate(read_all, total, reps, before=lambda: drop_page_cache(gdir)),
                     "kvikio raw read", kr, note))
+    measure_tier_gds(gdir / "tier", hbm, keys, total, block, reps, rows, (kw, kr), note)
     shutil.rmtree(gdir, ignore_errors=True)
+
+
+def measure_tier_gds(folder: pathlib.Path, hbm, keys: list[bytes], total: int, block: int, reps: int,
+                     rows: list[Row], raw: tuple[float, float], note: str) -> None:
+    """The NVMe tier's device path (what the manager uses for HBM <-> NVMe with io = gds):
+    GDS plus the checksum's device -> host copy, the temp file + rename and the index."""
+    from tiers.nvme import NVMeTier
+
+    tier = NVMeTier(folder, 2 * total, io="gds")
+    up = [key(3 * len(keys) + i) for i in range(len(keys))]
+
+    def put_all():
+        for k in keys:
+            tier.reserve(k, block)
+            tier.write_device(k, hbm.device_array(k))
+            tier.commit(k)
+        os.sync()
+
+    def read_all():
+        for k, u in zip(keys, up):
+            hbm.reserve(u, block)
+            tier.read_into_device(k, hbm.device_array(u))
+            hbm.mark_written(u, block)
+            hbm.commit(u)
+
+    try:
+        rows.append(Row("HBM -> NVMe (NVMeTier.write_device: GDS + checksum)",
+                        best_rate(put_all, total, reps, before=lambda: free_blocks(tier, keys)),
+                        "kvikio raw write", raw[0], note))
+        rows.append(Row("NVMe -> HBM (NVMeTier.read_into_device: GDS + checksum)",
+                        best_rate(read_all, total, reps,
+                                  before=lambda: (free_blocks(hbm, up), drop_page_cache(folder))),
+                        "kvikio raw read", raw[1], note))
+    finally:
+        free_blocks(hbm, up)
+        tier.close()
 
 
 def measure_kernels(total: int, reps: int, rows: list[Row]) -> None:

@@ -353,8 +353,7 @@ class TierManager:
         """
         err: BaseException | None = None
         try:
-            data = t.data if t.data is not None else self.tiers[t.src].view(t.key)
-            self.tiers[t.dst].write(t.key, 0, data)
+            _move_bytes(self.tiers[t.src], self.tiers[t.dst], t.key, t.data)
         except BaseException as e:  # noqa: BLE001 - reported through the transfer
             err = e
         with self._lock:
@@ -765,3 +764,37 @@ class TierManager:
             self._queues.stop(timeout=self.transfer_timeout_s)
         for tier in self.tiers:
             tier.close()
+
+
+def _device_array(tier: Tier, key: bytes):
+    """``tier``'s bytes of block ``key`` as a CUDA array (``__cuda_array_interface__``), or
+    None when the tier has no device memory (host, NVMe, the HBM tier's CPU stand-in)."""
+    get = getattr(tier, "device_array", None)
+    buf = get(key) if get is not None else None
+    return buf if hasattr(buf, "__cuda_array_interface__") else None
+
+
+def _move_bytes(src: Tier, dst: Tier, key: bytes, data: memoryview | bytes | None) -> None:
+    """Fill ``dst``'s reservation of block ``key`` from ``src`` (or from ``data``, bytes
+    already read); the caller commits.
+
+    Device path, chosen by capability: when one side holds the block in device memory
+    (``device_array`` gives a CUDA array) and the other moves files to and from device
+    memory (``device_io``: the NVMe tier with kvikio), HBM -> NVMe is
+    ``dst.write_device(key, src.device_array(key))`` and NVMe -> HBM is
+    ``src.read_into_device(key, dst.device_array(key))`` then ``dst.mark_written``.
+    Otherwise (every pair on a CPU machine) the host path: ``dst.write(key, 0, src.view(key))``.
+    """
+    if data is None:
+        if getattr(dst, "device_io", False):
+            buf = _device_array(src, key)
+            if buf is not None:
+                dst.write_device(key, buf)
+                return
+        if getattr(src, "device_io", False) and hasattr(dst, "mark_written"):
+            buf = _device_array(dst, key)
+            if buf is not None:
+                dst.mark_written(key, src.read_into_device(key, buf))
+                return
+        data = src.view(key)
+    dst.write(key, 0, data)

@@ -25,6 +25,7 @@ Every function here needs a CUDA GPU and kvikio; on a CPU machine they raise
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,13 @@ def _compat_mode_preferred(kvikio: Any) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def gds_info() -> GDSInfo:
-    """Detect kvikio once (cached), after the GPU detection of :mod:`tiers.gpu`. Never raises."""
+    """Detect kvikio once (cached), after the GPU detection of :mod:`tiers.gpu`. Never raises.
+
+    Without kvikio installed it answers at once, without the GPU detection (which imports
+    CuPy and torch): the NVMe tier asks this at construction (``io = "auto"``).
+    """
+    if importlib.util.find_spec("kvikio") is None:
+        return GDSInfo(False, "", "kvikio is not installed (pip install 'kvstore[gpu]')")
     gpu = gpu_info()
     if not gpu.available:
         return GDSInfo(False, "", gpu.reason)

@@ -9,10 +9,10 @@ On-disk format (under the tier's folder ``path``)::
     path/blocks/ab/cd/<key hex>.tmp    a block being written (never read; removed at recovery)
     path/spare/<number>            freed blocks' files kept for reuse; they hold no block
 
-- A block file holds the payload bytes from offset 0. Written with O_DIRECT it is padded
-  with zeros to a multiple of 4096 bytes; written with buffered I/O it has the exact
-  payload size. Readers accept both (the index has the real size), so a GDS reader can
-  read the file from offset 0 as it is.
+- A block file holds the payload bytes from offset 0. Written with O_DIRECT or from device
+  memory (:meth:`NVMeTier.write_device`, kvikio) it is padded with zeros to a multiple of
+  4096 bytes; written with buffered I/O it has the exact payload size. Readers accept both
+  (the index has the real size), so a block written by either path is read by the other.
 - The index value is little-endian ``<QQd``: payload size in bytes, xxh3_64 of the
   payload, write time in Unix seconds.
 - Keys appear on disk only as hex, so no key, however hostile, names another path.
@@ -38,13 +38,20 @@ Disk full (ENOSPC/EDQUOT while writing, e.g. a capacity larger than the free spa
 write raises :class:`DiskFull` (a TierFull and a TierIOError); from then on the tier's
 capacity is what the disk can take (its blocks, spare files and free space) until the disk
 has room for the configured capacity again, so the manager evicts instead of failing.
+
+GPUDirect Storage (``io = "gds"``, or ``"auto"`` when :func:`tiers.gds.gds_available`):
+:meth:`NVMeTier.write_device` and :meth:`NVMeTier.read_into_device` move a block's file
+straight to and from device memory (an HBM tier's ``device_array``) through kvikio, by
+GDS or kvikio's compatibility mode; host writes and reads keep the POSIX path. Same
+files, same index, same temp file + rename protocol. The index's xxh3_64 is computed
+on the host, so each device write and read also copies the block device -> host once,
+through one reused staging buffer (see :class:`_DeviceChecksum`).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import importlib.util
 import logging
 import mmap
 import os
@@ -57,7 +64,10 @@ import xxhash
 
 from kvstore.errors import ConfigError, CorruptBlock, TierFull, TierIOError
 
+from . import gds
 from .base import ByteRanges, Tier, TierKind, check_ranges
+from .gds import gds_available, gds_info
+from .gpu import GPUUnavailable, allocate_pinned, cuda_buffer
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -67,6 +77,9 @@ also the unit of the tier's capacity accounting (a file takes whole pages on dis
 
 WRITE_BOUNCE_BYTES = 4 << 20
 """Largest bounce buffer a single O_DIRECT write streams through (bytes)."""
+
+STAGING_BYTES = 8 << 20
+"""Size of the one host buffer through which device blocks are checksummed (bytes)."""
 
 IO_CHOICES = ("auto", "posix", "gds")
 
@@ -105,15 +118,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         offset += n
 
 
-def _gds_available() -> bool:
-    """True when kvikio is installed and a CUDA device is visible (imports only if installed)."""
-    if importlib.util.find_spec("kvikio") is None or importlib.util.find_spec("cupy") is None:
-        return False
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:   # no driver, no device: the CUDA runtime raises its own error types
-        return False
+_gds_available = gds_available   # the old private name (tests/tiers/test_nvme.py uses it)
 
 
 def _probe_direct(folder: str) -> bool:
@@ -305,6 +310,62 @@ class _Pending:
         self.reused = -1
 
 
+class _DeviceChecksum:
+    """xxh3_64 of bytes in device memory, computed on the host through ONE reused staging
+    buffer of :data:`STAGING_BYTES` (pinned when the page-locking succeeds, else pageable).
+
+    GDS moves a block between the file and device memory without the bytes reaching the
+    host, but the index keeps the payload's xxh3_64. So the device paths pay, per block,
+    one device -> host copy of the payload (in ``STAGING_BYTES`` chunks, cudaMemcpy) and
+    xxh3_64 over it on one CPU core. Pinned D2H over PCIe on an H200 runs at tens of GB/s,
+    well above one NVMe drive's bandwidth, so the copy costs PCIe and CPU time rather than
+    throughput; it is still a host copy that pure GDS would not make. One lock serialises
+    the buffer's users (the tier's device writes and reads).
+    """
+
+    def __init__(self, nbytes: int = STAGING_BYTES):
+        self._nbytes = nbytes
+        self._lock = threading.Lock()
+        self._region = None               # tiers.gpu.PinnedRegion, when pinned
+        self._host = None                 # numpy uint8 array of nbytes, allocated on first use
+
+    def _buffer(self):
+        if self._host is None:
+            import numpy as np
+            try:
+                self._region, start = allocate_pinned(self._nbytes)
+                self._host = np.frombuffer(self._region.mapping, dtype=np.uint8, count=self._nbytes, offset=start)
+            except (MemoryError, GPUUnavailable) as e:
+                log.warning("checksum staging buffer not pinned (%s); using pageable memory", e)
+                self._host = np.empty(self._nbytes, dtype=np.uint8)
+        return self._host
+
+    def update(self, hasher, device_buf, nbytes: int) -> None:
+        """Feed the first ``nbytes`` bytes of C-contiguous device array ``device_buf`` to ``hasher``."""
+        from cupy.cuda import runtime
+        ptr, available = cuda_buffer(device_buf)
+        if nbytes > available:
+            raise ValueError(f"{nbytes} bytes requested but the device buffer has {available}")
+        with self._lock:
+            host = self._buffer()
+            for off in range(0, nbytes, host.size):
+                n = min(host.size, nbytes - off)
+                runtime.memcpy(host.ctypes.data, ptr + off, n, runtime.memcpyDefault)
+                hasher.update(host[:n])
+
+    def digest(self, device_buf, nbytes: int) -> int:
+        hasher = xxhash.xxh3_64()
+        self.update(hasher, device_buf, nbytes)
+        return hasher.intdigest()
+
+    def close(self) -> None:
+        with self._lock:
+            self._host = None
+            if self._region is not None:
+                self._region.close()
+                self._region = None
+
+
 class NVMeTier(Tier):
     """Blocks as files under ``path`` with an LMDB index (format in the module docstring).
 
@@ -313,8 +374,11 @@ class NVMeTier(Tier):
         capacity_bytes: bytes of disk the tier may use, counted in whole 4096-byte pages
             per block (:func:`disk_bytes`) for committed blocks and open reservations.
         name: tier name in logs and stats.
-        io: ``"posix"`` (O_DIRECT or buffered file I/O), ``"gds"`` (GPUDirect Storage,
-            needs a CUDA GPU and kvikio; not wired yet) or ``"auto"`` (posix for now).
+        io: ``"posix"`` (O_DIRECT or buffered file I/O), ``"gds"`` (also move blocks
+            to and from device memory through kvikio, :meth:`write_device` and
+            :meth:`read_into_device`; needs a CUDA GPU and kvikio) or ``"auto"`` (gds
+            when :func:`tiers.gds.gds_available`, else posix). Host writes and reads
+            use the POSIX path in every mode. :attr:`io` is the mode chosen.
         fsync: flush files, folders and the index to the device before a put completes.
         direct: ``None`` probes the filesystem once and uses O_DIRECT when it is accepted;
             ``False`` forces buffered I/O; ``True`` requires O_DIRECT.
@@ -342,14 +406,13 @@ class NVMeTier(Tier):
                  spare_files: int = 256, spare_bytes: int | None = None):
         if io not in IO_CHOICES:
             raise ConfigError(f"io must be one of {', '.join(IO_CHOICES)}, got {io!r}")
-        if io == "gds":
-            if not _gds_available():
-                raise ConfigError("io = gds needs a CUDA GPU and kvikio")
-            raise NotImplementedError("io = gds is not wired yet; use io = posix")
+        if io == "gds" and not gds_available():
+            raise ConfigError(f"io = gds needs a CUDA GPU and kvikio ({gds_info().reason})")
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0 bytes, got {capacity_bytes}")
         self.name = name
-        self.io = "posix"
+        self.io = "gds" if io == "gds" or (io == "auto" and gds_available()) else "posix"
+        self._checksum = _DeviceChecksum()
         self.path = os.path.abspath(os.fspath(path))
         self._capacity = int(capacity_bytes)
         self._disk_limited = False          # the disk filled up before the capacity: see _disk_room
@@ -488,6 +551,12 @@ class NVMeTier(Tier):
     def size_of(self, key: bytes) -> int:
         return self._index[key][0]
 
+    @property
+    def device_io(self) -> bool:
+        """True when :meth:`write_device` and :meth:`read_into_device` can be used
+        (``io`` is ``"gds"``): the manager moves HBM <-> NVMe through them."""
+        return self.io == "gds"
+
     # -------------------------------------------------------------- two-phase write
 
     def reserve(self, key: bytes, nbytes: int) -> None:
@@ -555,6 +624,56 @@ class NVMeTier(Tier):
             if e.errno in _DISK_FULL:
                 raise self._disk_full(f"writing block {key.hex()[:16]} failed: disk full") from e
             raise TierIOError(f"{self.name}: writing block {key.hex()[:16]} failed: {e}") from e
+
+    def write_device(self, key: bytes, device_buf) -> None:
+        """Fill a reserved block from device memory: the block's whole payload (its reserved
+        size, from the start of ``device_buf``) in one kvikio write (GDS, or kvikio's
+        compatibility mode) to the block's temp file, padded to whole pages as with
+        O_DIRECT. :meth:`commit` then publishes it as after :meth:`write` (rename, index
+        with the payload's xxh3_64, fsync when configured); :meth:`abort` drops it.
+
+        The checksum costs one device -> host copy of the payload (see :class:`_DeviceChecksum`).
+
+        Args:
+            device_buf: C-contiguous CUDA array (``__cuda_array_interface__``: an HBM tier's
+                ``device_array(key)``, a CuPy array, a torch CUDA tensor) of at least the
+                block's reserved size in bytes.
+        Raises:
+            ValueError: not reserved, already partly written, or ``device_buf`` too small.
+            TypeError: ``device_buf`` is not a CUDA array.
+            DiskFull / TierIOError: the write failed (the reservation is dropped).
+            GPUUnavailable: no GPU or no kvikio (``io`` is not ``"gds"``).
+        """
+        if not self.device_io:
+            raise GPUUnavailable(f"{self.name}: device writes need io = gds (this tier uses {self.io})")
+        available = cuda_buffer(device_buf)[1]
+        with self._lock:
+            p = self._pending.get(key)
+            if p is None:
+                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            if p.written:
+                raise ValueError(f"block {key.hex()[:16]} already has {p.written} bytes written")
+            if available < p.size:
+                raise ValueError(f"the device buffer has {available} bytes, the block {p.size}")
+            p.written = p.size
+        temp = self._file_path(key) + ".tmp"
+        try:
+            folder = os.path.dirname(temp)
+            if folder not in self._dirs:
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                self._dirs.add(folder)
+            self._checksum.update(p.hasher, device_buf, p.size)
+            p.file_off = gds.write_block_file(temp, device_buf, p.size, pad=True)
+            # commit() fsyncs (when configured) and closes this fd, then renames as after write()
+            p.fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except BaseException as e:
+            self._discard(key, p)
+            cause = e.__cause__ if isinstance(e, TierIOError) else e
+            if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+                raise self._disk_full(f"writing block {key.hex()[:16]} failed: disk full") from e
+            if isinstance(e, OSError) and not isinstance(e, TierIOError):
+                raise TierIOError(f"{self.name}: writing block {key.hex()[:16]} failed: {e}") from e
+            raise
 
     def _disk_full(self, what: str) -> DiskFull:
         """The filesystem is full: from now on the capacity follows the room on the disk
@@ -710,7 +829,9 @@ class NVMeTier(Tier):
         if got < size:
             raise CorruptBlock(f"{self.name}: block {key.hex()[:16]} is truncated: "
                                f"{got} of {size} bytes on disk")
-        actual = xxhash.xxh3_64_intdigest(payload)
+        self._check_sum(key, xxhash.xxh3_64_intdigest(payload), checksum)
+
+    def _check_sum(self, key: bytes, actual: int, checksum: int) -> None:
         if actual != checksum:
             raise CorruptBlock(f"{self.name}: block {key.hex()[:16]} fails its checksum "
                                f"(xxh3_64 {actual:016x}, indexed {checksum:016x})")
@@ -750,6 +871,44 @@ class NVMeTier(Tier):
             return data
         view = memoryview(data)
         return b"".join(view[off:off + n] for off, n in ranges)
+
+    def read_into_device(self, key: bytes, device_buf) -> int:
+        """Read a committed block into the start of device buffer ``device_buf`` by kvikio
+        (GDS, or its compatibility mode), then verify its size and xxh3_64 checksum like
+        :meth:`read`. Returns the payload bytes read.
+
+        The checksum costs one device -> host copy of the payload (see :class:`_DeviceChecksum`).
+        On CorruptBlock the buffer holds the bad bytes: the caller drops them (the manager
+        aborts the reservation they were read into).
+
+        Raises:
+            KeyError: not stored here.
+            CorruptBlock: file missing, a symbolic link, truncated, or failing its checksum.
+            TierIOError: the read failed.
+            ValueError: ``device_buf`` is smaller than the block; TypeError: not a CUDA array.
+            GPUUnavailable: no GPU or no kvikio (``io`` is not ``"gds"``).
+        """
+        if not self.device_io:
+            raise GPUUnavailable(f"{self.name}: device reads need io = gds (this tier uses {self.io})")
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            raise KeyError(f"block {key.hex()[:16]} is not stored in {self.name}")
+        size, checksum = entry[0], entry[1]
+        path = self._file_path(key)
+        what = f"{self.name}: block {key.hex()[:16]}"
+        if os.path.islink(path):                   # the POSIX path opens with O_NOFOLLOW
+            raise CorruptBlock(f"{what}: {path} is a symbolic link")
+        try:
+            gds.read_block_file(path, device_buf, size)
+        except FileNotFoundError:
+            raise CorruptBlock(f"{what}: file {path} is missing") from None
+        except CorruptBlock as e:                  # truncated file or short read
+            raise CorruptBlock(f"{what}: {e}") from None
+        except TierIOError as e:
+            raise TierIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
+        self._check_sum(key, self._checksum.digest(device_buf, size), checksum)
+        return size
 
     def free(self, key: bytes) -> None:
         with self._lock:
@@ -840,8 +999,11 @@ class NVMeTier(Tier):
             self._spares.close()
         self._env.close()
         self._bounces.close()
+        self._checksum.close()
         os.close(self._lock_fd)           # releases the flock
 
     def describe(self) -> str:
         mode = "O_DIRECT" if self.direct else "buffered"
+        if self.device_io:
+            mode += f", kvikio {gds_info().mode} for device buffers"
         return f"{self.name}(nvme, {self.capacity_bytes} bytes, {self.path}, {mode})"
