@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from tiers.base import ByteRanges, Tier, TierKind, check_ranges
+from tiers.base import ByteRanges, Tier, TierKind, check_chunk, check_ranges
 
 from .errors import CorruptBlock, InvalidRequest, KVStoreError, TierFull, TierIOError
 from .keys import KEY_BYTES
@@ -521,11 +521,8 @@ class TierManager:
         Raises InvalidRequest for an out-of-order or oversize chunk.
         """
         n = len(data)
-        if offset != pending.written:
-            raise InvalidRequest(f"chunk at offset {offset} but {pending.written} bytes written so far")
-        if offset + n > pending.size:
-            raise InvalidRequest(f"chunk [{offset}, {offset + n}) overruns the declared size {pending.size}")
         try:
+            check_chunk(offset, n, pending.written, pending.size)
             self.tiers[pending.tier].write(pending.key, offset, data)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None

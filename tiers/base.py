@@ -54,6 +54,18 @@ def check_ranges(ranges: ByteRanges | None, size: int) -> int:
     return total
 
 
+def check_chunk(offset: int, nbytes: int, written: int, size: int) -> None:
+    """Validate one in-order chunk of a two-phase write (all in bytes).
+
+    Raises ValueError when ``offset`` is not the number of bytes ``written`` so far or
+    the chunk runs past the block's ``size``.
+    """
+    if offset != written:
+        raise ValueError(f"chunk at offset {offset} but {written} bytes written so far")
+    if offset + nbytes > size:
+        raise ValueError(f"chunk [{offset}, {offset + nbytes}) overruns the block's {size} bytes")
+
+
 class Tier(abc.ABC):
     """A medium holding whole blocks by key, with byte capacity accounting."""
 

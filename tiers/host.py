@@ -21,7 +21,7 @@ from typing import Iterable
 
 from kvstore.errors import TierFull
 
-from .base import ByteRanges, Tier, TierKind, check_ranges
+from .base import ByteRanges, Tier, TierKind, check_chunk, check_ranges
 from .memory import DEFAULT_ALIGNMENT, allocate_host_buffer
 
 # A free extent is kept in the size index as one int, ``size << _SHIFT | start``: ints sort
@@ -271,10 +271,7 @@ class HostTier(Tier):
             block = self._reserved.get(key)
             if block is None:
                 raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
-            if offset != block.written:
-                raise ValueError(f"chunk at offset {offset} but {block.written} bytes written so far")
-            if offset + n > block.size:
-                raise ValueError(f"chunk [{offset}, {offset + n}) overruns the block's {block.size} bytes")
+            check_chunk(offset, n, block.written, block.size)
             block.written = offset + n
             start = block.start + offset
         self._arena[start:start + n] = src            # memcpy, outside the lock

@@ -65,7 +65,7 @@ import xxhash
 from kvstore.errors import ConfigError, CorruptBlock, TierFull, TierIOError
 
 from . import gds
-from .base import ByteRanges, Tier, TierKind, check_ranges
+from .base import ByteRanges, Tier, TierKind, check_chunk, check_ranges
 from .gds import gds_available, gds_info
 from .gpu import GPUUnavailable, allocate_pinned, cuda_buffer
 
@@ -606,10 +606,7 @@ class NVMeTier(Tier):
             p = self._pending.get(key)
             if p is None:
                 raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
-            if offset != p.written:
-                raise ValueError(f"chunk at offset {offset} but {p.written} bytes written so far")
-            if offset + n > p.size:
-                raise ValueError(f"chunk [{offset}, {offset + n}) overruns the block's {p.size} bytes")
+            check_chunk(offset, n, p.written, p.size)
             p.written = offset + n
         try:
             if p.fd < 0:
