@@ -6,7 +6,8 @@ Example (every key optional; these are the defaults unless noted)::
     listen = "unix:kvstore-data/kvstore.sock"   # or "127.0.0.1:50051" (TCP, loopback)
     max_message_bytes = "64MiB"   # gRPC send/receive limit per message
     max_chunk_bytes = "1MiB"      # largest payload in one Get message (measured: larger is slower)
-    workers = 8                   # gRPC thread pool size
+    workers = 32                  # gRPC thread pool size (a Put stream holds one while it runs)
+    stream_idle_timeout_s = 30.0  # cancel a Put stream that sends nothing for this long
     auth_token = ""               # bearer token required on every call when set
     tls_cert = ""                 # PEM files: serve TLS when both are set
     tls_key = ""
@@ -80,7 +81,8 @@ class ServerConfig:
     listen: str = "unix:kvstore-data/kvstore.sock"
     max_message_bytes: int = 64 << 20
     max_chunk_bytes: int = 1 << 20
-    workers: int = 8
+    workers: int = 32
+    stream_idle_timeout_s: float = 30.0
     auth_token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -261,6 +263,11 @@ def _validate_access(s: ServerConfig) -> None:
                 raise ConfigError(f"server.tenants.{tenant}: same token as tenant {seen[token]!r}; "
                                   "every tenant needs its own token")
             seen[token] = tenant
+    if not s.listen.startswith("unix:"):
+        host, sep, port = s.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"server.listen: {s.listen!r} is not 'unix:PATH' or 'HOST:PORT' "
+                              "with a port in 0..65535")
     if not s.listen.startswith("unix:") and not _is_loopback(s.listen) and not (s.auth_token or s.tenants):
         raise ConfigError(f"server.listen: {s.listen!r} is reachable from other machines; set "
                           "server.auth_token or server.tenants, or listen on a unix socket or loopback")
@@ -280,6 +287,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"server.listen: {s.listen!r} names no address or socket path")
     if s.workers < 1:
         raise ConfigError(f"server.workers: must be >= 1, got {s.workers}")
+    if not 0 < s.stream_idle_timeout_s < float("inf"):
+        raise ConfigError(f"server.stream_idle_timeout_s: must be > 0 seconds, got {s.stream_idle_timeout_s}")
     if s.max_message_bytes < 64 << 10:
         raise ConfigError(f"server.max_message_bytes: must be >= 64KiB, got {s.max_message_bytes}")
     if not 0 < s.max_chunk_bytes <= s.max_message_bytes - (16 << 10):

@@ -7,11 +7,13 @@ Tests and tools start one in-process with :func:`start_server`.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import dataclasses
 import logging
 import os
 import pathlib
 import signal
+import stat
 import threading
 import time
 from concurrent import futures
@@ -104,6 +106,7 @@ class Daemon:
     service: KVStoreService
     health: health.HealthServicer
     background: list = dataclasses.field(default_factory=list)
+    socket: _UnixSocket | None = None
     _stopped: bool = False
 
     def __iter__(self):
@@ -122,58 +125,99 @@ class Daemon:
         ev = self.server.stop(grace)
         ev.wait()
         self.manager.close()
-        if self.address.startswith("unix:"):
-            try:
-                os.unlink(self.address[len("unix:"):].removeprefix("//"))
-            except OSError:
-                pass
+        if self.socket is not None:
+            self.socket.release()
         return ev
 
     def wait(self) -> None:
         self.server.wait_for_termination()
 
 
-def _bind(server: grpc.Server, cfg: Config) -> str:
+@dataclasses.dataclass
+class _UnixSocket:
+    """A unix socket path owned by this daemon: ``<path>.lock`` is held (flock) while it
+    serves, so a second daemon is refused even when the first is stopped or slow, and the
+    socket is removed at exit only if it is still the one this daemon created."""
+
+    path: pathlib.Path
+    lock_fd: int
+    inode: int = 0
+
+    def release(self) -> None:
+        try:
+            if self.inode and self.path.stat().st_ino == self.inode:
+                self.path.unlink()
+        except OSError:
+            pass
+        try:
+            os.close(self.lock_fd)   # releases the flock
+        except OSError:
+            pass
+
+
+def _claim_unix_socket(listen: str) -> _UnixSocket:
+    path = listen[len("unix:"):]
+    if path.startswith("//"):
+        path = path[2:]
+    p = pathlib.Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"server.listen: cannot create {str(p.parent)!r}: {e.strerror}") from None
+    lock_path = p.with_name(p.name + ".lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise ConfigError(f"server.listen: cannot create {str(lock_path)!r}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(f"server.listen: another daemon is serving on {listen} "
+                          f"(it holds {lock_path})") from None
+    if os.path.lexists(p):
+        st = p.lstat()
+        if not stat.S_ISSOCK(st.st_mode):
+            os.close(fd)
+            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
+            raise ConfigError(f"server.listen: {str(p)!r} is {kind}, not a socket; refusing to replace it")
+        p.unlink()   # a socket left by a daemon that died: nobody holds the lock
+    return _UnixSocket(p, fd)
+
+
+def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
+    """Bind ``[server] listen``; returns the address and, for unix sockets, the claim."""
     listen = cfg.server.listen
     if listen.startswith("unix:"):
-        path = listen[len("unix:"):]
-        if path.startswith("//"):
-            path = path[2:]
-        p = pathlib.Path(path)
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"server.listen: cannot create {str(p.parent)!r}: {e.strerror}") from None
-        if p.exists():
-            # a socket left by a killed daemon; refuse to steal one that is alive
-            probe = grpc.insecure_channel(f"unix:{p}")
-            try:
-                grpc.channel_ready_future(probe).result(timeout=0.5)
-                raise ConfigError(f"server.listen: another daemon is serving on {listen}")
-            except grpc.FutureTimeoutError:
-                p.unlink()
-            finally:
-                probe.close()
+        sock = _claim_unix_socket(listen)
         old_umask = os.umask(0o077)  # socket created 0600: only this user may connect
         try:
-            port = server.add_insecure_port(f"unix:{p}")
+            port = server.add_insecure_port(f"unix:{sock.path}")
+        except RuntimeError as e:
+            sock.release()
+            raise ConfigError(f"server.listen: cannot bind {listen}: {e}") from None
         finally:
             os.umask(old_umask)
         if port == 0:
+            sock.release()
             raise ConfigError(f"server.listen: cannot bind {listen}")
-        os.chmod(p, 0o600)
-        return f"unix:{p}"
+        os.chmod(sock.path, 0o600)
+        sock.inode = sock.path.stat().st_ino
+        return f"unix:{sock.path}", sock
     s = cfg.server
-    if s.tls_cert:
-        creds = grpc.ssl_server_credentials(
-            [(pathlib.Path(s.tls_key).read_bytes(), pathlib.Path(s.tls_cert).read_bytes())])
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        if s.tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(pathlib.Path(s.tls_key).read_bytes(), pathlib.Path(s.tls_cert).read_bytes())])
+            port = server.add_secure_port(listen, creds)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError as e:   # grpc raises when the address is in use
+        raise ConfigError(f"server.listen: cannot bind {listen} (in use, or not an address here): {e}") from None
     if port == 0:
         raise ConfigError(f"server.listen: cannot bind {listen}")
     host = listen.rsplit(":", 1)[0]
-    return f"{host}:{port}"
+    return f"{host}:{port}", None
 
 
 def _start_prefetch(cfg: Config, manager: TierManager):
@@ -195,6 +239,7 @@ def start_server(cfg: Config) -> Daemon:
     Raises ConfigError for a config that cannot be served (unbindable address, ...).
     """
     manager = build_manager(cfg)
+    hints = None
     try:
         auth = Authenticator.from_config(cfg.server)
         interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
@@ -206,19 +251,27 @@ def start_server(cfg: Config) -> Daemon:
         hints = _start_prefetch(cfg, manager)
         leases = next((t for t in manager.tiers if hasattr(t, "lease")), None)
         service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes, hints=hints, leases=leases,
+                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s,
                                  auth=auth)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        address = _bind(server, cfg)
-        server.start()
+        address, sock = _bind(server, cfg)
+        try:
+            server.start()
+        except BaseException:
+            if sock is not None:
+                sock.release()
+            raise
     except BaseException:
+        if hints is not None:
+            hints.stop()
         manager.close()
         raise
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return Daemon(server, address, manager, service, health_servicer,
-                  background=[hints] if hints is not None else [])
+                  background=[hints] if hints is not None else [], socket=sock)
 
 
 def _describe(daemon: Daemon) -> str:

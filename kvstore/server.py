@@ -27,8 +27,11 @@ client's own; a tenant can neither read, look up nor delete another tenant's blo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
+import time
 from typing import Callable, Iterable, Iterator
 
 import grpc
@@ -164,12 +167,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     """
 
     def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 4 << 20, hints=None, leases=None,
-                 auth: Authenticator | None = None):
+                 auth: Authenticator | None = None, stream_idle_timeout_s: float = 30.0):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
         self.hints = hints
         self.leases = leases
         self.auth = auth
+        self.idle = StreamWatchdog(stream_idle_timeout_s)
 
     def _space(self, context) -> KeySpace:
         """The caller's key space. Raises Unauthenticated (defence in depth: the
@@ -186,7 +190,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Put(self, request_iterator: Iterator[pb.PutBatch], context) -> pb.PutReply:
         space = self._space(context)
-        return self._put((chunk for batch in request_iterator for chunk in _well_formed(batch).chunks), space)
+        with self.idle.watch(context) as touch:
+            return self._put((chunk for batch in touch(request_iterator)
+                              for chunk in _well_formed(batch).chunks), space)
 
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
@@ -371,6 +377,53 @@ def _denial_handlers(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcM
         "stream_out": grpc.unary_stream_rpc_method_handler(deny),
         "stream_both": grpc.stream_stream_rpc_method_handler(deny),
     }
+
+
+class StreamWatchdog:
+    """Cancels client streams that send nothing for ``idle_s`` seconds.
+
+    A Put stream holds one server thread while it waits for its client; a client that
+    stops mid-stream (a paused worker) would otherwise hold that thread forever, and a
+    few such clients would starve every other caller. Cancelling the call ends the
+    handler's wait; the open block is aborted (never made visible).
+    """
+
+    def __init__(self, idle_s: float):
+        self.idle_s = idle_s
+        self._active: dict[int, list] = {}   # id -> [context, last activity (monotonic)]
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.cancelled = 0
+
+    @contextlib.contextmanager
+    def watch(self, context):
+        rec = [context, time.monotonic()]
+        with self._lock:
+            self._active[id(rec)] = rec
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-stream-watchdog", daemon=True)
+                self._thread.start()
+
+        def touch(iterator):
+            for item in iterator:
+                rec[1] = time.monotonic()
+                yield item
+        try:
+            yield touch
+        finally:
+            with self._lock:
+                self._active.pop(id(rec), None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.idle_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                stale = [r for r in self._active.values() if now - r[1] > self.idle_s]
+            for context, _ in stale:
+                log.warning("cancelling a Put stream idle for more than %.0f s", self.idle_s)
+                self.cancelled += 1
+                context.cancel()
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):

@@ -177,3 +177,77 @@ def test_tool_call_hints_need_prefetch_or_next_use(tmp_path, daemon):
             assert c.resume("never-started")[0] is False
     finally:
         d.stop(0)
+
+
+def test_listen_path_that_is_not_a_socket_is_left_alone(tmp_path):
+    keep = tmp_path / "important.txt"
+    keep.write_text("data")
+    cfg = daemon_config(tmp_path, extra={"server": {"listen": f"unix:{keep}"}})
+    with pytest.raises(errors.ConfigError, match="not a socket"):
+        start_server(cfg)
+    assert keep.read_text() == "data"
+
+
+def test_second_daemon_on_one_socket_is_refused_and_first_keeps_its_socket(tmp_path):
+    first = start_server(daemon_config(tmp_path / "a"))
+    try:
+        second_cfg = daemon_config(tmp_path / "b", extra={"server": {"listen": first.address}})
+        with pytest.raises(errors.ConfigError, match="another daemon"):
+            start_server(second_cfg)
+        with KVStoreClient(first.address) as c:   # the refused start removed nothing
+            assert c.put([(K(1), b"x")]).stored == 1
+    finally:
+        first.stop(0)
+    assert not pathlib.Path(first.address[len("unix:"):]).exists()
+
+
+def test_tcp_port_in_use_is_a_config_error(tmp_path):
+    import socket
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(errors.ConfigError, match="cannot bind"):
+            start_server(daemon_config(tmp_path, extra={"server": {"listen": f"127.0.0.1:{port}"}}))
+    finally:
+        holder.close()
+
+
+def test_stalled_put_streams_are_cancelled_and_do_not_starve_others(tmp_path):
+    import threading
+    cfg = daemon_config(tmp_path, extra={"server": {"workers": 2, "stream_idle_timeout_s": 0.5}})
+    d = start_server(cfg)
+    release = threading.Event()
+    outcomes = []
+
+    def stalled(i):
+        def chunks():
+            yield pb.PutBatch(chunks=[pb.PutChunk(key=K(100 + i), total_size=8, offset=0, data=b"abcd")])
+            release.wait(20)          # the client stops sending mid-block
+        try:
+            with grpc.insecure_channel(d.address) as ch:
+                pb_grpc.KVStoreStub(ch).Put(chunks(), timeout=20)
+            outcomes.append("ok")
+        except grpc.RpcError as e:
+            outcomes.append(e.code())
+
+    threads = [threading.Thread(target=stalled, args=(i,)) for i in range(2)]   # every worker busy
+    try:
+        for t in threads:
+            t.start()
+        with KVStoreClient(d.address, timeout=10) as c:
+            assert c.stats()["tiers"]                 # answered once the idle streams are cancelled
+            assert c.lookup([K(100), K(101)]).hit_blocks == 0
+        for _ in range(100):                           # the second one goes at its own deadline
+            if d.service.idle.cancelled == 2:
+                break
+            threading.Event().wait(0.05)
+        assert d.service.idle.cancelled == 2
+    finally:
+        release.set()
+        for t in threads:
+            t.join(20)
+        d.stop(0)
+    assert outcomes == [grpc.StatusCode.CANCELLED] * 2
+    assert all(t.used_bytes == 0 for t in d.manager.tiers)
