@@ -17,7 +17,6 @@ more than that means a counting bug.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import pathlib
 import sys
@@ -29,16 +28,16 @@ from typing import Sequence
 from tiers.base import TierKind
 
 from .client import KVStoreClient
-from .errors import KVStoreError
+from .trace import TRACE_BLOCK_TOKENS, block_key
+from .errors import KVStoreError, TierFull
 from .units import format_size
 
-TRACE_BLOCK_TOKENS = 512
-_KEY_DOMAIN = b"kvstore.replay.mooncake.v1:"
 
 
-def trace_key(hash_id: int) -> bytes:
-    """The 32-byte store key of a trace block id (SHA-256 of a tagged decimal)."""
-    return hashlib.sha256(_KEY_DOMAIN + str(int(hash_id)).encode()).digest()
+def trace_key(hash_id: int, block_bytes: int = 0) -> bytes:
+    """The 32-byte store key of a trace block id for payloads of ``block_bytes`` bytes
+    (:func:`kvstore.trace.block_key`; 0: the simulator's size-less key)."""
+    return block_key(hash_id, f"{block_bytes}B".encode() if block_bytes else b"")
 
 
 def payload_for(key: bytes, nbytes: int) -> bytes:
@@ -80,6 +79,7 @@ class ReplayReport:
     corrupt_blocks: int = 0
     lookup_get_disagreements: int = 0   # blocks looked up as hits that the Get then missed
     put_failures: int = 0
+    error: str = ""                     # why the replay stopped early ("" when it finished)
     seconds: float = 0.0
     bytes_per_token: int = 0
     block_tokens: int = TRACE_BLOCK_TOKENS
@@ -109,6 +109,8 @@ class ReplayReport:
             ("put failures", f"{self.put_failures}"),
             ("seconds", f"{self.seconds:.1f} ({self.requests / secs:.0f} requests/s)"),
         ]
+        if self.error:
+            rows.append(("STOPPED EARLY", self.error))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -117,8 +119,9 @@ def replay(requests: Sequence, client: KVStoreClient, *, bytes_per_token: int = 
            block_tokens: int = TRACE_BLOCK_TOKENS, progress: bool = True) -> ReplayReport:
     """Replay ``requests`` (objects with ``input_length`` and ``hash_ids``) through ``client``.
 
-    Returns the :class:`ReplayReport`. Raises ValueError for a request whose block
-    count does not match its length; StoreUnavailable when the daemon goes away.
+    Returns the :class:`ReplayReport`; when the daemon fails mid-way, the report of the
+    requests done so far with ``error`` set. Raises ValueError for a request whose block
+    count does not match its length.
     A Put refused with RESOURCE_EXHAUSTED is counted in ``put_failures``, not raised.
     """
     from tqdm import tqdm
@@ -131,13 +134,25 @@ def replay(requests: Sequence, client: KVStoreClient, *, bytes_per_token: int = 
     t0 = time.perf_counter()
     bar = tqdm(requests, desc="replay", unit="req", disable=not progress, mininterval=1.0,
                file=sys.stderr, dynamic_ncols=True)
+    try:
+        _replay_requests(bar, client, rep, by_tier, block_bytes, block_tokens, progress)
+    except KVStoreError as e:
+        rep.error = str(e)            # the daemon went away: report what was done
+    bar.close()
+    rep.seconds = time.perf_counter() - t0
+    rep.hits_by_tier = dict(by_tier)
+    return rep.finish()
+
+
+def _replay_requests(bar, client: KVStoreClient, rep: ReplayReport, by_tier: Counter,
+                     block_bytes: int, block_tokens: int, progress: bool) -> None:
     for req in bar:
-        keys = [trace_key(h) for h in req.hash_ids]
+        keys = [trace_key(h, block_bytes) for h in req.hash_ids]
         tokens = block_token_counts(req.input_length, len(keys), block_tokens)
-        rep.requests += 1
+        hit = client.lookup(keys).hit_blocks if keys else 0
+        rep.requests += 1            # counted once its lookup was answered
         rep.input_tokens += req.input_length
         rep.total_blocks += len(keys)
-        hit = client.lookup(keys).hit_blocks if keys else 0
         served = 0
         if hit:
             for i, res in enumerate(client.get(keys[:hit], stop_at_miss=True)):
@@ -157,9 +172,7 @@ def replay(requests: Sequence, client: KVStoreClient, *, bytes_per_token: int = 
         if missing:
             try:
                 res = client.put((k, payload_for(k, block_bytes)) for k in missing)
-            except KVStoreError as e:
-                if "RESOURCE_EXHAUSTED" not in str(e):
-                    raise
+            except TierFull:
                 rep.put_failures += 1
             else:
                 rep.blocks_put += res.stored
@@ -167,35 +180,55 @@ def replay(requests: Sequence, client: KVStoreClient, *, bytes_per_token: int = 
                 rep.bytes_put += res.bytes_stored
         if progress and rep.requests % 200 == 0:
             bar.set_postfix(hit=f"{rep.hit_tokens / max(rep.input_tokens, 1):.3f}")
-    bar.close()
-    rep.seconds = time.perf_counter() - t0
-    rep.hits_by_tier = dict(by_tier)
-    return rep.finish()
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from .trace import read_mooncake_trace
 
+    if args.json:   # fail now, not after a long replay
+        try:
+            with open(args.json, "a"):
+                pass
+        except OSError as e:
+            print(f"kvstore replay: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     try:
         requests = read_mooncake_trace(args.trace)
     except (OSError, ValueError) as e:
-        print(f"kvstore replay: cannot read trace {args.trace}: {e}", file=sys.stderr)
+        print(f"kvstore replay: {e}", file=sys.stderr)
         return 2
     if args.limit:
         requests = requests[:args.limit]
+    if not requests:
+        print(f"kvstore replay: {args.trace} holds no requests", file=sys.stderr)
+        return 2
     try:
         with KVStoreClient(args.target, timeout=args.timeout, auth_token=args.token) as client:
-            client.wait_ready(timeout=args.timeout)
+            client.wait_ready(timeout=args.wait)
             report = replay(requests, client, bytes_per_token=args.bytes_per_token,
                             progress=not args.quiet)
     except KVStoreError as e:
-        print(f"kvstore replay: {e}", file=sys.stderr)
+        print(f"kvstore replay: {e} (is `kvstore serve` running on {args.target}?)", file=sys.stderr)
         return 1
     print(report.table())
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(asdict(report), indent=2, sort_keys=True) + "\n")
         print(f"wrote {args.json}")
-    return 0
+    return 1 if report.error else 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -205,11 +238,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "in timestamp order, as fast as possible.")
     p.add_argument("trace", type=pathlib.Path, help="trace file, e.g. ../shared/data/traces/mooncake_conversation_trace.jsonl")
     p.add_argument("--target", default="unix:kvstore-data/kvstore.sock", help="daemon address")
-    p.add_argument("--bytes-per-token", type=int, default=16,
+    p.add_argument("--bytes-per-token", type=_positive_int, default=16,
                    help="payload bytes per token (block payload = 512 x this); default 16")
-    p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    p.add_argument("--limit", type=_non_negative_int, default=0,
+                   help="replay only the first N requests (0: all)")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--token", default="", help="bearer token, when the daemon requires one")
     p.add_argument("--timeout", type=float, default=60.0, help="per-call deadline, seconds")
+    p.add_argument("--wait", type=float, default=10.0, help="how long to wait for the daemon to answer, seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_replay)

@@ -66,7 +66,13 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
         pinned = {"auto": has_gpu, "true": True, "false": False}[t.host.pinned]
         if pinned and not has_gpu:
             raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
-        out.append(("host", HostTier(t.host.capacity, pinned=pinned)))
+        try:
+            out.append(("host", HostTier(t.host.capacity, pinned=pinned)))
+        except (MemoryError, OSError) as e:
+            for _, tier in out:
+                tier.close()
+            raise ConfigError(f"tiers.host.capacity: cannot allocate {format_size(t.host.capacity)} of host "
+                              f"memory ({e}); lower it") from None
     if t.nvme.enabled:
         from tiers.nvme import NVMeTier
         try:

@@ -68,16 +68,18 @@ class Request:
 
 
 KEY_DOMAIN = b"kvstore.replay.mooncake.v1:"
-"""Domain tag of :func:`block_key` (the same as ``kvstore replay``'s ``trace_key``)."""
+"""Domain tag of :func:`block_key`."""
 
 
-def block_key(block_id: int) -> bytes:
+def block_key(block_id: int, namespace: bytes = b"") -> bytes:
     """The 32-byte store key of trace block ``block_id``: SHA-256 of a tagged decimal id.
 
-    Identical to :func:`kvstore.replay.trace_key`, so a replay and a simulation of one
-    trace use the same keys.
+    ``namespace`` separates replays whose payloads differ (``kvstore replay`` passes the
+    payload size), so a block stored with another size is a miss, not a wrong block.
+    The simulator and the replay share this function, so they use the same keys.
     """
-    return hashlib.sha256(KEY_DOMAIN + str(int(block_id)).encode()).digest()
+    tag = KEY_DOMAIN + (namespace + b":" if namespace else b"")
+    return hashlib.sha256(tag + str(int(block_id)).encode()).digest()
 
 
 def _field(obj: dict, name: str, kind: type | tuple[type, ...], where: str):

@@ -65,7 +65,7 @@ def test_wrong_bytes_are_counted_as_corrupt(tmp_path):
     try:
         with KVStoreClient(d.address) as c:
             # another block's payload stored under block 1's key
-            c.put([(trace_key(1), payload_for(trace_key(9), 512))])
+            c.put([(trace_key(1, 512), payload_for(trace_key(9, 512), 512))])
             rep = replay([R(600, [1, 4])], c, bytes_per_token=1, progress=False)
     finally:
         d.stop(0)
@@ -89,3 +89,52 @@ def test_cli_replay_first_requests_of_real_trace(tmp_path, capsys):
     for field in ("block_hit_rate", "hits_by_tier", "blocks_put", "blocks_got", "bytes_put", "bytes_got", "seconds"):
         assert field in rep
     assert "token hit rate" in capsys.readouterr().out
+
+
+def test_replays_with_other_payload_sizes_do_not_see_each_others_blocks(tmp_path):
+    d = start_server(daemon_config(tmp_path))
+    try:
+        with KVStoreClient(d.address) as c:
+            replay(TRACE, c, bytes_per_token=1, progress=False)
+            rep = replay(TRACE, c, bytes_per_token=2, progress=False)
+    finally:
+        d.stop(0)
+    assert rep.corrupt_blocks == 0 and rep.hit_tokens == 1536   # as on an empty store
+
+
+def test_daemon_lost_mid_replay_gives_a_partial_report(tmp_path):
+    from kvstore.errors import StoreUnavailable
+
+    d = start_server(daemon_config(tmp_path))
+    try:
+        with KVStoreClient(d.address) as c:
+            calls = {"n": 0}
+            real_lookup = c.lookup
+
+            def lookup(keys):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise StoreUnavailable("UNAVAILABLE: connection lost")
+                return real_lookup(keys)
+            c.lookup = lookup
+            rep = replay(TRACE, c, bytes_per_token=1, progress=False)
+    finally:
+        d.stop(0)
+    assert rep.requests == 2 and rep.hit_tokens == 1024 and rep.input_tokens == 2536   # r1, r2 done
+    assert "connection lost" in rep.error and "STOPPED EARLY" in rep.table()
+
+
+def test_cli_rejects_bad_arguments_before_replaying(tmp_path, capsys):
+    from kvstore.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
+    with pytest.raises(SystemExit):
+        main(["replay", str(trace), "--bytes-per-token", "0"])
+    with pytest.raises(SystemExit):
+        main(["replay", str(trace), "--limit", "-1"])
+    assert main(["replay", str(trace), "--json", "/proc/nope/x.json"]) == 2
+    assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["replay", str(trace), "--target", f"unix:{tmp_path}/none.sock", "--wait", "0.2"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write --json" in err and "is `kvstore serve` running" in err

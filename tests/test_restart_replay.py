@@ -55,7 +55,7 @@ capacity = "1GiB"
     assert first.corrupt_blocks == 0
     nvme_blocks = {p.name.split(".")[0] for p in (tmp_path / "nvme").rglob("*") if p.is_file()
                    and len(p.name.split(".")[0]) == 64}
-    keys = {trace_key(h).hex(): trace_key(h) for r in requests for h in r.hash_ids}
+    keys = {trace_key(h, 512 * BPT).hex(): trace_key(h, 512 * BPT) for r in requests for h in r.hash_ids}
     on_nvme = sorted(k for k in nvme_blocks if k in keys)
     assert len(on_nvme) > 1000, stats
 
