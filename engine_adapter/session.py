@@ -1,4 +1,4 @@
-"""A synthetic multi-turn agent session (DESIGN.md section 1) played on a runner.
+"""A synthetic multi-turn agent session (system prompt, then turns that each append a tool observation) played on a runner.
 
 Turn ``i``'s prompt is turn ``i-1``'s prompt, the answer generated in turn ``i-1``
 and a new tool observation::

@@ -49,7 +49,7 @@ Tools (duration median s / sigma; observation median tokens / sigma; weight):
 - ``human``  30.0 s / 1.0;   60 tok / 0.8;  0.05   (ask the user; human think time)
 
 Where they come from: these are assumptions chosen to span the range the project's
-design note gives ("tool calls take from 100 ms to minutes", ``../DESIGN.md`` s.1) with
+design note gives ("tool calls take from 100 ms to minutes", README.md, "Agent-aware placement") with
 distinct, overlapping per-tool latencies; log-normal shapes follow the usual model of
 service and human think times (Limpert et al., BioScience 2001). They are not fitted
 to a measured agent trace: replace them with measured values (``--tools FILE``, a

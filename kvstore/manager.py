@@ -6,7 +6,7 @@ policy per tier; it moves bytes only through the :class:`tiers.base.Tier` interf
 so the same code runs the daemon (real media) and ``kvstore simulate``
 (:class:`tiers.null.NullTier`, virtual time).
 
-Data flow (``../DESIGN.md`` section 2):
+Data flow:
 
 - **Put** reserves room in the first tier that admits the block, evicting there as
   needed; chunks are copied in without the lock; the block becomes visible at commit.

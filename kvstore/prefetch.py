@@ -59,8 +59,8 @@ from .predictor import ReuseModel, ToolPredictor
 log = logging.getLogger("kvstore.prefetch")
 
 DEFAULT_HOP_BANDWIDTH: dict[tuple[TierKind, TierKind], float] = {
-    (TierKind.HOST, TierKind.HBM): 64e9,   # PCIe Gen5 x16, ../DESIGN.md section 1
-    (TierKind.NVME, TierKind.HBM): 1.5e9,  # NVMe read (fio O_DIRECT), DESIGN.md section 5
+    (TierKind.HOST, TierKind.HBM): 64e9,   # PCIe Gen5 x16
+    (TierKind.NVME, TierKind.HBM): 1.5e9,  # NVMe read (fio O_DIRECT, measured on our machines)
     (TierKind.NVME, TierKind.HOST): 1.5e9,
     (TierKind.HBM, TierKind.HOST): 64e9,
     (TierKind.HOST, TierKind.NVME): 4e9,

@@ -13,7 +13,7 @@ places blocks in it::
 
 ``used_bytes`` counts those allocator units, so it can exceed the sum of payloads.
 
-Leases (``../DESIGN.md`` section 2, "Get / page back"): a worker on the same GPU asks
+Leases (the page-back path on a GPU node): a worker on the same GPU asks
 for keys and gets, per block, the slab's IPC handle, the byte offset of the block in
 the slab, its size and the CUDA device. It opens the handle once
 (:func:`open_leased_block`) and reads the block in place. Until the lease is released
