@@ -755,6 +755,35 @@ class TierManager:
         self.counters["blocks_deleted"] += deleted
         return deleted
 
+    def persist(self, timeout: float = 60.0) -> int:
+        """Copy every block held only in volatile tiers down to the last tier (NVMe), so a
+        graceful stop keeps them. Bounded by ``timeout`` seconds; returns blocks copied.
+
+        Does nothing when the last tier is not NVMe. Blocks that do not fit are left (the
+        last tier's own policy decides what it keeps while room is made).
+        """
+        last = len(self.tiers) - 1
+        if last == 0 or self.tiers[last].kind != TierKind.NVME:
+            return 0
+        deadline = time.monotonic() + timeout
+        copied = 0
+        with self._lock:
+            todo = [k for k, e in self._entries.items() if not e.deleted and last not in e.tiers]
+            for key in todo:
+                if time.monotonic() > deadline:
+                    log.warning("persist: time is up; %d blocks stay only in memory", len(todo) - copied)
+                    break
+                entry = self._entries.get(key)
+                if entry is None or entry.deleted or last in entry.tiers:
+                    continue
+                try:
+                    self._copy(key, entry, entry.tiers[0], last)
+                    copied += 1
+                except (KVStoreError, NoVictim) as e:
+                    log.debug("persist of %s skipped: %s", key.hex()[:16], e)
+        self.counters["blocks_persisted"] += copied
+        return copied
+
     def close(self) -> None:
         """Finish queued transfers, stop the queues and close every tier."""
         if self._queues is not None:

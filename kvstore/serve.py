@@ -118,8 +118,9 @@ class Daemon:
     def __iter__(self):
         return iter((self, self.address))
 
-    def stop(self, grace: float | None = None) -> threading.Event:
-        """Stop serving (waiting up to ``grace`` s for calls in flight) and close the tiers."""
+    def stop(self, grace: float | None = None, persist_s: float = 60.0) -> threading.Event:
+        """Stop serving (waiting up to ``grace`` s for calls in flight), copy blocks held only
+        in memory to NVMe (up to ``persist_s`` s; 0 skips it) and close the tiers."""
         if self._stopped:
             ev = threading.Event()
             ev.set()
@@ -130,6 +131,10 @@ class Daemon:
             item.stop()
         ev = self.server.stop(grace)
         ev.wait()
+        if persist_s > 0:
+            n = self.manager.persist(timeout=persist_s)
+            if n:
+                log.info("kept %d blocks by copying them from memory to NVMe before stopping", n)
         self.manager.close()
         if self.socket is not None:
             self.socket.release()
