@@ -22,6 +22,8 @@ import argparse
 import uuid
 from dataclasses import dataclass
 
+from kvstore.cliargs import non_negative_float, positive_float, positive_int
+
 MODEL_SIZES = {
     # name: (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
     "tiny": (128, 256, 4, 4, 2, 32, 512),
@@ -150,6 +152,11 @@ def run_demo(args: argparse.Namespace) -> int:
         block_tokens=args.block_tokens, tenant=args.tenant or f"demo-{uuid.uuid4().hex[:8]}", turns=args.turns,
         system_tokens=args.system_tokens, observation_tokens=args.observation_tokens,
         answer_tokens=args.answer_tokens, tool_wait_s=args.tool_wait_s, store_timeout_s=args.store_timeout_s)
+    if args.checkpoint is None:
+        _, _, _, heads, kv_heads, _, _ = MODEL_SIZES[args.model]
+        if heads % args.tp or kv_heads % args.tp:
+            print(f"--tp {args.tp} must divide the {args.model} model's {heads} query and {kv_heads} KV heads")
+            return 2
     with KVStoreClient(opts.target) as probe:
         try:
             probe.stats(timeout=5.0)
@@ -177,17 +184,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "TTFT with the store vs a recompute baseline measured in the same run.")
     p.add_argument("--target", default="unix:kvstore-data/kvstore.sock",
                    help="daemon address (default: the default config's socket)")
-    p.add_argument("--tp", type=int, default=2, help="TP size: ranks (processes) (default 2)")
+    p.add_argument("--tp", type=positive_int, default=2, help="TP size: ranks (processes) (default 2)")
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="seeded model size")
     p.add_argument("--checkpoint", default=None, help="Hugging Face Llama checkpoint folder (safetensors)")
     p.add_argument("--seed", type=int, default=0, help="weights and session seed")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--block-tokens", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per block (default 16)")
     p.add_argument("--tenant", default="", help="namespace tenant (default: fresh per run)")
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--system-tokens", type=int, default=2048, help="system prompt tokens")
-    p.add_argument("--observation-tokens", type=int, default=256, help="tool observation tokens per turn")
-    p.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn")
-    p.add_argument("--tool-wait-s", type=float, default=0.0, help="simulated tool call between turns, seconds")
-    p.add_argument("--store-timeout-s", type=float, default=10.0, help="deadline of each store call")
+    p.add_argument("--turns", type=positive_int, default=6)
+    p.add_argument("--system-tokens", type=positive_int, default=2048, help="system prompt tokens")
+    p.add_argument("--observation-tokens", type=positive_int, default=256, help="tool observation tokens per turn")
+    p.add_argument("--answer-tokens", type=positive_int, default=16, help="tokens generated per turn")
+    p.add_argument("--tool-wait-s", type=non_negative_float, default=0.0, help="simulated tool call between turns, seconds")
+    p.add_argument("--store-timeout-s", type=positive_float, default=10.0, help="deadline of each store call")
     p.set_defaults(func=run_demo)

@@ -67,6 +67,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
+from .cliargs import positive_float, positive_int
 from .trace import TRACE_BLOCK_TOKENS, TraceError
 
 
@@ -331,10 +332,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Generate a Mooncake-format trace of N concurrent ReAct agents plus "
                                    "a .events.jsonl file of ToolCallStart/Resume hints (seeded).")
     p.add_argument("out", help="trace file to write, e.g. agents.jsonl (events go to agents.events.jsonl)")
-    p.add_argument("--agents", type=int, default=32, help="concurrent agents (default 32)")
-    p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic (default 1800)")
+    p.add_argument("--agents", type=positive_int, default=32, help="concurrent agents (default 32)")
+    p.add_argument("--duration", type=positive_float, default=1800.0, help="seconds of traffic (default 1800)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--mean-turns", type=float, default=8.0, help="mean LLM calls per episode (default 8)")
-    p.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt tokens (default 2048)")
+    p.add_argument("--mean-turns", type=positive_float, default=8.0, help="mean LLM calls per episode (default 8)")
+    p.add_argument("--system-tokens", type=positive_int, default=2048, help="shared system prompt tokens (default 2048)")
     p.add_argument("--tools", help="JSON file: list of tools (fields of kvstore.agent_trace.Tool)")
     p.set_defaults(func=cmd_gen_agent_trace)

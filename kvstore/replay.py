@@ -27,6 +27,7 @@ from typing import Sequence
 
 from tiers.base import TierKind
 
+from .cliargs import non_negative_int, positive_int
 from .client import KVStoreClient
 from .trace import TRACE_BLOCK_TOKENS, block_key
 from .errors import KVStoreError, TierFull
@@ -217,20 +218,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 1 if report.error else 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through a running daemon",
                        description="Replay a Mooncake-format JSONL trace (timestamp, input_length, "
@@ -238,9 +225,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "in timestamp order, as fast as possible.")
     p.add_argument("trace", type=pathlib.Path, help="trace file, e.g. ../shared/data/traces/mooncake_conversation_trace.jsonl")
     p.add_argument("--target", default="unix:kvstore-data/kvstore.sock", help="daemon address")
-    p.add_argument("--bytes-per-token", type=_positive_int, default=16,
+    p.add_argument("--bytes-per-token", type=positive_int, default=16,
                    help="payload bytes per token (block payload = 512 x this); default 16")
-    p.add_argument("--limit", type=_non_negative_int, default=0,
+    p.add_argument("--limit", type=non_negative_int, default=0,
                    help="replay only the first N requests (0: all)")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--token", default="", help="bearer token, when the daemon requires one")
