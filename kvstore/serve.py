@@ -94,7 +94,13 @@ def build_manager(cfg: Config) -> TierManager:
     policies = []
     for name, tier in named:
         pc = cfg.tier_policy(name)
-        policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params))
+        try:
+            policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params))
+        except ConfigError as e:
+            key = f"tiers.{name}.policy" if getattr(cfg.tiers, name).policy is not None else "policy"
+            for _, t in named:
+                t.close()
+            raise ConfigError(f"{key}.params: {e}") from None
     return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True)
 
 

@@ -87,7 +87,8 @@ def _field(obj: dict, name: str, kind: type | tuple[type, ...], where: str):
         raise TraceError(f"{where}: missing field {name!r}")
     value = obj[name]
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise TraceError(f"{where}: field {name!r} must be a number, got {value!r}")
+        want = "an integer" if kind is int else "a number"
+        raise TraceError(f"{where}: field {name!r} must be {want}, got {value!r}")
     return value
 
 
@@ -97,7 +98,7 @@ def parse_request(line: str, where: str = "line",
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise TraceError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     ts = _field(obj, "timestamp", (int, float), where)

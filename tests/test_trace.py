@@ -31,7 +31,7 @@ def test_reads_and_sorts_by_timestamp(tmp_path):
     ("[1, 2]", "expected a JSON object"),
     (json.dumps({"input_length": 5, "output_length": 1, "hash_ids": [1]}), "missing field 'timestamp'"),
     (line(timestamp=-1), "timestamp must be"),
-    (line(input_length="600"), "'input_length' must be a number"),
+    (line(input_length="600"), "'input_length' must be an integer"),
     (line(hash_ids=[1]), "1 hash_ids for input_length 600"),
     (line(hash_ids=[1, -2]), "hash_ids must hold integers >= 0"),
     (line(hash_ids=[]), "non-empty list"),
