@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from tiers.base import ByteRanges, Tier, TierKind, check_chunk, check_ranges

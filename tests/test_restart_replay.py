@@ -2,12 +2,10 @@
 was on NVMe is served, nothing corrupt; a flipped byte in one NVMe file makes exactly that
 block miss."""
 
-import os
 import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
