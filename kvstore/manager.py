@@ -404,33 +404,30 @@ class TierManager:
         if not t.ok:
             raise TierIOError(f"copy of block {key.hex()[:16]} to {self.tiers[dst].name} failed: {t.error}")
 
-    def _copy_later(self, key: bytes, src: int, dst: int, data: bytes | None = None) -> None:
-        """Fire-and-forget copy (async promotion, write-behind); inline without queues.
+    def _promote_later(self, key: bytes, src: int, data: bytes) -> None:
+        """Copy bytes just read from tier ``src`` into tier 0 on the ``(src, 0)`` queue.
 
-        Room is made by the queue worker, so the caller never waits on evictions.
+        The Get that read them returns at once; room in tier 0 is made by the queue worker.
         """
         def job() -> None:
             with self._lock:
                 entry = self._entries.get(key)
-                if entry is None or entry.deleted or dst in entry.tiers or (key, dst) in self._moving:
+                if entry is None or entry.deleted or 0 in entry.tiers or (key, 0) in self._moving:
                     return
                 try:
-                    t = self._start_transfer(key, entry, entry.tiers[0] if data is None else src, dst, data=data)
+                    t = self._start_transfer(key, entry, src, 0, data=data)
                 except (KVStoreError, NoVictim) as e:
-                    self.counters["promotions_skipped" if dst < src else "write_through_failed"] += 1
-                    log.debug("copy of %s to %s skipped: %s", key.hex()[:16], self.tiers[dst].name, e)
+                    self.counters["promotions_skipped"] += 1
+                    log.debug("promotion of %s skipped: %s", key.hex()[:16], e)
                     return
             self._copy_bytes(t)
             if t.ok:
-                self.counters["promotions" if dst < src else "write_through_copies"] += 1
+                self.counters["promotions"] += 1
 
-        if self._queues is None:
-            job()
-            return
         try:
-            self._queues.submit(src, dst, job)
+            self._queues.submit(src, 0, job)
         except RuntimeError:   # queues stopped: the manager is closing
-            log.debug("copy of %s skipped: transfer queues are stopped", key.hex()[:16])
+            log.debug("promotion of %s skipped: transfer queues are stopped", key.hex()[:16])
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued transfer has finished (tests, shutdown)."""
@@ -678,7 +675,7 @@ class TierManager:
     def _promote_after_read(self, key: bytes, entry: Entry, data: bytes) -> None:
         if self._queues is not None:
             # the Get returns now; the (src, 0) queue makes room and copies the bytes read
-            self._copy_later(key, entry.tiers[0], 0, data=data)
+            self._promote_later(key, entry.tiers[0], data)
             return
         with self._lock:
             if entry.deleted or 0 in entry.tiers:

@@ -166,7 +166,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             shared key space and no token (the interceptor, when configured, checks it).
     """
 
-    def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 4 << 20, hints=None, leases=None,
+    def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20, hints=None, leases=None,
                  auth: Authenticator | None = None, stream_idle_timeout_s: float = 30.0):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
