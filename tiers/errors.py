@@ -1,0 +1,66 @@
+"""Errors raised by storage media (:mod:`tiers`).
+
+A tier knows nothing of requests, tenants or configuration; it reports what happened
+to the medium. The store core (:mod:`kvstore.manager`) turns these into the store's
+own errors (:mod:`kvstore.errors`) at its boundary, so nothing here crosses to a
+client.
+
+==================  ===========================================================
+error               meaning
+==================  ===========================================================
+TierFull            no (contiguous) room for the reservation; evict and retry
+DiskFull            the filesystem filled before the tier reached its capacity
+BlockNotStored      the key is not committed (or not reserved) in this tier
+BlockExists         the key is already reserved or committed in this tier
+InvalidAccess       an out-of-order chunk, a byte range outside the block, a
+                    commit before every byte arrived, an output buffer too small
+BlockCorrupt        stored bytes fail their checksum or are truncated; never served
+TierIOError         the medium failed (I/O error, device gone, remote peer down)
+==================  ===========================================================
+"""
+
+from __future__ import annotations
+
+
+class TierError(Exception):
+    """Base class of every medium error."""
+
+
+class TierFull(TierError):
+    """Not enough free (contiguous) space for a reservation, or a block larger than the
+    largest block the tier can ever hold."""
+
+
+class BlockNotStored(TierError, KeyError):
+    """The key is not committed (or, for reservation calls, not reserved) here."""
+
+    def __str__(self) -> str:          # KeyError would quote the message
+        return str(self.args[0]) if self.args else "block not stored"
+
+
+class BlockExists(TierError):
+    """A reservation of a key that this tier already holds or is writing."""
+
+
+class InvalidAccess(TierError, ValueError):
+    """A call that breaks the tier protocol: an out-of-order or oversize chunk, a commit
+    before every reserved byte was written, a byte range outside the block, an output
+    buffer smaller than what is read."""
+
+
+class BlockCorrupt(TierError):
+    """A block's stored bytes fail their checksum or are truncated. The block is never
+    served; the caller drops this copy."""
+
+
+class TierIOError(TierError, OSError):
+    """The medium failed: an I/O error, a timeout, a device or remote peer gone."""
+
+
+class DiskFull(TierIOError, TierFull):
+    """The filesystem ran out of space (ENOSPC/EDQUOT) before the tier reached its
+    configured capacity. It is a TierFull (evict and retry) and a TierIOError."""
+
+
+__all__ = ["TierError", "TierFull", "BlockNotStored", "BlockExists", "InvalidAccess", "BlockCorrupt",
+           "TierIOError", "DiskFull"]
