@@ -31,7 +31,7 @@ from typing import Protocol, Sequence
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.manager import GetResult, LookupResult
+from kvstore.types import GetResult, LookupResult
 
 from .layout import BlockLayout
 from .tp import TPGroup

@@ -1,70 +1,72 @@
-"""Synchronous Python client of the kvstore daemon (used by the CLI, tests and adapter).
+"""Synchronous Python client of the kvstore daemon (used by engines, the CLI and tests).
 
 >>> with KVStoreClient("unix:kvstore-data/kvstore.sock") as c:      # doctest: +SKIP
-...     c.put([(key, payload)])
-...     c.lookup([key]).hit_blocks
-...     c.get([key])[0].data == payload
+...     c.put_from(keys, payloads)                    # one buffer per block, or one buffer
+...     hit = c.lookup(keys).hit_blocks
+...     c.get_into(keys[:hit], out)                   # straight into numpy / torch memory
 
-gRPC status codes are turned into :mod:`kvstore.errors` exceptions:
-INVALID_ARGUMENT -> InvalidRequest, RESOURCE_EXHAUSTED -> TierFull,
-UNAUTHENTICATED -> Unauthenticated, NOT_FOUND -> BlockNotFound,
-UNAVAILABLE / DEADLINE_EXCEEDED -> StoreUnavailable, DATA_LOSS -> CorruptBlock,
-anything else -> KVStoreError.
+Data path: on the daemon's own unix socket the client maps the daemon's shared host
+arena once (:mod:`kvstore.shm`) and copies blocks straight between it and the caller's
+buffers; gRPC carries only Lease/Release and Reserve/Commit. Elsewhere (TCP, a
+multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
+(:mod:`kvstore.wire`) on gRPC. Both paths give the same results.
+
+Errors: gRPC status codes become :mod:`kvstore.errors` exceptions (:mod:`kvstore.status`);
+a message over the size limit is :class:`~kvstore.errors.MessageTooLarge`, never a full
+store. This module imports only types, errors, the wire format and the generated stubs.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import grpc
-
-from tiers.base import TierKind
+import numpy as np
 
 from . import errors
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
-from .manager import GetResult, LookupResult
+from .buffers import BlockBuffers, host_view
+from .status import error_for
+from .transport import DEFAULT_CHUNK_BYTES, DEFAULT_MESSAGE_BYTES, FRAMING_BYTES, channel_options
+from .types import GetResult, LookupResult, PutResult, ReserveStatus, TierKind
+from .wire import FAILED, FOUND, decode, frames
 
-DEFAULT_CHUNK_BYTES = 1 << 20   # bytes per Put message; 4 MiB messages measured ~3x slower on loopback
-DEFAULT_MESSAGE_BYTES = 64 << 20
+log = logging.getLogger("kvstore.client")
 
-_CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
-    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.TierFull,
-    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
-    grpc.StatusCode.NOT_FOUND: errors.BlockNotFound,
-    grpc.StatusCode.UNAVAILABLE: errors.StoreUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.StoreUnavailable,
-    grpc.StatusCode.DATA_LOSS: errors.CorruptBlock,
-}
-
-
-def translate(err: grpc.RpcError) -> errors.KVStoreError:
-    """The :mod:`kvstore.errors` exception for a failed call."""
-    code = err.code() if hasattr(err, "code") else None
-    cls = _CODE_TO_ERROR.get(code, errors.KVStoreError)
-    detail = err.details() if hasattr(err, "details") else str(err)
-    name = code.name if code is not None else "UNKNOWN"
-    return cls(f"{name}: {detail}")
+_DATA = "/kvstore.v1.KVStoreData/"
 
 
 @dataclass(frozen=True)
-class PutResult:
-    stored: int
-    already_present: int
-    bytes_stored: int
-    not_admitted: int = 0   # blocks no tier's admission policy wanted (not stored)
+class NodeInfo:
+    """What the daemon says about itself (``Info``)."""
+
+    version: str
+    block_tokens: int
+    key_hash: str
+    max_message_bytes: int
+    shm_socket: str
+    shm_arena_bytes: int
+    shm_refused: str
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
+@dataclass(frozen=True)
+class GetIntoResult:
+    """Outcome of :meth:`KVStoreClient.get_into`.
+
+    Attributes:
+        found: leading blocks copied (with ``stop_at_miss``, the hit prefix).
+        sizes: bytes copied per key asked for (0: not found).
+        tier_codes: tier each block was read from, one byte per key (0: not found).
+    """
+
+    found: int
+    sizes: list[int]
+    tier_codes: bytes
 
 
 class KVStoreClient:
@@ -74,19 +76,26 @@ class KVStoreClient:
         target: gRPC target, e.g. ``"unix:/run/kvstore.sock"`` or ``"127.0.0.1:50051"``.
         timeout: per-call deadline in seconds (loads never hang past it).
         auth_token: bearer token sent as ``authorization: Bearer <token>`` metadata.
-        chunk_bytes: largest payload piece per Put message (blocks above it are chunked).
-        max_message_bytes: gRPC message size limit; must match the daemon's.
+        chunk_bytes: largest payload piece per message (blocks above it are chunked).
+        max_message_bytes: gRPC message size limit; must not exceed the daemon's.
         root_certificates: PEM bytes to connect with TLS (TCP targets only).
+        shared_memory: use the daemon's shared arena when it offers one (None: yes when
+            possible, False: never, True: fail if it cannot).
+        lease_ttl_s: TTL of the leases and reservations of the shared-memory path.
     """
 
     def __init__(self, target: str, *, timeout: float = 30.0, auth_token: str = "",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                 root_certificates: bytes | None = None):
-        if chunk_bytes <= 0 or chunk_bytes > max_message_bytes - (16 << 10):
-            raise ValueError("chunk_bytes must be > 0 and at least 16KiB below max_message_bytes")
+                 root_certificates: bytes | None = None, shared_memory: bool | None = None,
+                 lease_ttl_s: float = 30.0):
+        if chunk_bytes <= 0 or chunk_bytes > max_message_bytes - FRAMING_BYTES:
+            raise ValueError(f"chunk_bytes must be > 0 and at least {FRAMING_BYTES} bytes below max_message_bytes")
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self.lease_ttl_s = lease_ttl_s
+        self._token = auth_token
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         opts = channel_options(max_message_bytes)
         if root_certificates is not None:
@@ -95,10 +104,26 @@ class KVStoreClient:
         else:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._get_raw = self._channel.unary_stream(_DATA + "GetRaw", request_serializer=pb.GetRequest.SerializeToString)
+        self._put_raw = self._channel.stream_unary(_DATA + "PutRaw", response_deserializer=pb.PutReply.FromString)
+        self._want_shm = shared_memory
+        self._arena = None
+        self._arena_checked = False
+        self._info: NodeInfo | None = None
+        self._releases: collections.deque = collections.deque()
 
     # -------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
+        for fut in list(self._releases):
+            try:
+                fut.result(timeout=self.timeout)
+            except Exception:  # noqa: BLE001 - leases end by their TTL anyway
+                pass
+        self._releases.clear()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         self._channel.close()
 
     def __enter__(self) -> "KVStoreClient":
@@ -118,116 +143,304 @@ class KVStoreClient:
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise translate(e) from None
+            raise error_for(e) from None
 
-    # -------------------------------------------------------------- blocks
+    # -------------------------------------------------------------- node
 
-    def _batches(self, blocks: Iterable[tuple[bytes, bytes | memoryview]]) -> Iterator[pb.PutBatch]:
-        """Pack blocks into messages of at most ``chunk_bytes`` payload bytes.
+    def info(self, timeout: float | None = None) -> NodeInfo:
+        """The node's block size, key hash and data-path offer (cached)."""
+        if self._info is None:
+            r = self._call(self._stub.Info, pb.InfoRequest(), timeout)
+            self._info = NodeInfo(r.version, r.block_tokens, r.key_hash, r.max_message_bytes, r.shm_socket,
+                                  r.shm_arena_bytes, r.shm_refused)
+        return self._info
 
-        Small blocks share a message; a block larger than ``chunk_bytes`` is split
-        into chunks at increasing offsets.
-        """
-        step = self.chunk_bytes
-        batch: list[pb.PutChunk] = []
-        size = 0
-        for key, data in blocks:
-            mv = memoryview(data).cast("B")
-            total = len(mv)
-            if total <= step:
-                if size + total > step and batch:
-                    yield pb.PutBatch(chunks=batch)
-                    batch, size = [], 0
-                whole = data if isinstance(data, bytes) else bytes(mv)   # no copy for bytes
-                batch.append(pb.PutChunk(key=key, total_size=total, offset=0, data=whole))
-                size += total
-                continue
-            if batch:
-                yield pb.PutBatch(chunks=batch)
-                batch, size = [], 0
-            for off in range(0, total, step):
-                yield pb.PutBatch(chunks=[pb.PutChunk(key=key, total_size=total, offset=off,
-                                                      data=bytes(mv[off:off + step]))])
-        if batch:
-            yield pb.PutBatch(chunks=batch)
+    def check_block_tokens(self, block_tokens: int) -> None:
+        """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is not
+        ``block_tokens`` (keys computed with another block size never hit)."""
+        node = self.info().block_tokens
+        if node and node != block_tokens:
+            raise errors.InvalidRequest(f"this client cuts prompts into {block_tokens}-token blocks but the node "
+                                        f"at {self.target} is configured for {node} ([blocks] block_tokens)")
 
-    def put(self, blocks: Iterable[tuple[bytes, bytes | memoryview]], timeout: float | None = None) -> PutResult:
-        """Store blocks given as ``(key, payload)`` pairs.
+    @property
+    def shared_memory(self) -> bool:
+        """Whether blocks move through the daemon's shared arena (mapped on first use)."""
+        return self._shm() is not None
 
-        Payloads that fit in one message go in one unary call; larger ones are streamed
-        in chunks. A block becomes visible only when all its bytes arrived. Re-putting a
-        stored block is a no-op counted in ``already_present``.
-        Raises InvalidRequest (bad key/size), TierFull, StoreUnavailable.
-        """
-        batches = self._batches(blocks)
-        first = next(batches, None)
-        if first is None:
-            return PutResult(0, 0, 0)
-        second = next(batches, None)
+    def _shm(self):
+        if self._arena_checked:
+            return self._arena
+        self._arena_checked = True
+        if self._want_shm is False or not self.target.startswith("unix:"):
+            if self._want_shm:
+                raise errors.FeatureDisabled("shared memory needs the daemon's unix socket")
+            return None
+        info = self.info()
+        if not info.shm_socket:
+            if self._want_shm:
+                raise errors.FeatureDisabled(f"the daemon offers no shared arena: {info.shm_refused}")
+            return None
+        from .shm import ArenaMapping
         try:
-            if second is None:
-                reply = self._stub.PutInline(first, timeout=timeout or self.timeout, metadata=self._metadata)
-            else:
-                def all_batches():
-                    yield first
-                    yield second
-                    yield from batches
-                reply = self._stub.Put(all_batches(), timeout=timeout or self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise translate(e) from None
-        return PutResult(reply.stored, reply.already_present, reply.bytes_stored, reply.not_admitted)
+            self._arena = ArenaMapping(info.shm_socket, self._token, timeout=self.timeout)
+        except OSError as e:
+            if self._want_shm:
+                raise errors.FeatureDisabled(f"cannot map the shared arena: {e}") from None
+            log.info("shared arena unavailable (%s); using gRPC for block data", e)
+        return self._arena
 
-    def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
-            stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:
-        """Fetch blocks (or ``ranges`` of each, concatenated). One result per key, in order
-        (fewer with ``stop_at_miss``: the list ends at the first miss, which is included).
-
-        Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
-        """
-        req = pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss,
-                            ranges=[pb.ByteRange(offset=o, length=n) for o, n in (ranges or ())])
-        results: list[GetResult] = []
-        parts: list[bytes] = []
-        try:
-            stream = self._stub.Get(req, timeout=timeout or self.timeout, metadata=self._metadata)
-            for batch in stream:
-                for chunk in batch.chunks:
-                    if not chunk.found:
-                        results.append(GetResult(chunk.key, False))
-                        continue
-                    if chunk.offset == 0 and len(chunk.data) == chunk.total_size:
-                        results.append(GetResult(chunk.key, True, TierKind(chunk.tier), chunk.data))
-                        continue
-                    if chunk.offset == 0:
-                        parts = []
-                    parts.append(chunk.data)
-                    if chunk.offset + len(chunk.data) >= chunk.total_size:
-                        results.append(GetResult(chunk.key, True, TierKind(chunk.tier), b"".join(parts)))
-                        parts = []
-        except grpc.RpcError as e:
-            raise translate(e) from None
-        return results
+    # -------------------------------------------------------------- lookup, delete, stats
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         """Longest stored prefix of ``keys`` and the tier of each hit block."""
-        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)), timeout)
-        return LookupResult(reply.hit_blocks, tuple(TierKind(t) for t in reply.tiers))
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys), timeout)
+        return LookupResult(reply.hit_blocks, reply.tier_codes)
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
         """Delete blocks from every tier; returns how many were stored."""
         return self._call(self._stub.Delete, pb.DeleteRequest(keys=list(keys)), timeout).deleted
 
     def stats(self, timeout: float | None = None) -> dict:
-        """Tier usage and counters: ``{"tiers": [...], "counters": {...}}``."""
+        """Tier usage, counters and health: ``{"tiers", "counters", "serving", "problems"}``."""
         reply = self._call(self._stub.Stats, pb.StatsRequest(), timeout)
         return {
             "tiers": [
                 {"tier": TierKind(t.tier).name.lower(), "name": t.name, "capacity_bytes": t.capacity_bytes,
-                 "used_bytes": t.used_bytes, "blocks": t.blocks, "policy": t.policy}
+                 "used_bytes": t.used_bytes, "payload_bytes": t.payload_bytes, "blocks": t.blocks,
+                 "policy": t.policy}
                 for t in reply.tiers
             ],
             "counters": dict(reply.counters),
+            "serving": reply.serving,
+            "problems": list(reply.problems),
         }
+
+    # -------------------------------------------------------------- put
+
+    def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None) -> PutResult:
+        """Store blocks given as ``(key, payload)`` pairs (payload: any buffer).
+
+        A block becomes visible only when all its bytes arrived. Re-putting a stored block
+        is a no-op counted in ``already_present``. Raises InvalidRequest (bad key/size),
+        SizeConflict (a key stored with another size; the others are stored: ``.result``),
+        TierFull, MessageTooLarge, StoreUnavailable.
+        """
+        items = ((k, FOUND, 0, len(memoryview(d).cast("B")), d) for k, d in blocks)
+        limit = self.max_message_bytes - FRAMING_BYTES
+        try:
+            reply = self._put_raw(frames(items, limit, self.chunk_bytes), timeout=timeout or self.timeout,
+                                  metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise error_for(e) from None
+        return _put_result(reply)
+
+    def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
+                 offsets: Sequence[int] | None = None, timeout: float | None = None) -> PutResult:
+        """Store ``keys`` from ``src``: one buffer per key (numpy arrays, torch tensors on
+        CPU or CUDA, any buffer), or one buffer holding every block (``sizes`` bytes
+        each, back to back or at ``offsets``).
+
+        Same node: Reserve, one copy into the shared arena, Commit; blocks the arena
+        cannot take now go by gRPC. Raises as :meth:`put`.
+        """
+        keys = list(keys)
+        if not keys:
+            return PutResult(0, 0, 0)
+        bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
+        lengths = bufs.block_sizes()
+        arena = self._shm()
+        if arena is None:
+            return self.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))], timeout)
+        budget = max(arena.size // 4, 1)
+        reserved_total = stored = nbytes = present = refused = conflicts = 0
+        rest: list[int] = []
+        detail = ""
+        batch: list[int] = []
+        for i in range(len(keys) + 1):
+            if i < len(keys) and (not batch or reserved_total + lengths[i] <= budget):
+                batch.append(i)
+                reserved_total += lengths[i]
+                continue
+            reply = self._call(self._stub.Reserve, pb.ReserveRequest(
+                keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s),
+                timeout)
+            detail = detail or reply.detail
+            written = []
+            for j, status, offset in zip(batch, reply.status, reply.offsets):
+                if status == ReserveStatus.RESERVED:
+                    arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
+                    written.append(keys[j])
+                elif status == ReserveStatus.ALREADY_PRESENT:
+                    present += 1
+                elif status == ReserveStatus.NOT_ADMITTED:
+                    refused += 1
+                elif status == ReserveStatus.SIZE_CONFLICT:
+                    conflicts += 1
+                else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
+                    rest.append(j)
+            if written:
+                done = self._call(self._stub.Commit, pb.CommitRequest(keys=written), timeout)
+                stored += done.committed
+                nbytes += done.bytes_committed
+            if i == len(keys):
+                break
+            batch, reserved_total = [i], lengths[i]
+        result = PutResult(stored, present, nbytes, refused, conflicts)
+        if rest:
+            more = self.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout)
+            result = PutResult(stored + more.stored, present + more.already_present, nbytes + more.bytes_stored,
+                               refused + more.not_admitted, conflicts + more.size_conflicts)
+        if result.size_conflicts:
+            err = errors.SizeConflict(detail or f"{result.size_conflicts} blocks are stored with another size")
+            err.result = result
+            raise err
+        return result
+
+    # -------------------------------------------------------------- get
+
+    def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
+            stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:
+        """Fetch blocks (or ``ranges`` of each, concatenated) as new bytes. One result per
+        key, in order (with ``stop_at_miss`` the list ends at the first miss, included).
+
+        Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
+        """
+        results: list[GetResult] = []
+        parts: list = []
+        for rec in self._raw_records(keys, ranges, stop_at_miss, timeout):
+            if rec.failed or not rec.found:     # a miss, or a block that failed mid-way
+                parts = []
+                results.append(GetResult(rec.key, False))
+                continue
+            if rec.offset == 0 and len(rec.data) == rec.total:
+                results.append(GetResult(rec.key, True, TierKind(rec.tier), bytes(rec.data)))
+                continue
+            parts.append(bytes(rec.data))
+            if rec.offset + len(rec.data) >= rec.total:
+                results.append(GetResult(rec.key, True, TierKind(rec.tier), b"".join(parts)))
+                parts = []
+        return results
+
+    def _raw_records(self, keys, ranges, stop_at_miss, timeout):
+        req = pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss, max_chunk_bytes=self.chunk_bytes,
+                            ranges=[pb.ByteRange(offset=o, length=n) for o, n in (ranges or ())])
+        try:
+            for frame in self._get_raw(req, timeout=timeout or self.timeout, metadata=self._metadata):
+                yield from decode(frame)
+        except grpc.RpcError as e:
+            raise error_for(e) from None
+
+    def get_into(self, keys: Sequence[bytes], out: Any, *, ranges: Sequence[tuple[int, int]] | None = None,
+                 offsets: Sequence[int] | None = None, stop_at_miss: bool = True,
+                 timeout: float | None = None) -> GetIntoResult:
+        """Copy blocks (or ``ranges`` of each, concatenated) straight into ``out``: one
+        buffer per key, or one buffer holding the blocks back to back (or at ``offsets``).
+        Buffers: numpy arrays, torch tensors (CPU, pinned or CUDA), any writable buffer.
+
+        With ``stop_at_miss`` (the default: a prefix) copying stops at the first miss.
+        Same node: one Lease, one copy per block from the shared arena, then the lease is
+        released in the background. Raises InvalidRequest (a buffer too small, bad
+        ranges), StoreUnavailable.
+        """
+        keys = list(keys)
+        bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)
+        arena = self._shm()
+        sizes = [0] * len(keys)
+        codes = bytearray(len(keys))
+        start = 0
+        if arena is not None:
+            start = self._lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
+        if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
+            self._raw_copy(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
+        found = 0
+        while found < len(keys) and codes[found]:
+            found += 1
+        bufs.finish()
+        return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
+
+    def _lease_copy(self, arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout) -> int:
+        """Copy blocks out of the shared arena, one lease at a time (a lease stops early
+        when the arena cannot hold more at once). Returns the index of the first key not
+        looked at (``len(keys)`` when done; the rest then goes by gRPC)."""
+        src = arena.array
+        start, release = 0, []
+        try:
+            while start < len(keys):
+                reply = self._call(self._stub.Lease, pb.LeaseRequest(
+                    keys=keys[start:], ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss, release=release), timeout)
+                release = [reply.lease_id]
+                for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
+                    if not code:
+                        continue
+                    i = start + j
+                    if ranges:
+                        total = sum(n for _, n in ranges)
+                        dst = bufs.slot(i, total)
+                        pos = 0
+                        for r_off, n in ranges:
+                            if r_off + n > size:
+                                raise errors.InvalidRequest(f"byte range ({r_off}, {n}) is outside a "
+                                                            f"{size}-byte block")
+                            dst[pos:pos + n] = src[off + r_off:off + r_off + n]
+                            pos += n
+                        sizes[i] = total
+                    else:
+                        bufs.slot(i, size)[:] = src[off:off + size]
+                        sizes[i] = size
+                    codes[i] = code
+                if reply.complete:
+                    return len(keys)
+                if reply.resume_at == 0:
+                    return start            # no progress: the arena is busy; use gRPC for the rest
+                start += reply.resume_at
+            return start
+        finally:
+            for lease_id in release:
+                self._release(lease_id)
+
+    def _raw_copy(self, keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout) -> None:
+        """Copy blocks ``keys[start:]`` from raw gRPC frames."""
+        i, cur = start, None
+        for rec in self._raw_records(keys[start:], ranges, stop_at_miss, timeout):
+            if rec.failed or not rec.found:     # a miss, or a block that failed mid-way
+                sizes[i], codes[i], cur = 0, 0, None
+                i += 1
+                continue
+            if rec.offset == 0:
+                cur = bufs.slot(i, rec.total)
+            cur[rec.offset:rec.offset + len(rec.data)] = np.frombuffer(rec.data, dtype=np.uint8)
+            if rec.offset + len(rec.data) >= rec.total:
+                sizes[i], codes[i], cur = rec.total, rec.tier, None
+                i += 1
+
+    def _release(self, lease_id: str) -> None:
+        """End a lease without waiting for the answer (its TTL ends it anyway)."""
+        while self._releases and self._releases[0].done():
+            self._releases.popleft()
+        try:
+            self._releases.append(self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease_id]),
+                                                            timeout=self.timeout, metadata=self._metadata))
+        except grpc.RpcError as e:      # pragma: no cover - the lease expires by its TTL
+            log.debug("release of lease %s failed: %s", lease_id, e)
+
+    # -------------------------------------------------------------- leases (low level)
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, *, prefix: bool = True,
+              device: bool = False, timeout: float | None = None) -> pb.LeaseReply:
+        """Pin blocks for reading in place (the shared arena, or HBM with ``device``).
+        Returns the raw reply (offsets, sizes, tier codes, IPC blocks); call
+        :meth:`release` with its ``lease_id`` when done."""
+        return self._call(self._stub.Lease, pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s,
+                                                            prefix=prefix, device=device), timeout)
+
+    def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
+        """End leases; returns how many were live."""
+        return self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids)), timeout).released
+
+    def arena(self):
+        """The mapped shared arena (:class:`kvstore.shm.ArenaMapping`), or None."""
+        return self._shm()
 
     # -------------------------------------------------------------- agent hints
 
@@ -235,7 +448,8 @@ class KVStoreClient:
                         start_time: float | None = None, timeout: float | None = None) -> float:
         """Tell the daemon trajectory ``trajectory_id`` started tool ``tool``; its prefix is ``keys``.
 
-        Returns the predicted resume time (seconds, unix time).
+        ``start_time`` is unix seconds (default: now). Returns the predicted resume time
+        (unix seconds).
         """
         req = pb.ToolCallStartRequest(trajectory_id=trajectory_id, tool=tool, keys=list(keys),
                                       start_time=start_time if start_time is not None else time.time())
@@ -243,7 +457,22 @@ class KVStoreClient:
 
     def resume(self, trajectory_id: str, at: float | None = None,
                timeout: float | None = None) -> tuple[bool, float]:
-        """Tell the daemon the trajectory resumed. Returns ``(known, observed_seconds)``."""
+        """Tell the daemon the trajectory resumed (``at``: unix seconds, default now).
+        Returns ``(known, observed_seconds)``."""
         req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
         reply = self._call(self._stub.Resume, req, timeout)
         return reply.known, reply.observed_seconds
+
+
+def _put_result(reply: pb.PutReply) -> PutResult:
+    result = PutResult(reply.stored, reply.already_present, reply.bytes_stored, reply.not_admitted,
+                       reply.size_conflicts)
+    if reply.size_conflicts:
+        err = errors.SizeConflict(reply.detail or f"{reply.size_conflicts} blocks are stored with another size")
+        err.result = result
+        raise err
+    return result
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_MESSAGE_BYTES", "GetIntoResult", "KVStoreClient", "NodeInfo",
+           "channel_options", "host_view"]

@@ -16,8 +16,9 @@ Example (every key optional; these are the defaults unless noted)::
     alice = "token-of-alice"      # each tenant gets a private key space (kvstore/auth.py)
 
     [blocks]
-    block_tokens = 512            # used by clients that compute keys from tokens
-    hash = "sha256"
+    block_tokens = 512            # tokens per block of this node's clients: published by Info,
+                                  # checked by clients that compute keys (kvstore.client)
+    hash = "sha256"               # how keys are computed (the only choice: chained SHA-256)
 
     [tiers.hbm]                   # GPU memory; off unless a GPU is present and enabled
     enabled = false
@@ -27,6 +28,7 @@ Example (every key optional; these are the defaults unless noted)::
     [tiers.host]
     capacity = "1GiB"
     pinned = "auto"               # auto | true | false (pinned needs a GPU)
+    shared = true                 # a memfd that same-node clients map (zero-copy get/put)
 
     [tiers.nvme]
     enabled = true
@@ -39,9 +41,12 @@ Example (every key optional; these are the defaults unless noted)::
     eviction = "lru"              # default policy of every tier: lru | arc | s3fifo | next_use
     write = "write_back"          # write_back | write_through
     params = {}                   # policy parameters, e.g. { small_ratio = 0.1 } for s3fifo
+    low_watermark = 0.85          # background cleaning: when a tier holds more than
+    high_watermark = 0.95         # high x capacity, copy its coldest blocks down (the last
+                                  # tier: evict) until low x capacity is dirty (used)
 
-    [tiers.host.policy]           # optional per-tier override of [policy]
-    eviction = "arc"
+    [tiers.host.policy]           # optional per-tier override of the eviction policy
+    eviction = "arc"              # (eviction and params only; write and watermarks are global)
 
     [prefetch]
     enabled = false
@@ -49,6 +54,9 @@ Example (every key optional; these are the defaults unless noted)::
     lead_time_s = 0.05
     quantile = 0.1                # the prefix must be back in HBM by this quantile of the tool's duration
     window = 64
+
+    [server]                      # (continued)
+    lease_ttl_s = 30.0            # default lease / reservation TTL of the same-node path
 
 Unknown keys and bad values raise :class:`kvstore.errors.ConfigError` naming the key,
 e.g. ``tiers.host.capcity: unknown key``.
@@ -87,6 +95,7 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tenants: Mapping[str, str] = field(default_factory=dict)   # tenant name -> bearer token
+    lease_ttl_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,16 @@ class PolicyConfig:
     eviction: str = "lru"
     write: str = "write_back"
     params: Mapping[str, Any] = field(default_factory=dict)
+    low_watermark: float = 0.85
+    high_watermark: float = 0.95
+
+
+@dataclass(frozen=True)
+class TierPolicyConfig:
+    """A tier's override of the eviction policy (``[tiers.X.policy]``)."""
+
+    eviction: str = "lru"
+    params: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -107,7 +126,7 @@ class HBMConfig:
     enabled: bool = False
     capacity: int = 8 << 30
     device: int = 0
-    policy: PolicyConfig | None = None
+    policy: TierPolicyConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +134,8 @@ class HostConfig:
     enabled: bool = True
     capacity: int = 1 << 30
     pinned: str = "auto"
-    policy: PolicyConfig | None = None
+    shared: bool = True
+    policy: TierPolicyConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +145,7 @@ class NVMeConfig:
     capacity: int = 16 << 30
     io: str = "auto"
     fsync: bool = False
-    policy: PolicyConfig | None = None
+    policy: TierPolicyConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -152,10 +172,12 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
-    def tier_policy(self, tier: str) -> PolicyConfig:
-        """The eviction policy config of ``tier`` (its override, else ``[policy]``)."""
+    def tier_policy(self, tier: str) -> TierPolicyConfig:
+        """The eviction policy of ``tier`` (its override, else ``[policy]``'s)."""
         override = getattr(self.tiers, tier).policy
-        return override if override is not None else self.policy
+        if override is not None:
+            return override
+        return TierPolicyConfig(self.policy.eviction, self.policy.params)
 
 
 _SIZE_FIELDS = {"capacity", "max_message_bytes", "max_chunk_bytes"}
@@ -224,7 +246,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, key)
         elif name == "policy" and cls in (HBMConfig, HostConfig, NVMeConfig):
-            kwargs[name] = _build(PolicyConfig, value, key)
+            kwargs[name] = _build(TierPolicyConfig, value, key)
         else:
             kwargs[name] = _convert(path, name, value, default, f.type)
     return cls(**kwargs)
@@ -273,11 +295,15 @@ def _validate_access(s: ServerConfig) -> None:
                           "server.auth_token or server.tenants, or listen on a unix socket or loopback")
 
 
-def _validate_policy(p: PolicyConfig, path: str) -> None:
+def _validate_policy(p: PolicyConfig | TierPolicyConfig, path: str) -> None:
     if p.eviction not in EVICTION_CHOICES:
         raise ConfigError(f"{path}.eviction: {p.eviction!r} is not one of {', '.join(EVICTION_CHOICES)}")
-    if p.write not in WRITE_CHOICES:
-        raise ConfigError(f"{path}.write: {p.write!r} is not one of {', '.join(WRITE_CHOICES)}")
+    if isinstance(p, PolicyConfig):
+        if p.write not in WRITE_CHOICES:
+            raise ConfigError(f"{path}.write: {p.write!r} is not one of {', '.join(WRITE_CHOICES)}")
+        if not 0.0 < p.low_watermark <= p.high_watermark <= 1.0:
+            raise ConfigError(f"{path}.low_watermark/high_watermark: need 0 < low <= high <= 1, got "
+                              f"{p.low_watermark} and {p.high_watermark}")
 
 
 def validate(cfg: Config) -> Config:
@@ -287,6 +313,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"server.listen: {s.listen!r} names no address or socket path")
     if s.workers < 1:
         raise ConfigError(f"server.workers: must be >= 1, got {s.workers}")
+    if not 0 < s.lease_ttl_s <= 600:
+        raise ConfigError(f"server.lease_ttl_s: must be in (0, 600] seconds, got {s.lease_ttl_s}")
     if not 0 < s.stream_idle_timeout_s < float("inf"):
         raise ConfigError(f"server.stream_idle_timeout_s: must be > 0 seconds, got {s.stream_idle_timeout_s}")
     if s.max_message_bytes < 64 << 10:
@@ -302,8 +330,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"server.{name}: cannot read {value!r}")
     if cfg.blocks.block_tokens < 1:
         raise ConfigError(f"blocks.block_tokens: must be >= 1, got {cfg.blocks.block_tokens}")
-    if cfg.blocks.hash not in ("sha256", "xxh3_128"):
-        raise ConfigError(f"blocks.hash: {cfg.blocks.hash!r} is not one of sha256, xxh3_128")
+    if cfg.blocks.hash != "sha256":
+        raise ConfigError(f"blocks.hash: {cfg.blocks.hash!r} is not supported (keys are chained SHA-256: "
+                          "\"sha256\")")
     t = cfg.tiers
     if t.host.pinned not in ("auto", "true", "false"):
         raise ConfigError(f"tiers.host.pinned: {t.host.pinned!r} is not one of auto, true, false")

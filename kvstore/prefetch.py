@@ -38,22 +38,21 @@ calling :meth:`tick`). ``kvstore simulate`` calls the same methods with virtual 
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from tiers.base import TierKind
 
 from .config import PrefetchConfig
-from .errors import KVStoreError
 from .manager import TierManager
-from .policy import AcceptsNextUse, NoVictim, UsesReuseModel
+from .catalogue import BlockEvent
 from .predictor import ReuseModel, ToolPredictor
 
 log = logging.getLogger("kvstore.prefetch")
@@ -188,10 +187,11 @@ class PrefetchScheduler:
         self._recent: OrderedDict[tuple[bytes, int], float] = OrderedDict()
         self._expect_cache: dict[str, float] = {}
         self.model = reuse_model or ReuseModel()
-        for p in manager.policies:
-            if isinstance(p, UsesReuseModel):
-                p.attach(self.model)
+        manager.attach_reuse_model(self.model)
         self.stats = PrefetchStats()
+        self._removed: collections.deque[bytes] = collections.deque()   # keys that left tier 0
+        self._fast_name = manager.tier_name(0)
+        manager.events.subscribe(self._on_event)
         self._lock = threading.RLock()
         self._waiting: dict[str, _Waiting] = {}
         self._due: list[tuple[float, int, str, int]] = []   # (time, seq, trajectory, action)
@@ -204,31 +204,33 @@ class PrefetchScheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    @property
-    def _fast(self):
-        return self.manager.tiers[0]
+    def _on_event(self, event: BlockEvent) -> None:
+        """Catalogue events (the manager's lock is held: only queue them)."""
+        if event.kind == "removed" and event.tier == self._fast_name:
+            self._removed.append(event.key)
 
-    def _mlock(self):
-        """The manager's lock, so victim choice and demotion see one consistent state."""
-        return getattr(self.manager, "lock", None) or nullcontext()
+    def _account_removed(self) -> None:
+        """Promoted blocks that left tier 0 before their trajectory resumed are waste."""
+        while self._removed:
+            key = self._removed.popleft()
+            rec = self._promoted.pop(key, None)
+            if rec is not None:
+                self.stats.wasted_bytes += rec[1]
+
+    def _in_fast(self, key: bytes) -> bool:
+        loc = self.manager.locate(key)
+        return loc is not None and loc[1] == 0
 
     def _hint(self, keys: Sequence[bytes], t: float, now: float) -> None:
-        for p in self.manager.policies:
-            if isinstance(p, AcceptsNextUse):
-                p.set_next_use(keys, t, now)
+        self.manager.hint_next_use(keys, t, now)
 
     def _size_of(self, key: bytes) -> int:
-        tier = self.manager.tiers
-        for t in tier:
-            if key in t:
-                return t.size_of(key)
-        return 0
+        loc = self.manager.locate(key)
+        return 0 if loc is None else loc[0]
 
     def _source_kind(self, key: bytes) -> TierKind | None:
-        for t in self.manager.tiers:
-            if key in t:
-                return t.kind
-        return None
+        loc = self.manager.locate(key)
+        return None if loc is None else self.manager.tier_kind(loc[1])
 
     def transfer_seconds(self, keys: Sequence[bytes], assume: TierKind | None = None) -> float:
         """Seconds to bring ``keys`` into tier 0 at the current hop bandwidths.
@@ -237,7 +239,7 @@ class PrefetchScheduler:
         now, which may be demoted while it waits) one hop away in tier ``assume``, or
         where it is when that is slower (NVMe).
         """
-        dst = self._fast.kind
+        dst = self.manager.tier_kind(0)
         total = 0.0
         for key in keys:
             src = self._source_kind(key)
@@ -329,18 +331,18 @@ class PrefetchScheduler:
 
     def is_ready(self, keys: Sequence[bytes], now: float, w: _Waiting | None = None) -> bool:
         """Whether all of ``keys`` are in tier 0 and any promotion of them has finished."""
-        fast = self._fast
-        return all(k in fast for k in keys) and (w is None or w.done_at <= now)
+        self._account_removed()
+        return all(self._in_fast(k) for k in keys) and (w is None or w.done_at <= now)
 
     def _release(self, w: _Waiting, used: bool = False) -> None:
         """Account the promoted blocks of ``w``: used if still in HBM, else wasted."""
-        fast = self._fast
+        self._account_removed()
         for key in w.keys:
             rec = self._promoted.get(key)
             if rec is None or rec[0] != w.trajectory_id:
                 continue
             del self._promoted[key]
-            if used and key in fast:
+            if used and self._in_fast(key):
                 self.stats.used_bytes += rec[1]
             else:
                 self.stats.wasted_bytes += rec[1]
@@ -395,7 +397,7 @@ class PrefetchScheduler:
                     self._hint(w.keys, now + min(remaining, 2 * self.refresh_s), now)
                 else:
                     self._hint(w.keys, self._expect(w, now), now)
-                if w.promoted and not all(k in self._fast for k in w.keys):
+                if w.promoted and not all(self._in_fast(k) for k in w.keys):
                     self._promote(w, now)
                 heapq.heappush(self._due, (now + self.refresh_s, seq, tid, _REFRESH))
             if self.headroom_fraction > 0:
@@ -429,59 +431,35 @@ class PrefetchScheduler:
         return keep.__contains__
 
     def _make_room(self, w: _Waiting, nbytes: int, now: float, protected: Callable[[bytes], bool]) -> bool:
-        fast = self._fast
-        if fast.fits(nbytes):
+        """Room for ``nbytes`` in tier 0 for ``w`` (the manager demotes; no lock taken here).
+
+        Candidates first: blocks of trajectories expected to resume later than ``w`` (by
+        a margin) that were not promoted yet, farthest first, tail first; then the tier
+        policy's choice among unprotected blocks, unless it predicts that block is needed
+        sooner than ``w`` (``next_use``)."""
+        m = self.manager
+        if m.fits(0, nbytes):
             return True
-        # 1. blocks of trajectories expected to resume later than w (by a margin) that
-        #    were not promoted yet, farthest first, tail first
         mine = self._expect(w, now)
         later = sorted((o for o in self._waiting.values()
                         if o is not w and not o.promoted and self._expect(o, now) > mine + self.margin_s),
                        key=lambda o: self._expect(o, now), reverse=True)
-        for o in later:
-            for key in reversed(o.keys):
-                if fast.fits(nbytes):
-                    break
-                if key in fast and not protected(key):
-                    self._demote(key)
-            if fast.fits(nbytes):
-                return True
-        # 2. the tier policy's choice among unprotected blocks
-        refused: set[bytes] = set()
-        policy = self.manager.policies[0]
-        distance = getattr(policy, "distance", None)   # next_use: predicted distance, seconds
+        candidates = [key for o in later for key in reversed(o.keys)]
         need_in = max(mine - now, 0.0)
-        while not fast.fits(nbytes):
-            try:
-                victim = policy.victim(lambda k: not protected(k) and k not in refused, incoming=None, now=now)
-            except NoVictim:
-                return False
-            if distance is not None and distance(victim, now) < need_in:
-                return False   # the victim is predicted to be needed sooner than w
-            if not self._demote(victim):
-                refused.add(victim)
-        return True
 
-    def _demote(self, key: bytes) -> bool:
-        if len(self.manager.tiers) < 2:
-            return False  # demoting from the only tier would drop the block
-        try:
-            ok = self.manager.demote(key, 0)
-        except KVStoreError as e:   # the lower tier failed or is full: keep the block here
-            log.warning("prefetch: demotion of %s failed: %s", key.hex()[:16], e)
-            return False
-        if ok:
-            self.stats.demoted_blocks += 1
-            rec = self._promoted.pop(key, None)
-            if rec is not None:
-                self.stats.wasted_bytes += rec[1]
+        def sooner(victim: bytes) -> bool:
+            d = m.distance(0, victim, now)
+            return d is not None and d < need_in
+        before = m.counters[f"evictions_{self._fast_name}"]
+        ok = m.make_room(0, nbytes, protect=protected, candidates=candidates, give_up=sooner)
+        self.stats.demoted_blocks += m.counters[f"evictions_{self._fast_name}"] - before
+        self._account_removed()
         return ok
 
     def _promote(self, w: _Waiting, now: float) -> None:
         """Bring ``w``'s blocks into tier 0, head first; retry later if room ran out."""
         w.promoted = w.started = True
-        fast = self._fast
-        dst = fast.kind
+        dst = self.manager.tier_kind(0)
         done = max(now, w.done_at)
         blocked = False
         protected = self._protected(w, now)
@@ -490,9 +468,7 @@ class PrefetchScheduler:
             if src is None or src == dst:
                 continue
             nbytes = self._size_of(key)
-            with self._mlock():           # victim choice and demotion on one consistent state
-                room = self._make_room(w, nbytes, now, protected)
-            if not room:
+            if not self._make_room(w, nbytes, now, protected):
                 blocked = True
                 break
             t0 = time.perf_counter()
@@ -522,22 +498,24 @@ class PrefetchScheduler:
             heapq.heappush(self._due, (now + self.retry_s, w.seq, w.trajectory_id, _PROMOTE))
 
     def _keep_headroom(self, now: float) -> None:
-        if len(self.manager.tiers) < 2:
+        m = self.manager
+        if m.num_tiers < 2:
             return
-        fast = self._fast
-        want = self.headroom_fraction * fast.capacity_bytes
-        if fast.capacity_bytes - fast.used_bytes >= want:
+        cap = m.capacity_bytes(0)
+        want = self.headroom_fraction * cap
+        free = cap - m.used_bytes(0)
+        if free >= want:
             return
         later = sorted((w for w in self._waiting.values() if not w.promoted and w.promote_at > now),
                        key=lambda w: self._expect(w, now), reverse=True)
-        with self._mlock():
-            for w in later:
-                protected = self._protected(w, now, include_self=False)
-                for key in reversed(w.keys):
-                    if fast.capacity_bytes - fast.used_bytes >= want:
-                        return
-                    if key in fast and not protected(key):
-                        self._demote(key)
+        for w in later:
+            protected = self._protected(w, now, include_self=False)
+            before = m.counters[f"evictions_{self._fast_name}"]
+            m.make_room(0, int(want), protect=protected, candidates=list(reversed(w.keys)),
+                        give_up=lambda victim: True)
+            self.stats.demoted_blocks += m.counters[f"evictions_{self._fast_name}"] - before
+            if cap - m.used_bytes(0) >= want:
+                return
 
     # ------------------------------------------------------------------ thread
 

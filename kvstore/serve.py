@@ -19,19 +19,24 @@ import time
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from tiers.base import Tier
+from tiers.errors import TierError
 
+from . import __version__
 from . import config as config_mod
+from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
-from .client import channel_options
+from .auth import Authenticator
 from .config import Config
 from .errors import ConfigError
-from .manager import TierManager
+from .health import HealthMonitor
+from .interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
+from .manager import MAX_LEASE_TTL_S, TierManager
 from .policy import make_policy
-from .auth import Authenticator
-from .server import BearerTokenInterceptor, KVStoreService, RequestDecodeInterceptor
+from .server import KVStoreService, data_handler
+from .transport import channel_options
 from .units import format_size
 
 log = logging.getLogger("kvstore.serve")
@@ -48,6 +53,11 @@ def gpu_available() -> bool:
     return bool(detect())
 
 
+def _close_all(named: list[tuple[str, Tier]]) -> None:
+    for _, tier in named:
+        tier.close()
+
+
 def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
     """Concrete tiers from the config, fastest first, as ``(config_name, tier)`` pairs.
 
@@ -56,41 +66,41 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
     t = cfg.tiers
     out: list[tuple[str, Tier]] = []
     has_gpu = gpu_available()
-    if t.hbm.enabled:
-        if not has_gpu:
-            raise ConfigError("tiers.hbm.enabled: no CUDA GPU found; disable the HBM tier on this machine")
-        from tiers.hbm import HBMTier
-        out.append(("hbm", HBMTier(t.hbm.capacity, device=t.hbm.device)))
-    if t.host.enabled:
-        from tiers.host import HostTier
-        pinned = {"auto": has_gpu, "true": True, "false": False}[t.host.pinned]
-        if pinned and not has_gpu:
-            raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
-        try:
-            out.append(("host", HostTier(t.host.capacity, pinned=pinned)))
-        except (MemoryError, OSError) as e:
-            for _, tier in out:
-                tier.close()
-            raise ConfigError(f"tiers.host.capacity: cannot allocate {format_size(t.host.capacity)} of host "
-                              f"memory ({e}); lower it") from None
-    if t.nvme.enabled:
-        from tiers.nvme import NVMeTier
-        try:
-            pathlib.Path(t.nvme.path).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
-        try:
-            out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
-        except (ValueError, NotImplementedError, OSError) as e:  # TierIOError is an OSError
-            for _, tier in out:
-                tier.close()
-            raise ConfigError(f"tiers.nvme: {e}") from None
+    try:
+        if t.hbm.enabled:
+            if not has_gpu:
+                raise ConfigError("tiers.hbm.enabled: no CUDA GPU found; disable the HBM tier on this machine")
+            from tiers.hbm import HBMTier
+            out.append(("hbm", HBMTier(t.hbm.capacity, device=t.hbm.device)))
+        if t.host.enabled:
+            from tiers.host import HostTier
+            pinned = {"auto": has_gpu, "true": True, "false": False}[t.host.pinned]
+            if pinned and not has_gpu:
+                raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
+            try:
+                out.append(("host", HostTier(t.host.capacity, pinned=pinned, shared=t.host.shared)))
+            except (MemoryError, OSError) as e:
+                raise ConfigError(f"tiers.host.capacity: cannot allocate {format_size(t.host.capacity)} of host "
+                                  f"memory ({e}); lower it") from None
+        if t.nvme.enabled:
+            from tiers.nvme import NVMeTier
+            try:
+                pathlib.Path(t.nvme.path).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
+            try:
+                out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
+            except (ValueError, NotImplementedError, OSError, TierError) as e:
+                raise ConfigError(f"tiers.nvme: {e}") from None
+    except BaseException:
+        _close_all(out)
+        raise
     return out
 
 
-def build_manager(cfg: Config) -> TierManager:
+def build_manager(cfg: Config, named: list[tuple[str, Tier]] | None = None) -> TierManager:
     """The tier manager with the configured tiers and per-tier eviction policies."""
-    named = build_tiers(cfg)
+    named = build_tiers(cfg) if named is None else named
     policies = []
     for name, tier in named:
         pc = cfg.tier_policy(name)
@@ -98,10 +108,10 @@ def build_manager(cfg: Config) -> TierManager:
             policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params))
         except ConfigError as e:
             key = f"tiers.{name}.policy" if getattr(cfg.tiers, name).policy is not None else "policy"
-            for _, t in named:
-                t.close()
+            _close_all(named)
             raise ConfigError(f"{key}.params: {e}") from None
-    return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True)
+    return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True,
+                       watermarks=(cfg.policy.low_watermark, cfg.policy.high_watermark))
 
 
 @dataclasses.dataclass
@@ -117,6 +127,7 @@ class Daemon:
     manager: TierManager
     service: KVStoreService
     health: health.HealthServicer
+    monitor: HealthMonitor | None = None
     background: list = dataclasses.field(default_factory=list)
     socket: _UnixSocket | None = None
     _stopped: bool = False
@@ -132,6 +143,8 @@ class Daemon:
             ev.set()
             return ev
         self._stopped = True
+        if self.monitor is not None:
+            self.monitor.stop()
         self.health.enter_graceful_shutdown()
         for item in self.background:
             item.stop()
@@ -237,16 +250,101 @@ def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
     return f"{host}:{port}", None
 
 
+def _claim_unix_socket(listen: str) -> _UnixSocket:
+    path = listen[len("unix:"):]
+    if path.startswith("//"):
+        path = path[2:]
+    p = pathlib.Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"server.listen: cannot create {str(p.parent)!r}: {e.strerror}") from None
+    lock_path = p.with_name(p.name + ".lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise ConfigError(f"server.listen: cannot create {str(lock_path)!r}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(f"server.listen: another daemon is serving on {listen} "
+                          f"(it holds {lock_path})") from None
+    if os.path.lexists(p):
+        st = p.lstat()
+        if not stat.S_ISSOCK(st.st_mode):
+            os.close(fd)
+            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
+            raise ConfigError(f"server.listen: {str(p)!r} is {kind}, not a socket; refusing to replace it")
+        p.unlink()   # a socket left by a daemon that died: nobody holds the lock
+    return _UnixSocket(p, fd)
+
+
+def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
+    """Bind ``[server] listen``; returns the address and, for unix sockets, the claim."""
+    listen = cfg.server.listen
+    if listen.startswith("unix:"):
+        sock = _claim_unix_socket(listen)
+        old_umask = os.umask(0o077)  # socket created 0600: only this user may connect
+        try:
+            port = server.add_insecure_port(f"unix:{sock.path}")
+        except RuntimeError as e:
+            sock.release()
+            raise ConfigError(f"server.listen: cannot bind {listen}: {e}") from None
+        finally:
+            os.umask(old_umask)
+        if port == 0:
+            sock.release()
+            raise ConfigError(f"server.listen: cannot bind {listen}")
+        os.chmod(sock.path, 0o600)
+        sock.inode = sock.path.stat().st_ino
+        return f"unix:{sock.path}", sock
+    s = cfg.server
+    try:
+        if s.tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(pathlib.Path(s.tls_key).read_bytes(), pathlib.Path(s.tls_cert).read_bytes())])
+            port = server.add_secure_port(listen, creds)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError as e:   # grpc raises when the address is in use
+        raise ConfigError(f"server.listen: cannot bind {listen} (in use, or not an address here): {e}") from None
+    if port == 0:
+        raise ConfigError(f"server.listen: cannot bind {listen}")
+    host = listen.rsplit(":", 1)[0]
+    return f"{host}:{port}", None
+
+
 def _start_prefetch(cfg: Config, manager: TierManager):
     """The prefetch scheduler: moves blocks when ``[prefetch] enabled``; with prefetch off it
-    still runs, observing only, when a policy learns from it (``next_use``)."""
+    still runs, observing only, when a policy learns from it (``next_use``). Its clock is
+    monotonic: client unix times are converted on arrival (:mod:`kvstore.validate`)."""
     from .policy.hints import UsesReuseModel
     if not cfg.prefetch.enabled and not any(isinstance(p, UsesReuseModel) for p in manager.policies):
         return None
     from .prefetch import PrefetchScheduler
-    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.time)
+    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.monotonic)
     scheduler.start()
     return scheduler
+
+
+def _start_arena(cfg: Config, manager: TierManager, sock: "_UnixSocket | None", auth: Authenticator | None):
+    """The shared-arena hand-out socket, or None and the reason the path is off."""
+    from .shm import ArenaServer
+    shared = manager.shared_tier
+    if shared is None:
+        return None, "the host tier is not shared memory ([tiers.host] shared = false, or no host tier)"
+    if cfg.server.tenants:
+        return None, "multi-tenant config ([server.tenants]): a mapped arena would show every tenant's blocks"
+    if sock is None:
+        return None, "the daemon listens on TCP: the shared arena is for clients on its unix socket"
+    seg = manager.tiers[shared].capabilities.shared.segment()
+    try:
+        arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth).start()
+    except OSError as e:
+        log.warning("shared arena socket unavailable (%s); same-node clients use gRPC", e)
+        return None, f"cannot bind the arena socket: {e}"
+    return arena, ""
 
 
 def start_server(cfg: Config) -> Daemon:
@@ -256,39 +354,50 @@ def start_server(cfg: Config) -> Daemon:
     Raises ConfigError for a config that cannot be served (unbindable address, ...).
     """
     manager = build_manager(cfg)
-    hints = None
+    background: list = []
     try:
         auth = Authenticator.from_config(cfg.server)
         interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
         interceptors.append(RequestDecodeInterceptor())
+        options = channel_options(cfg.server.max_message_bytes) + [("grpc.so_reuseport", 0)]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
                                                         thread_name_prefix="kvstore-rpc"),
-                             options=channel_options(cfg.server.max_message_bytes),
-                             interceptors=interceptors)
+                             options=options, interceptors=interceptors)
         hints = _start_prefetch(cfg, manager)
-        leases = next((t for t in manager.tiers if hasattr(t, "lease")), None)
-        service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes, hints=hints, leases=leases,
-                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s,
-                                 auth=auth)
-        pb_grpc.add_KVStoreServicer_to_server(service, server)
+        if hints is not None:
+            background.append(hints)
         health_servicer = health.HealthServicer()
+        monitor = HealthMonitor(manager, health_servicer)
+        info = pb.InfoReply(version=__version__, block_tokens=cfg.blocks.block_tokens, key_hash=cfg.blocks.hash,
+                            max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=MAX_LEASE_TTL_S)
+        service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes,
+                                 max_message_bytes=cfg.server.max_message_bytes, hints=hints, auth=auth,
+                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s, health=monitor, info=info,
+                                 default_lease_ttl_s=cfg.server.lease_ttl_s)
+        pb_grpc.add_KVStoreServicer_to_server(service, server)
+        server.add_generic_rpc_handlers((data_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address, sock = _bind(server, cfg)
         try:
+            arena, refused = _start_arena(cfg, manager, sock, auth)
+            if arena is not None:
+                background.append(arena)
+                info.shm_socket = str(arena.path.resolve())
+                info.shm_arena_bytes = arena.size
+            info.shm_refused = refused
             server.start()
         except BaseException:
             if sock is not None:
                 sock.release()
             raise
     except BaseException:
-        if hints is not None:
-            hints.stop()
+        for item in background:
+            item.stop()
         manager.close()
         raise
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    return Daemon(server, address, manager, service, health_servicer,
-                  background=[hints] if hints is not None else [], socket=sock)
+    monitor.start()
+    return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
+                  background=background, socket=sock)
 
 
 def _describe(daemon: Daemon) -> str:
@@ -299,6 +408,11 @@ def _describe(daemon: Daemon) -> str:
     recovered = daemon.manager.counters.get("blocks_recovered", 0)
     if recovered:
         lines.append(f"  recovered {recovered} blocks from NVMe")
+    info = daemon.service.info
+    if info.shm_socket:
+        lines.append(f"  same-node clients map the host arena through {info.shm_socket}")
+    elif info.shm_refused:
+        lines.append(f"  shared-memory path off: {info.shm_refused}")
     return "\n".join(lines)
 
 

@@ -1,89 +1,53 @@
-"""The gRPC service: block Put/Get/Lookup/Delete/Stats, tool-call hints, HBM leases.
+"""The gRPC service: blocks (Put/Get/Lookup/Delete), leases and reservations for the
+same-node path, Stats/Info, tool-call hints.
 
 Runs on a thread pool (``[server] workers``): handlers copy payloads with the GIL
-released inside numpy/file I/O, and the manager's lock is held only for catalogue
-changes. Every failure maps to one status code with a message that says what was
-wrong (:func:`status_for`); the daemon keeps serving after any bad request.
-
-=====================  ======================================================
-exception              gRPC status
-=====================  ======================================================
-InvalidRequest         INVALID_ARGUMENT (bad key length, size mismatch, range)
-TierFull               RESOURCE_EXHAUSTED (no tier can hold the block)
-TimeoutError           ABORTED (another client is still writing the same key)
-CorruptBlock           DATA_LOSS
-TierIOError            UNAVAILABLE (the medium failed; retry may succeed)
-Unauthenticated        UNAUTHENTICATED (missing or wrong bearer token)
-anything else          INTERNAL (logged with a traceback)
-=====================  ======================================================
-
-A request whose bytes do not decode as its protobuf message also gets
-INVALID_ARGUMENT (:class:`RequestDecodeInterceptor`), not grpc's INTERNAL.
+released inside numpy/file I/O, and the catalogue lock is held only for catalogue
+changes. Every failure maps to one status code with a message that says what was wrong
+(:mod:`kvstore.status`); the daemon keeps serving after any bad request. Every number a
+client sends is checked before anything changes (:mod:`kvstore.validate`).
 
 **Tenants** (:mod:`kvstore.auth`): with ``[server.tenants]`` every client key is mapped
-to the caller's tenant key space before the manager sees it, and keys in replies are the
-client's own; a tenant can neither read, look up nor delete another tenant's blocks.
+to the caller's tenant key space before the manager sees it, keys in replies are the
+client's own, and leases and reservations belong to the tenant that made them; a tenant
+can neither read, look up, delete, release nor commit another tenant's blocks.
+
+Bulk data: ``Get``/``Put`` (protobuf) and ``GetRaw``/``PutRaw`` (raw frames,
+:mod:`kvstore.wire`, registered by :func:`data_handler`) share :mod:`kvstore.get_stream`
+and :mod:`kvstore.put_assembly`; both keep every message under the size limit, counting
+framing and misses.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import grpc
-
-from tiers.base import TierKind
 
 from . import errors
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
 from .auth import SHARED, Authenticator, KeySpace
-from .keys import KEY_BYTES
-from .manager import TierManager
+from .get_stream import GetPlan, proto_batches, raw_frames
+from .interceptors import StreamWatchdog, well_formed
+from .manager import MAX_LEASE_TTL_S, TierManager
+from .put_assembly import PutAssembler
+from .status import code_for
+from .types import PutResult
+from .validate import check_keys, check_number, check_ranges, check_size, check_ttl, to_monotonic, to_unix
+from .wire import FrameError, decode
 
 log = logging.getLogger("kvstore.server")
 
-SERVICE_PREFIX = "/kvstore.v1.KVStore/"
-MAX_RANGES = 4096
-"""Most byte ranges one Get may ask for (a TP rank asks for 2 per layer)."""
-
-_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.TierFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (errors.CorruptBlock, grpc.StatusCode.DATA_LOSS),
-    (errors.TierIOError, grpc.StatusCode.UNAVAILABLE),
-    (errors.BlockNotFound, grpc.StatusCode.NOT_FOUND),
-    (TimeoutError, grpc.StatusCode.ABORTED),
-)
-
-
-class _StatusError(Exception):
-    """Ends a call with a status code that no store error stands for (the call needs a
-    component that is not configured). Handlers raise it instead of calling
-    ``context.abort``, whose bare exception the handler wrappers would turn into INTERNAL."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status code of an exception raised while serving a call."""
-    if isinstance(exc, _StatusError):
-        return exc.code
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+DATA_SERVICE = "kvstore.v1.KVStoreData"
+DEFAULT_LEASE_TTL_S = 30.0
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    code = status_for(exc)
+    code = code_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
         context.abort(code, f"{method}: internal error: {type(exc).__name__}: {exc}")
@@ -94,61 +58,32 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
 def _unary(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, request, context):
+        t0 = time.perf_counter()
         try:
-            return method(self, _well_formed(request), context)
+            return method(self, well_formed(request), context)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
             _abort(context, exc, method.__name__)
+        finally:
+            self.observe(method.__name__, time.perf_counter() - t0)
     return wrapper
 
 
 def _streaming(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, request, context):
+        t0 = time.perf_counter()
         try:
-            yield from method(self, _well_formed(request), context)
+            yield from method(self, well_formed(request), context)
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, method.__name__)
+        finally:
+            self.observe(method.__name__, time.perf_counter() - t0)
     return wrapper
 
 
-def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
-    out = list(keys)
-    for i, k in enumerate(out):
-        if len(k) != KEY_BYTES:
-            raise errors.InvalidRequest(f"keys[{i}] has {len(k)} bytes; block keys are {KEY_BYTES} bytes")
-    return out
-
-
-def _check_ranges(ranges) -> list[tuple[int, int]] | None:
-    """Byte ranges of a Get: at most MAX_RANGES, none overlapping another, so the bytes
-    returned per block never exceed the block (bounds are checked against each block)."""
-    out = [(r.offset, r.length) for r in ranges]
-    if not out:
-        return None
-    if len(out) > MAX_RANGES:
-        raise errors.InvalidRequest(f"{len(out)} byte ranges; at most {MAX_RANGES} per request")
-    end = 0
-    for off, length in sorted(out):
-        if off < end:
-            raise errors.InvalidRequest(f"byte range ({off}, {length}) overlaps another range")
-        end = off + length
-    return out
-
-
-class MalformedRequest:
-    """Stands in for a request message whose bytes did not decode (see
-    :class:`RequestDecodeInterceptor`); the handlers turn it into INVALID_ARGUMENT."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str):
-        self.error = error
-
-
-def _well_formed(request):
-    if isinstance(request, MalformedRequest):
-        raise errors.InvalidRequest(f"request message does not decode: {request.error}")
-    return request
+def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
+    return pb.PutReply(stored=r.stored, already_present=r.already_present, bytes_stored=r.bytes_stored,
+                       not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -156,28 +91,39 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     Args:
         manager: the block store.
-        max_chunk_bytes: largest data field of one Get message (bytes).
-        hints: object with ``tool_call_start(trajectory_id, tool, start_time, keys) -> float``
-            and ``resume(trajectory_id, time) -> (bool, float)`` (the prefetch scheduler);
-            None: the calls return FAILED_PRECONDITION.
-        leases: object with ``lease(keys, ttl) -> (lease_id, handles, expires_at)`` and
-            ``release(lease_id) -> bool`` (the HBM tier); None: UNIMPLEMENTED.
-        auth: maps each call's bearer token to its tenant (:mod:`kvstore.auth`); None: one
-            shared key space and no token (the interceptor, when configured, checks it).
+        max_chunk_bytes: largest payload of one Get message (bytes).
+        max_message_bytes: the gRPC message size limit (bytes); replies stay below it.
+        hints: the prefetch scheduler (``tool_call_start``, ``resume``,
+            ``observe_request``; monotonic seconds), or None: hint calls get
+            FAILED_PRECONDITION.
+        auth: maps each call's bearer token to its tenant; None: one shared key space.
+        health: :class:`kvstore.health.Health` (Stats reports it), or None.
+        info: the :class:`~kvstore._proto.kvstore_pb2.InfoReply` to answer Info with.
+        observe: called with (method name, seconds) after every call (metrics).
     """
 
-    def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20, hints=None, leases=None,
-                 auth: Authenticator | None = None, stream_idle_timeout_s: float = 30.0):
+    def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20,
+                 max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
+                 stream_idle_timeout_s: float = 30.0, health=None, info: pb.InfoReply | None = None,
+                 observe: Callable[[str, float], None] | None = None, default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
+        self.max_message_bytes = max_message_bytes
         self.hints = hints
-        self.leases = leases
         self.auth = auth
+        self.health = health
+        self.info = info or pb.InfoReply()
         self.idle = StreamWatchdog(stream_idle_timeout_s)
+        self.default_lease_ttl_s = default_lease_ttl_s
+        self._observe = observe
+
+    def observe(self, method: str, seconds: float) -> None:
+        if self._observe is not None:
+            self._observe(method, seconds)
 
     def _space(self, context) -> KeySpace:
         """The caller's key space. Raises Unauthenticated (defence in depth: the
-        :class:`BearerTokenInterceptor` refuses such calls before they get here)."""
+        interceptor refuses such calls before they get here)."""
         if self.auth is None:
             return SHARED
         space = self.auth.key_space(context.invocation_metadata())
@@ -188,294 +134,207 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # ------------------------------------------------------------------ put
 
     @_unary
-    def Put(self, request_iterator: Iterator[pb.PutBatch], context) -> pb.PutReply:
+    def Put(self, request_iterator, context) -> pb.PutReply:
         space = self._space(context)
-        with self.idle.watch(context) as touch:
-            return self._put((chunk for batch in touch(request_iterator)
-                              for chunk in _well_formed(batch).chunks), space)
+        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+            for batch in touch(request_iterator):
+                for c in well_formed(batch).chunks:
+                    asm.chunk(c.key, c.total_size, c.offset, c.data)
+            return _put_reply(asm.finish(), asm.detail)
 
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
-        return self._put(request.chunks, self._space(context))
+        space = self._space(context)
+        with PutAssembler(self.manager, space.internal) as asm:
+            for c in request.chunks:
+                asm.chunk(c.key, c.total_size, c.offset, c.data)
+            return _put_reply(asm.finish(), asm.detail)
 
-    def _put(self, chunks: Iterable[pb.PutChunk], space: KeySpace = SHARED) -> pb.PutReply:
-        """Store a sequence of chunks (blocks in order, each block's chunks in order).
-
-        Error messages name blocks by the client's key; the manager sees ``space``'s keys.
-        """
-        m = self.manager
-        stored = present = refused = nbytes = 0
-        pending = None
-        name = ""                      # the client key of ``pending`` (hex prefix), for messages
-        skip_key: bytes | None = None
-        skip_left = 0
+    def put_raw(self, frames: Iterator[bytes], context) -> bytes:
+        """``PutRaw``: raw frames in, a serialized PutReply out."""
+        t0 = time.perf_counter()
         try:
-            for chunk in chunks:
-                client_key = chunk.key
-                if len(client_key) != KEY_BYTES:
-                    raise errors.InvalidRequest(f"key has {len(client_key)} bytes; block keys are {KEY_BYTES} bytes")
-                key = space.internal(client_key)
-                if skip_key is not None and key == skip_key and chunk.offset > 0:
-                    # further chunks of a block that is already stored or was not admitted
-                    skip_left -= len(chunk.data)
-                    if skip_left <= 0:
-                        skip_key = None
-                    continue
-                skip_key = None
-                if pending is not None and key != pending.key:
-                    raise errors.InvalidRequest(
-                        f"block {name} ended after {pending.written} of {pending.size} bytes")
-                if pending is None:
-                    name = client_key.hex()[:16]
-                    if chunk.offset != 0:
-                        raise errors.InvalidRequest(f"first chunk of block {name} starts at "
-                                                    f"offset {chunk.offset}, not 0")
-                    if chunk.total_size == 0:
-                        raise errors.InvalidRequest(f"block {name} has total_size 0")
-                    if len(chunk.data) > chunk.total_size:
-                        raise errors.InvalidRequest(f"block {name}: {len(chunk.data)} bytes of data "
-                                                    f"for total_size {chunk.total_size}")
-                    outcome = m.begin_put(key, chunk.total_size)
-                    if outcome.already_present or outcome.not_admitted:
-                        present += outcome.already_present
-                        refused += outcome.not_admitted
-                        skip_left = chunk.total_size - len(chunk.data)
-                        skip_key = key if skip_left > 0 else None
-                        continue
-                    pending = outcome.pending
-                elif chunk.total_size != pending.size:
-                    raise errors.InvalidRequest(f"block {name}: total_size changed from "
-                                                f"{pending.size} to {chunk.total_size} mid-block")
-                m.write_chunk(pending, chunk.offset, chunk.data)
-                if pending.written == pending.size:
-                    done, pending = pending, None
-                    m.commit_put(done)
-                    stored += 1
-                    nbytes += done.size
-            if pending is not None:
-                raise errors.InvalidRequest(f"stream ended inside block {name} "
-                                            f"({pending.written} of {pending.size} bytes)")
+            space = self._space(context)
+            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+                for frame in touch(frames):
+                    try:
+                        records = decode(frame)
+                    except FrameError as e:
+                        raise errors.InvalidRequest(f"PutRaw: {e}") from None
+                    for r in records:
+                        asm.chunk(r.key, r.total, r.offset, r.data)
+                return _put_reply(asm.finish(), asm.detail).SerializeToString()
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc, "PutRaw")
         finally:
-            if pending is not None:
-                m.abort_put(pending)
-        return pb.PutReply(stored=stored, already_present=present, bytes_stored=nbytes, not_admitted=refused)
+            self.observe("PutRaw", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ get
 
-    @_streaming
-    def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetBatch]:
+    def _plan(self, request: pb.GetRequest, context) -> GetPlan:
         space = self._space(context)
-        keys = _check_keys(request.keys)
-        ranges = _check_ranges(request.ranges)
+        keys = check_keys(request.keys)
+        ranges = check_ranges((r.offset, r.length) for r in request.ranges)
         step = self.max_chunk_bytes
         if request.max_chunk_bytes:
-            step = min(step, request.max_chunk_bytes)
-        batch: list[pb.GetChunk] = []
-        batch_bytes = 0
-        for key in keys:                       # replies carry the client's key
-            res = self.manager.get(space.internal(key), ranges)
-            if not res.found:
-                batch.append(pb.GetChunk(key=key, found=False))
-                if request.stop_at_miss:
-                    break
-                continue
-            data, total, tier = res.data, len(res.data), int(res.tier)
-            if total <= step:
-                if batch_bytes + total > step and batch:
-                    yield pb.GetBatch(chunks=batch)
-                    batch, batch_bytes = [], 0
-                batch.append(pb.GetChunk(key=key, found=True, tier=tier, total_size=total, offset=0, data=data))
-                batch_bytes += total
-                continue
-            if batch:
-                yield pb.GetBatch(chunks=batch)
-                batch, batch_bytes = [], 0
-            mv = memoryview(data)
-            for off in range(0, total, step):
-                yield pb.GetBatch(chunks=[pb.GetChunk(key=key, found=True, tier=tier, total_size=total,
-                                                      offset=off, data=bytes(mv[off:off + step]))])
-        if batch:
-            yield pb.GetBatch(chunks=batch)
+            step = min(step, int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1)))
+        limit = min(self.max_message_bytes, step + (64 << 10))
+        return GetPlan(self.manager, keys, space.internal, ranges, request.stop_at_miss, step, limit)
 
-    # ------------------------------------------------------------------ others
+    @_streaming
+    def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetBatch]:
+        yield from proto_batches(self._plan(request, context))
+
+    def get_raw(self, request_bytes: bytes, context) -> Iterator[bytes]:
+        """``GetRaw``: a serialized GetRequest in, raw frames out."""
+        t0 = time.perf_counter()
+        try:
+            try:
+                request = pb.GetRequest.FromString(request_bytes)
+            except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
+                raise errors.InvalidRequest(f"GetRaw: request does not decode: {e}") from None
+            yield from raw_frames(self._plan(request, context))
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc, "GetRaw")
+        finally:
+            self.observe("GetRaw", time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ lookup, delete, stats
 
     @_unary
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupReply:
         space = self._space(context)
-        keys = space.internal_many(_check_keys(request.keys))
+        keys = space.internal_many(check_keys(request.keys))
         if self.hints is not None:
             self.hints.observe_request(keys)   # reuse statistics for next_use and prefetch
         res = self.manager.lookup(keys)
-        return pb.LookupReply(hit_blocks=res.hit_blocks, tiers=[int(t) for t in res.tiers])
+        return pb.LookupReply(hit_blocks=res.hit_blocks, tier_codes=res.tier_codes)
 
     @_unary
     def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteReply:
         space = self._space(context)
-        return pb.DeleteReply(deleted=self.manager.delete(space.internal_many(_check_keys(request.keys))))
+        return pb.DeleteReply(deleted=self.manager.delete(space.internal_many(check_keys(request.keys))))
 
     @_unary
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
         self._space(context)
+        m = self.manager
         tiers = [pb.TierStats(tier=int(u.kind), name=u.name, capacity_bytes=u.capacity_bytes,
-                              used_bytes=u.used_bytes, blocks=u.blocks, policy=u.policy)
-                 for u in self.manager.usage()]
-        counters = {k: int(v) for k, v in self.manager.counters.items() if v >= 0}
-        return pb.StatsReply(tiers=tiers, counters=counters)
+                              used_bytes=u.used_bytes, blocks=u.blocks, policy=u.policy,
+                              payload_bytes=m.payload_bytes(i))
+                 for i, u in enumerate(m.usage())]
+        counters = {k: int(v) for k, v in m.counters.items() if v >= 0}
+        serving = self.health.serving if self.health is not None else True
+        problems = list(self.health.problems) if self.health is not None else []
+        return pb.StatsReply(tiers=tiers, counters=counters, serving=serving, problems=problems)
+
+    @_unary
+    def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
+        self._space(context)
+        return self.info
+
+    # ------------------------------------------------------------------ hints
+
+    def _need_hints(self) -> None:
+        if self.hints is None:
+            raise errors.FeatureDisabled("tool-call hints are off: set [prefetch] enabled = true "
+                                         "or use the next_use eviction policy")
 
     @_unary
     def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
         space = self._space(context)
-        if self.hints is None:
-            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "tool-call hints are off: set [prefetch] enabled = true "
-                               "or use the next_use eviction policy")
+        self._need_hints()
         if not request.trajectory_id:
             raise errors.InvalidRequest("trajectory_id must not be empty")
-        keys = space.internal_many(_check_keys(request.keys))
-        predicted = self.hints.tool_call_start(space.scoped(request.trajectory_id), request.tool,
-                                               request.start_time or None, keys)
-        return pb.ToolCallStartReply(predicted_resume_time=predicted)
+        if len(request.trajectory_id) > 1024 or len(request.tool) > 1024:
+            raise errors.InvalidRequest("trajectory_id and tool are limited to 1024 characters")
+        start = to_monotonic(request.start_time, "start_time")
+        keys = space.internal_many(check_keys(request.keys))
+        predicted = self.hints.tool_call_start(space.scoped(request.trajectory_id), request.tool, start, keys)
+        return pb.ToolCallStartReply(predicted_resume_time=to_unix(predicted))
 
     @_unary
     def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
         space = self._space(context)
-        if self.hints is None:
-            raise _StatusError(grpc.StatusCode.FAILED_PRECONDITION, "tool-call hints are off: set [prefetch] enabled = true "
-                               "or use the next_use eviction policy")
-        known, observed = self.hints.resume(space.scoped(request.trajectory_id), request.time or None)
+        self._need_hints()
+        at = to_monotonic(request.time, "time")
+        known, observed = self.hints.resume(space.scoped(request.trajectory_id), at)
         return pb.ResumeReply(known=known, observed_seconds=observed)
+
+    # ------------------------------------------------------------------ same-node data plane
 
     @_unary
     def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
         space = self._space(context)
-        if self.leases is None:
-            raise _StatusError(grpc.StatusCode.UNIMPLEMENTED, "no HBM tier is configured ([tiers.hbm] enabled = false)")
-        keys = _check_keys(request.keys)
+        for lease_id in request.release:
+            self.manager.release(lease_id, space.tenant)
+        ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
+        keys = check_keys(request.keys)
         internal = space.internal_many(keys)
-        client_of = dict(zip(internal, keys))
-        lease_id, handles, expires_at = self.leases.lease(internal, request.ttl_seconds or None)
-        return pb.LeaseReply(lease_id=lease_id, expires_at=expires_at, blocks=[
-            pb.BlockHandle(key=client_of.get(h.key, h.key), found=h.found, ipc_handle=h.ipc_handle,
-                           offset=h.offset, size=h.size, device=h.device) for h in handles])
+        try:
+            grant = self.manager.lease(internal, ttl, space.tenant, prefix=request.prefix, device=request.device,
+                                       max_bytes=request.max_bytes or None)
+        except errors.KVStoreError as e:
+            if type(e) is errors.KVStoreError:
+                raise errors.FeatureDisabled(str(e)) from None
+            raise
+        reply = pb.LeaseReply(lease_id=grant.lease_id, ttl_seconds=grant.ttl_s,
+                              resume_at=grant.resume_at or 0, complete=grant.resume_at is None)
+        reply.offsets.extend(b.offset for b in grant.blocks)
+        reply.sizes.extend(b.size for b in grant.blocks)
+        reply.tier_codes = bytes(int(b.tier) if b.found else 0 for b in grant.blocks)
+        for i, b in enumerate(grant.blocks):
+            if b.ipc is not None:
+                reply.ipc.append(pb.IpcBlock(index=i, ipc_handle=b.ipc.handle, offset=b.ipc.offset,
+                                             size=b.ipc.size, device=b.ipc.device))
+        return reply
 
     @_unary
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
-        self._space(context)
-        if self.leases is None:
-            raise _StatusError(grpc.StatusCode.UNIMPLEMENTED, "no HBM tier is configured ([tiers.hbm] enabled = false)")
-        return pb.ReleaseReply(released=self.leases.release(request.lease_id))
+        space = self._space(context)
+        return pb.ReleaseReply(released=sum(self.manager.release(i, space.tenant) for i in request.lease_ids))
+
+    @_unary
+    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveReply:
+        space = self._space(context)
+        m = self.manager
+        shared = m.shared_tier
+        if shared is None:
+            raise errors.FeatureDisabled("no shared host arena: zero-copy puts are off (use Put)")
+        keys = check_keys(request.keys)
+        if len(request.sizes) != len(keys):
+            raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.sizes)} sizes")
+        sizes = [check_size(s, f"sizes[{i}]") for i, s in enumerate(request.sizes)]
+        ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
+        reply = pb.ReserveReply()
+        for key, size in zip(keys, sizes):
+            offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl)
+            reply.offsets.append(offset)
+            reply.status.append(status)
+            if detail and not reply.detail:
+                reply.detail = f"block {key.hex()[:16]}: {detail}"
+        return reply
+
+    @_unary
+    def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
+        space = self._space(context)
+        m = self.manager
+        committed = nbytes = 0
+        claims = [m.find_claim(space.internal(k), space.tenant) for k in check_keys(request.keys)]
+        for claim in claims:
+            if request.abort:
+                m.abort_put(claim)
+                continue
+            m.commit_put(claim, in_place=True)
+            committed += 1
+            nbytes += claim.size
+        return pb.CommitReply(committed=committed, bytes_committed=nbytes)
 
 
-def _denial_handlers(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcMethodHandler]:
-    """Handlers that fail a call with ``code``, one per request/response streaming kind."""
+def data_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
+    """The raw-frame methods ``GetRaw`` and ``PutRaw`` of :data:`DATA_SERVICE`."""
+    return grpc.method_handlers_generic_handler(DATA_SERVICE, {
+        "GetRaw": grpc.unary_stream_rpc_method_handler(service.get_raw),
+        "PutRaw": grpc.stream_unary_rpc_method_handler(service.put_raw),
+    })
 
-    def deny(request, context):
-        context.abort(code, message)
-
-    return {
-        "unary": grpc.unary_unary_rpc_method_handler(deny),
-        "stream_in": grpc.stream_unary_rpc_method_handler(deny),
-        "stream_out": grpc.unary_stream_rpc_method_handler(deny),
-        "stream_both": grpc.stream_stream_rpc_method_handler(deny),
-    }
-
-
-class StreamWatchdog:
-    """Cancels client streams that send nothing for ``idle_s`` seconds.
-
-    A Put stream holds one server thread while it waits for its client; a client that
-    stops mid-stream (a paused worker) would otherwise hold that thread forever, and a
-    few such clients would starve every other caller. Cancelling the call ends the
-    handler's wait; the open block is aborted (never made visible).
-    """
-
-    def __init__(self, idle_s: float):
-        self.idle_s = idle_s
-        self._active: dict[int, list] = {}   # id -> [context, last activity (monotonic)]
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.cancelled = 0
-
-    @contextlib.contextmanager
-    def watch(self, context):
-        rec = [context, time.monotonic()]
-        with self._lock:
-            self._active[id(rec)] = rec
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-stream-watchdog", daemon=True)
-                self._thread.start()
-
-        def touch(iterator):
-            for item in iterator:
-                rec[1] = time.monotonic()
-                yield item
-        try:
-            yield touch
-        finally:
-            with self._lock:
-                self._active.pop(id(rec), None)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.idle_s / 4))
-            now = time.monotonic()
-            with self._lock:
-                stale = [r for r in self._active.values() if now - r[1] > self.idle_s]
-            for context, _ in stale:
-                log.warning("cancelling a Put stream idle for more than %.0f s", self.idle_s)
-                self.cancelled += 1
-                context.cancel()
-
-
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata carries no configured bearer token.
-
-    Args:
-        auth: an :class:`~kvstore.auth.Authenticator`, or a single token string (one
-            shared key space).
-
-    Every call is checked, streaming or not, known method or not; the comparison is
-    constant-time (see :mod:`kvstore.auth`). The standard health service stays open so
-    that liveness probes need no secret.
-    """
-
-    def __init__(self, auth: Authenticator | str):
-        self.auth = Authenticator({auth: ""}) if isinstance(auth, str) else auth
-        self._deny = _denial_handlers(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-    def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method or ""
-        if method.startswith("/grpc.health.v1.Health/"):
-            return continuation(handler_call_details)
-        if self.auth.tenant_for(handler_call_details.invocation_metadata) is not None:
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return self._deny["unary"]
-        kind = {(False, False): "unary", (True, False): "stream_in", (False, True): "stream_out",
-                (True, True): "stream_both"}[(handler.request_streaming, handler.response_streaming)]
-        return self._deny[kind]
-
-
-class RequestDecodeInterceptor(grpc.ServerInterceptor):
-    """Makes a request that does not decode reach the service as a :class:`MalformedRequest`
-    (answered INVALID_ARGUMENT with the decoder's message) instead of grpc's bare INTERNAL
-    "Exception deserializing request!". Applies to the KVStore service only."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        method = handler_call_details.method or ""
-        if handler is None or not method.startswith(SERVICE_PREFIX) or handler.request_deserializer is None:
-            return handler
-        decode = handler.request_deserializer
-
-        def lenient(data: bytes):
-            try:
-                return decode(data)
-            except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
-                return MalformedRequest(f"{type(e).__name__}: {e}")
-
-        return handler._replace(request_deserializer=lenient)
-
-
-__all__ = ["KVStoreService", "BearerTokenInterceptor", "RequestDecodeInterceptor", "MalformedRequest",
-           "status_for", "TierKind"]

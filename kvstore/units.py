@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -36,8 +37,8 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
     number, unit = m.group(1), m.group(2).lower()
     if unit not in _UNITS:
         raise ValueError(f"{name}: unknown unit {m.group(2)!r} in {value!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    nbytes = float(number) * _UNITS[unit]
-    if nbytes != int(nbytes):
+    nbytes = Fraction(number) * _UNITS[unit]      # exact: "4.1GB" is 4,100,000,000 bytes
+    if nbytes.denominator != 1:
         raise ValueError(f"{name}: {value!r} is not a whole number of bytes")
     return int(nbytes)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import sys
 import tempfile
 
 import pytest
@@ -11,6 +12,7 @@ from kvstore import config
 from kvstore.client import KVStoreClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))        # test support: `from support.fake_tiers import MemTier`
 SHARED_DATA = ROOT.parent / "shared" / "data"
 CONVERSATION_TRACE = SHARED_DATA / "traces" / "mooncake_conversation_trace.jsonl"
 

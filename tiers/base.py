@@ -322,6 +322,11 @@ class Tier(abc.ABC):
     def free(self, key: bytes) -> None:
         """Delete a committed block and return its space. Raises BlockNotStored."""
 
+    def problem(self) -> str | None:
+        """What keeps this tier from storing blocks now (e.g. its folder is gone), or None.
+        Cheap: the daemon's health check calls it every second."""
+        return None
+
     def recover(self) -> Iterable[tuple[bytes, int]]:
         """Blocks that survived a restart, as ``(key, nbytes)``, oldest first. Volatile
         tiers: none."""

@@ -38,7 +38,7 @@ class BlockNotStored(TierError, KeyError):
         return str(self.args[0]) if self.args else "block not stored"
 
 
-class BlockExists(TierError):
+class BlockExists(TierError, ValueError):
     """A reservation of a key that this tier already holds or is writing."""
 
 

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import CorruptBlock, TierIOError
+from .errors import BlockCorrupt, TierIOError
 
 from .gpu import GPUUnavailable, cuda_buffer, gpu_info
 
@@ -173,7 +173,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int) -> None
         GPUUnavailable: no GPU or no kvikio.
         ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
         FileNotFoundError: no such file.
-        CorruptBlock: the file holds fewer than ``nbytes`` bytes.
+        BlockCorrupt: the file holds fewer than ``nbytes`` bytes.
         TierIOError: the read failed.
     """
     kvikio = _kvikio()
@@ -185,7 +185,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int) -> None
     except OSError as e:
         raise TierIOError(f"cannot stat {os.fspath(path)!r}: {e}") from e
     if on_disk < n:
-        raise CorruptBlock(f"block file {os.fspath(path)!r} is truncated: {on_disk} of {n} bytes")
+        raise BlockCorrupt(f"block file {os.fspath(path)!r} is truncated: {on_disk} of {n} bytes")
     if n == 0:
         return
     try:
@@ -197,7 +197,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int) -> None
     except (OSError, RuntimeError) as e:
         raise TierIOError(f"GDS read of {n} bytes from {os.fspath(path)!r} failed: {e}") from e
     if got != n:
-        raise CorruptBlock(f"short GDS read from {os.fspath(path)!r}: {got} of {n} bytes")
+        raise BlockCorrupt(f"short GDS read from {os.fspath(path)!r}: {got} of {n} bytes")
 
 
 def _remove_quietly(path: str | os.PathLike[str]) -> None:

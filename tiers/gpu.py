@@ -137,24 +137,28 @@ def _host_unregister(ptr: int, backend: str) -> None:
 class PinnedRegion:
     """One page-locked host mapping of ``nbytes`` bytes (page aligned).
 
-    ``mapping`` is the :class:`mmap.mmap` holding the bytes; ``ptr`` its address.
+    ``mapping`` is the :class:`mmap.mmap` holding the bytes (a new anonymous one, or the
+    one given); ``ptr`` its address.
     :meth:`close` unregisters it (idempotent); the mapping itself is unmapped when
     the last view of it is gone, so a view held elsewhere never dangles.
     """
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, mapping: mmap.mmap | None = None):
         if nbytes <= 0:
             raise ValueError(f"a pinned region needs nbytes > 0, got {nbytes}")
         require_gpu("pinned host memory")
         self.nbytes = nbytes
-        # shared (not private) anonymous pages: a fork cannot turn them copy-on-write under DMA
-        self.mapping = mmap.mmap(-1, nbytes)
+        # shared (not private) pages: a fork cannot turn them copy-on-write under DMA. A
+        # given mapping (the shared host arena's memfd) is pinned in place, not copied.
+        owned = mapping is None
+        self.mapping = mmap.mmap(-1, nbytes) if owned else mapping
         self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
         self._lock = threading.Lock()
         try:
             self._backend: str | None = _host_register(self.ptr, nbytes)
         except Exception as e:
-            self.mapping.close()
+            if owned:
+                self.mapping.close()
             raise MemoryError(f"cannot pin {nbytes} bytes of host memory: {e}") from e
 
     @property

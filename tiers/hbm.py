@@ -13,87 +13,48 @@ places blocks in it::
 
 ``used_bytes`` counts those allocator units, so it can exceed the sum of payloads.
 
-Leases (the page-back path on a GPU node): a worker on the same GPU asks
-for keys and gets, per block, the slab's IPC handle, the byte offset of the block in
-the slab, its size and the CUDA device. It opens the handle once
-(:func:`open_leased_block`) and reads the block in place. Until the lease is released
-or its TTL passes, the block's bytes stay where they are: :meth:`HBMTier.is_leased`
-is True (the manager must not pick it as a victim) and a :meth:`HBMTier.free` of it
-only hides it, returning the space when the last lease on it ends.
+The page-back path on a GPU node: a worker on the same GPU leases blocks through the
+daemon (the catalogue's one lease mechanism, :mod:`kvstore.catalogue`: a leased block
+is pinned, never evicted or freed under the worker) and gets, per block,
+:meth:`HBMTier.ipc_handle`: the slab's IPC handle, the byte offset of the block in the
+slab, its size and the CUDA device. The worker opens the handle once
+(:func:`kvstore.ipc.open_block`) and reads the block in place.
 
 Without a GPU the slab is a :class:`multiprocessing.shared_memory.SharedMemory`
 segment; its name plays the IPC handle (``device == -1``) and
-:func:`open_leased_block` maps it read-only in another process (Linux ``/dev/shm``).
-Everything else (allocation, accounting, leases) is the same code.
+:func:`kvstore.ipc.open_block` maps it read-only in another process (Linux
+``/dev/shm``). Everything else (allocation, accounting) is the same code.
 
-Thread safety: allocation, commit, free and the lease table are guarded by one lock;
-``write``/``read`` copy bytes outside it (the manager pins what it reads or writes).
+Capabilities: ``device`` (:meth:`HBMTier.device_array`, :meth:`HBMTier.ipc_handle`;
+numpy arrays on the stand-in) and, on the stand-in, ``host`` (zero-copy views).
+
+Thread safety: allocation, commit and free are guarded by one lock; ``write`` and
+``read_into`` copy bytes outside it (the manager pins what it reads or writes).
 """
 
 from __future__ import annotations
 
-import heapq
 import mmap
 import os
-import secrets
 import threading
-import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any
 
 import numpy as np
 
-from kvstore.errors import InvalidRequest, TierFull
-
-from .base import ByteRanges, Tier, TierKind, check_ranges
+from .base import ByteRanges, Capabilities, IpcHandle, Tier, TierKind, byte_view, check_ranges, output_view
+from .errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
 from .gpu import cuda_buffer, gpu_available, require_gpu
 from .host import ExtentAllocator
 
-__all__ = ["ALIGNMENT", "DEFAULT_LEASE_TTL_S", "MAX_LEASE_TTL_S", "BlockHandle", "HBMTier", "Lease",
-           "close_attachments", "open_leased_block"]
+__all__ = ["ALIGNMENT", "HBMTier"]
 
 ALIGNMENT = 4096
 """Extent granularity and alignment in bytes (GPU page: GDS moves whole 4 KiB pages)."""
 
-DEFAULT_LEASE_TTL_S = 30.0
-MAX_LEASE_TTL_S = 600.0
-
 BACKENDS = ("cuda", "shm")
 _SHM_DIR = "/dev/shm"
-
-
-@dataclass(frozen=True)
-class BlockHandle:
-    """Where one leased block lives (fields as in ``proto/kvstore.proto`` ``BlockHandle``).
-
-    Attributes:
-        key: the block key.
-        found: False when the key is not committed in this tier (other fields empty).
-        ipc_handle: the slab's ``cudaIpcMemHandle_t`` (64 bytes), or the shared-memory
-            segment name (UTF-8) for the CPU stand-in.
-        offset: bytes from the address the IPC handle opens at to the block.
-        size: payload bytes.
-        device: CUDA device ordinal; -1 for the CPU stand-in.
-    """
-
-    key: bytes
-    found: bool
-    ipc_handle: bytes = b""
-    offset: int = 0
-    size: int = 0
-    device: int = -1
-
-
-class Lease(NamedTuple):
-    """A granted lease; unpacks as ``lease_id, blocks, expires_at``.
-
-    ``expires_at`` is Unix time in seconds (what the gRPC reply carries).
-    """
-
-    lease_id: str
-    blocks: tuple[BlockHandle, ...]
-    expires_at: float
 
 
 # ---------------------------------------------------------------------- allocator
@@ -242,18 +203,10 @@ class _Block:
     size: int                # payload bytes
     written: int = 0
     committed: bool = False
-    leases: int = 0          # live leases that include this block
-    doomed: bool = False     # freed while leased: hidden; space returned at the last release
-
-
-@dataclass(eq=False)
-class _LeaseRecord:
-    deadline: float          # on the tier's clock
-    blocks: list[_Block]
 
 
 class HBMTier(Tier):
-    """GPU memory tier (or its shared-memory CPU stand-in) with CUDA IPC leases.
+    """GPU memory tier (or its shared-memory CPU stand-in).
 
     Args:
         capacity_bytes: slab size in bytes (> 0). Rounded down to a multiple of the
@@ -265,8 +218,6 @@ class HBMTier(Tier):
             (:attr:`max_block_bytes`); choose a multiple of 4096 for GDS.
         backend: ``"cuda"`` or ``"shm"`` (CPU stand-in); None picks ``"cuda"`` when
             :func:`tiers.gpu.gpu_available` and ``"shm"`` otherwise.
-        clock: monotonic time source in seconds for lease expiry.
-        default_ttl_s: lease TTL when the caller gives none (seconds).
 
     Raises:
         ValueError: bad capacity, slot size or backend.
@@ -275,10 +226,10 @@ class HBMTier(Tier):
     """
 
     kind = TierKind.HBM
+    volatile = True
 
     def __init__(self, capacity_bytes: int, *, device: int = 0, name: str = "hbm",
-                 slot_bytes: int | None = None, backend: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, default_ttl_s: float = DEFAULT_LEASE_TTL_S):
+                 slot_bytes: int | None = None, backend: str | None = None):
         if slot_bytes is not None and slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
         unit = slot_bytes or ALIGNMENT
@@ -293,16 +244,17 @@ class HBMTier(Tier):
         self.name = name
         self.backend = backend
         self.slot_bytes = slot_bytes
-        self._clock = clock
-        self._default_ttl = float(default_ttl_s)
         self._alloc = _Slots(int(capacity_bytes), slot_bytes) if slot_bytes else \
             ExtentAllocator(int(capacity_bytes), ALIGNMENT)
         self._slab = (_CudaSlab if backend == "cuda" else _ShmSlab)(self._alloc.capacity, device)
         self.device = self._slab.device
         self._blocks: dict[bytes, _Block] = {}
-        self._leases: dict[str, _LeaseRecord] = {}
-        self._deadlines: list[tuple[float, str]] = []   # heap of (deadline, lease id)
         self._lock = threading.Lock()
+        self._caps = Capabilities(device=self, host=self if backend == "shm" else None)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
 
     # ------------------------------------------------------------------ capacity
 
@@ -312,9 +264,7 @@ class HBMTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            self._expire()
-            return self._alloc.used
+        return self._alloc.used
 
     @property
     def max_block_bytes(self) -> int:
@@ -333,18 +283,16 @@ class HBMTier(Tier):
         if nbytes > self.max_block_bytes:
             return False
         with self._lock:
-            self._expire()
             return self._alloc.can_allocate(nbytes)
 
     # ------------------------------------------------------------------ two-phase write
 
     def reserve(self, key: bytes, nbytes: int) -> None:
         if nbytes <= 0:
-            raise ValueError(f"block size must be > 0 bytes, got {nbytes}")
+            raise InvalidAccess(f"block size must be > 0 bytes, got {nbytes}")
         with self._lock:
-            self._expire()
             if key in self._blocks:
-                raise ValueError(f"block {key.hex()[:16]} already present in {self.name}")
+                raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
             if nbytes > self.max_block_bytes:
                 raise TierFull(f"{self.name}: a {nbytes}-byte block exceeds the largest block "
                                f"({self.max_block_bytes} bytes)")
@@ -357,7 +305,7 @@ class HBMTier(Tier):
     def _reserved(self, key: bytes) -> _Block:
         b = self._blocks.get(key)
         if b is None or b.committed:
-            raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            raise BlockNotStored(f"block {key.hex()[:16]} is not reserved in {self.name}")
         return b
 
     def write(self, key: bytes, offset: int, data: Any) -> None:
@@ -368,27 +316,27 @@ class HBMTier(Tier):
         device-to-device copy.
         """
         b = self._reserved(key)
-        n = cuda_buffer(data)[1] if hasattr(data, "__cuda_array_interface__") else memoryview(data).nbytes
+        n = cuda_buffer(data)[1] if hasattr(data, "__cuda_array_interface__") else byte_view(data).nbytes
         if offset != b.written:
-            raise ValueError(f"chunk at offset {offset} but {b.written} bytes written so far")
+            raise InvalidAccess(f"chunk at offset {offset} but {b.written} bytes written so far")
         if offset + n > b.size:
-            raise ValueError(f"chunk [{offset}, {offset + n}) overruns the reserved {b.size} bytes")
+            raise InvalidAccess(f"chunk [{offset}, {offset + n}) overruns the reserved {b.size} bytes")
         self._slab.write(b.offset + offset, data)
         b.written += n
 
     def mark_written(self, key: bytes, nbytes: int) -> None:
         """Record that ``nbytes`` of a reserved block were filled in place through
-        :meth:`device_array` (e.g. a GDS read). Raises ValueError beyond the reservation."""
+        :meth:`device_array` or :meth:`write_view` (e.g. a GDS read)."""
         b = self._reserved(key)
         if not 0 <= nbytes <= b.size:
-            raise ValueError(f"{nbytes} bytes is outside the reserved {b.size} bytes")
+            raise InvalidAccess(f"{nbytes} bytes is outside the reserved {b.size} bytes")
         b.written = nbytes
 
     def commit(self, key: bytes) -> None:
         with self._lock:
             b = self._reserved(key)
             if b.written != b.size:
-                raise ValueError(f"block {key.hex()[:16]}: {b.written} of {b.size} bytes written")
+                raise InvalidAccess(f"block {key.hex()[:16]}: {b.written} of {b.size} bytes written")
             b.committed = True
 
     def abort(self, key: bytes) -> None:
@@ -403,39 +351,32 @@ class HBMTier(Tier):
     def _committed(self, key: bytes) -> _Block:
         b = self._blocks.get(key)
         if b is None or not b.committed:
-            raise KeyError(key)
+            raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
         return b
 
-    def read(self, key: bytes, ranges: ByteRanges | None = None) -> bytes:
+    def read_into(self, key: bytes, out, ranges: ByteRanges | None = None) -> int:
+        """Copy a block (or ``ranges``) into host buffer ``out`` (one DMA per range on the
+        CUDA backend, e.g. into a slice of the pinned host arena)."""
         b = self._committed(key)
-        check_ranges(ranges, b.size)
+        total = check_ranges(ranges, b.size)
+        dst = np.frombuffer(output_view(out, total), dtype=np.uint8)
         if not ranges:
-            out = np.empty(b.size, dtype=np.uint8)
-            self._slab.read_into(b.offset, out)
-            return out.tobytes()
-        parts = []
+            self._slab.read_into(b.offset, dst)
+            return total
+        pos = 0
         for off, length in ranges:
-            out = np.empty(length, dtype=np.uint8)
-            self._slab.read_into(b.offset + off, out)
-            parts.append(out.tobytes())
-        return b"".join(parts)
-
-    def read_into(self, key: bytes, out: np.ndarray | memoryview | bytearray) -> int:
-        """Copy a committed block into the start of host buffer ``out`` (e.g. a slice of
-        the pinned host arena: one DMA on the CUDA backend). Returns the bytes copied.
-
-        Raises KeyError when absent, ValueError when ``out`` is smaller than the block.
-        """
-        b = self._committed(key)
-        dst = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) else out.view(np.uint8)
-        if dst.size < b.size:
-            raise ValueError(f"out has {dst.size} bytes, the block {b.size}")
-        self._slab.read_into(b.offset, dst[:b.size])
-        return b.size
+            self._slab.read_into(b.offset + off, dst[pos:pos + length])
+            pos += length
+        return total
 
     def view(self, key: bytes) -> memoryview:
-        """Zero-copy view on the stand-in; a fresh host copy on the CUDA backend."""
+        """Zero-copy read-only view (stand-in only: the ``host`` capability)."""
         b = self._committed(key)
+        return self._slab.view(b.offset, b.size).toreadonly()
+
+    def write_view(self, key: bytes) -> memoryview:
+        """Writable view of a reservation (stand-in only: the ``host`` capability)."""
+        b = self._reserved(key)
         return self._slab.view(b.offset, b.size)
 
     def device_array(self, key: bytes):
@@ -444,200 +385,37 @@ class HBMTier(Tier):
         A CuPy array on the CUDA backend (``torch.as_tensor(arr, device="cuda")``
         views it too), a numpy array on the stand-in. Works for committed blocks
         (their payload) and reservations (the reserved size). Valid while the block is
-        pinned or leased. Raises KeyError when the key is neither.
+        pinned or reserved. Raises BlockNotStored when the key is neither.
         """
         b = self._blocks.get(key)
         if b is None:
-            raise KeyError(key)
+            raise BlockNotStored(f"block {key.hex()[:16]} is not in {self.name}")
         return self._slab.device_array(b.offset, b.size)
+
+    def ipc_handle(self, key: bytes) -> IpcHandle:
+        """Where a committed block lives, for a worker process (see :mod:`kvstore.ipc`)."""
+        b = self._committed(key)
+        return IpcHandle(self._slab.handle, self._slab.base_offset + b.offset, b.size, self.device)
 
     def size_of(self, key: bytes) -> int:
         return self._committed(key).size
 
     def free(self, key: bytes) -> None:
-        """Delete a committed block. A leased one disappears at once but keeps its bytes
-        (and its space in :attr:`used_bytes`) until its last lease ends."""
+        """Delete a committed block and return its space (the manager never frees a pinned
+        or leased block)."""
         with self._lock:
             b = self._committed(key)
             del self._blocks[key]
-            if b.leases:
-                b.doomed = True
-            else:
-                self._alloc.release(b.offset, b.alloc)
-
-    # ------------------------------------------------------------------ leases
-
-    def _expire(self) -> None:
-        now = self._clock()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, lease_id = heapq.heappop(self._deadlines)
-            record = self._leases.pop(lease_id, None)
-            if record is not None:
-                self._drop_lease(record)
-
-    def _drop_lease(self, record: _LeaseRecord) -> None:
-        for b in record.blocks:
-            b.leases -= 1
-            if b.leases == 0 and b.doomed:
-                b.doomed = False
-                self._alloc.release(b.offset, b.alloc)
-
-    def lease(self, keys: Sequence[bytes], ttl: float | None = None) -> Lease:
-        """Pin blocks in place for ``ttl`` seconds and return where they are.
-
-        Args:
-            keys: block keys; one :class:`BlockHandle` per key, in order, with
-                ``found=False`` for keys not committed here.
-            ttl: seconds until the lease ends by itself; None: ``default_ttl_s``.
-        Returns:
-            ``Lease(lease_id, blocks, expires_at)``; ``lease_id`` is unguessable
-            (32 hex digits), ``expires_at`` Unix time in seconds.
-        Raises:
-            InvalidRequest: ``ttl`` not in ``(0, MAX_LEASE_TTL_S]``.
-        """
-        ttl = self._default_ttl if ttl is None else float(ttl)
-        if not 0.0 < ttl <= MAX_LEASE_TTL_S:  # also rejects NaN
-            raise InvalidRequest(f"lease ttl must be in (0, {MAX_LEASE_TTL_S}] seconds, got {ttl}")
-        handles: list[BlockHandle] = []
-        held: list[_Block] = []
-        with self._lock:
-            self._expire()
-            for key in keys:
-                b = self._blocks.get(key)
-                if b is None or not b.committed:
-                    handles.append(BlockHandle(key, False))
-                    continue
-                b.leases += 1
-                held.append(b)
-                handles.append(BlockHandle(key, True, self._slab.handle, self._slab.base_offset + b.offset,
-                                           b.size, self.device))
-            lease_id = secrets.token_hex(16)
-            deadline = self._clock() + ttl
-            self._leases[lease_id] = _LeaseRecord(deadline, held)
-            heapq.heappush(self._deadlines, (deadline, lease_id))
-        return Lease(lease_id, tuple(handles), time.time() + ttl)
-
-    def release(self, lease_id: str) -> bool:
-        """End a lease early. Returns False when it is unknown or already expired."""
-        with self._lock:
-            self._expire()
-            record = self._leases.pop(lease_id, None)
-            if record is None:
-                return False
-            self._drop_lease(record)
-            return True
-
-    def is_leased(self, key: bytes) -> bool:
-        """True while a live lease covers the committed block ``key`` (do not evict it)."""
-        with self._lock:
-            self._expire()
-            b = self._blocks.get(key)
-            return b is not None and b.leases > 0
-
-    def num_leases(self) -> int:
-        """Live leases (after expiring the overdue ones)."""
-        with self._lock:
-            self._expire()
-            return len(self._leases)
+            self._alloc.release(b.offset, b.alloc)
 
     # ------------------------------------------------------------------ lifecycle
 
-    def recover(self) -> Iterable[tuple[bytes, int]]:
-        return ()
-
     def close(self) -> None:
-        """Free the slab. Outstanding leases become invalid (workers must not read on)."""
+        """Free the slab. Workers must have released their leases."""
         with self._lock:
             self._blocks.clear()
-            self._leases.clear()
-            self._deadlines.clear()
             self._slab.close()
 
     def describe(self) -> str:
         where = f"cuda:{self.device}" if self.backend == "cuda" else "shm stand-in"
         return f"{self.name}(hbm, {self.capacity_bytes} bytes, {where})"
-
-
-# ---------------------------------------------------------------------- worker side
-
-class _ShmAttachment:
-    def __init__(self, name: str):
-        if "/" in name or not name:
-            raise ValueError(f"not a shared-memory segment name: {name!r}")
-        fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDONLY)
-        try:
-            self._map = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        self._array = np.frombuffer(self._map, dtype=np.uint8)
-
-    def block(self, offset: int, size: int) -> np.ndarray:
-        if offset < 0 or offset + size > self._array.size:
-            raise ValueError(f"block [{offset}, {offset + size}) outside a {self._array.size}-byte slab")
-        return self._array[offset:offset + size]
-
-    def close(self) -> None:
-        pass  # unmapped when the last view is gone
-
-
-class _CudaAttachment:
-    def __init__(self, handle: bytes, device: int):
-        import cupy
-        from cupy.cuda import runtime
-
-        self._cupy, self._rt, self.device = cupy, runtime, device
-        with cupy.cuda.Device(device):
-            self.ptr = int(runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess))
-
-    def block(self, offset: int, size: int):
-        cupy = self._cupy
-        mem = cupy.cuda.UnownedMemory(self.ptr + offset, size, self, self.device)
-        return cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-
-    def close(self) -> None:
-        if self.ptr:
-            with self._cupy.cuda.Device(self.device):
-                self._rt.ipcCloseMemHandle(self.ptr)
-            self.ptr = 0
-
-
-_attachments: dict[tuple[bytes, int], Any] = {}
-_attach_lock = threading.Lock()
-
-
-def open_leased_block(handle: BlockHandle):
-    """Worker side: a zero-copy 1-D uint8 array over a leased block.
-
-    The slab is opened once per process and handle (CUDA allows one
-    ``cudaIpcOpenMemHandle`` of a handle per context) and kept open; call
-    :func:`close_attachments` when done. CUDA does not let the process that made the
-    handle open it: the daemon itself uses :meth:`HBMTier.device_array`. Returns a CuPy array for a CUDA handle
-    (``device >= 0``), a read-only numpy array for the CPU stand-in. The bytes are
-    valid until the lease is released or expires.
-
-    Raises:
-        ValueError: ``handle.found`` is False or the block lies outside the slab.
-        FileNotFoundError: the stand-in segment no longer exists.
-        GPUUnavailable: a CUDA handle in a process without a GPU or CuPy.
-    """
-    if not handle.found:
-        raise ValueError(f"block {handle.key.hex()[:16]} was not found; it has no handle")
-    cache_key = (handle.ipc_handle, handle.device)
-    with _attach_lock:
-        att = _attachments.get(cache_key)
-        if att is None:
-            if handle.device < 0:
-                att = _ShmAttachment(handle.ipc_handle.decode())
-            else:
-                require_gpu("opening a CUDA IPC handle", cupy=True)
-                att = _CudaAttachment(handle.ipc_handle, handle.device)
-            _attachments[cache_key] = att
-    return att.block(handle.offset, handle.size)
-
-
-def close_attachments() -> None:
-    """Close every slab this process opened with :func:`open_leased_block`."""
-    with _attach_lock:
-        for att in _attachments.values():
-            att.close()
-        _attachments.clear()

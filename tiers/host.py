@@ -1,8 +1,9 @@
 """The host tier: blocks in one preallocated host-memory arena.
 
 The arena is a single buffer from :func:`tiers.memory.allocate_host_buffer` (pinned on a
-GPU node, pageable otherwise), allocated once at start; nothing is allocated per block
-on the hot path. Blocks are placed by an extent allocator (:class:`ExtentAllocator`):
+GPU node, pageable otherwise; by default a shared memfd that same-node clients map, see
+:mod:`kvstore.shm`), allocated once at start; nothing is allocated per block on the hot
+path. Blocks are placed by an extent allocator (:class:`ExtentAllocator`):
 best fit over the free extents, neighbours coalesced on free, as in LMCache v1's
 ``memory_management.py`` host allocator (our own code)::
 
@@ -19,9 +20,9 @@ import threading
 from bisect import bisect_left, insort
 from typing import Iterable
 
-from kvstore.errors import TierFull
-
-from .base import ByteRanges, Tier, TierKind, check_chunk, check_ranges
+from .base import (ByteRanges, Capabilities, SegmentInfo, Tier, TierKind, byte_view, check_chunk, check_ranges,
+                   output_view)
+from .errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
 from .memory import DEFAULT_ALIGNMENT, allocate_host_buffer
 
 # A free extent is kept in the size index as one int, ``size << _SHIFT | start``: ints sort
@@ -154,14 +155,6 @@ class _HostBlock:
         self.written = 0
 
 
-def _as_byte_view(data: memoryview | bytes) -> memoryview:
-    """A flat unsigned-byte view of any C-contiguous buffer (bytes, memoryview, numpy array)."""
-    view = memoryview(data)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
-
-
 class HostTier(Tier):
     """Blocks in one preallocated host-memory arena of ``capacity_bytes`` bytes.
 
@@ -172,31 +165,43 @@ class HostTier(Tier):
         alignment: block start and size unit in bytes (a power of two, default 64).
         pinned: page-locked memory for DMA to a GPU (needs a GPU build; see
             :func:`tiers.memory.allocate_host_buffer`).
+        shared: back the arena by a memfd that same-node clients may map (the
+            ``shared`` capability: :meth:`segment`, :meth:`extent`).
 
     ``used_bytes`` counts allocated (rounded) bytes of committed blocks and open
     reservations. :meth:`fits` is exact: it accounts for fragmentation.
 
+    Capabilities: ``host`` (zero-copy :meth:`view` / :meth:`write_view`) and, when
+    ``shared``, ``shared``.
+
     Thread safety: the block maps and the allocator are guarded by a lock of this tier;
-    the copies into and out of the arena (``write``, ``read``) run outside it, so
+    the copies into and out of the arena (``write``, ``read_into``) run outside it, so
     several threads may copy different blocks at once.
 
     Raises ValueError for bad arguments, MemoryError when the arena cannot be allocated.
     """
 
     kind = TierKind.HOST
+    volatile = True
 
     def __init__(self, capacity_bytes: int, *, name: str = "host", alignment: int = 64,
-                 pinned: bool = False):
+                 pinned: bool = False, shared: bool = False):
         self.name = name
         self._alloc = ExtentAllocator(int(capacity_bytes), alignment)
-        self._buffer = allocate_host_buffer(self._alloc.capacity,
-                                            alignment=max(alignment, DEFAULT_ALIGNMENT), pinned=pinned)
+        self._buffer = allocate_host_buffer(self._alloc.capacity, alignment=max(alignment, DEFAULT_ALIGNMENT),
+                                            pinned=pinned, shared=shared)
         self.pinned = self._buffer.pinned
+        self.shared = shared
         self._arena = memoryview(self._buffer.array)          # writable, flat uint8
         self._arena_ro = self._arena.toreadonly()
         self._reserved: dict[bytes, _HostBlock] = {}
         self._blocks: dict[bytes, _HostBlock] = {}
         self._lock = threading.Lock()
+        self._caps = Capabilities(host=self, shared=self if shared else None)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
 
     # -------------------------------------------------------------- accounting
 
@@ -238,14 +243,26 @@ class HostTier(Tier):
         with self._lock:
             return self._alloc.can_allocate(nbytes)
 
+    def _committed(self, key: bytes) -> _HostBlock:
+        block = self._blocks.get(key)                 # one dict lookup: atomic
+        if block is None:
+            raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
+        return block
+
+    def _reservation(self, key: bytes) -> _HostBlock:
+        block = self._reserved.get(key)
+        if block is None:
+            raise BlockNotStored(f"block {key.hex()[:16]} is not reserved in {self.name}")
+        return block
+
     def size_of(self, key: bytes) -> int:
-        return self._blocks[key].size
+        return self._committed(key).size
 
     def offset_of(self, key: bytes) -> int:
         """Byte offset of a committed block in the arena (for DMA from the arena).
 
-        Raises KeyError if not stored here."""
-        return self._blocks[key].start
+        Raises BlockNotStored."""
+        return self._committed(key).start
 
     def keys(self) -> Iterable[bytes]:
         """Keys of the committed blocks (a snapshot)."""
@@ -257,32 +274,41 @@ class HostTier(Tier):
     def reserve(self, key: bytes, nbytes: int) -> None:
         with self._lock:
             if key in self._blocks or key in self._reserved:
-                raise ValueError(f"block {key.hex()[:16]} already present in {self.name}")
+                raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
             try:
                 start, alloc = self._alloc.allocate(nbytes)
             except TierFull as e:
                 raise TierFull(f"{self.name}: {nbytes} bytes do not fit: {e}") from None
             self._reserved[key] = _HostBlock(start, alloc, nbytes)
 
-    def write(self, key: bytes, offset: int, data: memoryview | bytes) -> None:
-        src = _as_byte_view(data)
+    def write(self, key: bytes, offset: int, data) -> None:
+        src = byte_view(data)
         n = src.nbytes
         with self._lock:
-            block = self._reserved.get(key)
-            if block is None:
-                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            block = self._reservation(key)
             check_chunk(offset, n, block.written, block.size)
             block.written = offset + n
             start = block.start + offset
         self._arena[start:start + n] = src            # memcpy, outside the lock
 
+    def write_view(self, key: bytes) -> memoryview:
+        """Writable view over a reservation's ``size`` bytes (fill, then :meth:`mark_written`)."""
+        with self._lock:
+            block = self._reservation(key)
+            return self._arena[block.start:block.start + block.size]
+
+    def mark_written(self, key: bytes, nbytes: int) -> None:
+        with self._lock:
+            block = self._reservation(key)
+            if not 0 <= nbytes <= block.size:
+                raise InvalidAccess(f"{nbytes} bytes is outside the reserved {block.size} bytes")
+            block.written = nbytes
+
     def commit(self, key: bytes) -> None:
         with self._lock:
-            block = self._reserved.get(key)
-            if block is None:
-                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+            block = self._reservation(key)
             if block.written != block.size:
-                raise ValueError(f"block {key.hex()[:16]}: {block.written} of {block.size} bytes written")
+                raise InvalidAccess(f"block {key.hex()[:16]}: {block.written} of {block.size} bytes written")
             del self._reserved[key]
             self._blocks[key] = block
 
@@ -294,24 +320,48 @@ class HostTier(Tier):
 
     # -------------------------------------------------------------- read / free
 
-    def read(self, key: bytes, ranges: ByteRanges | None = None) -> bytes:
-        block = self._blocks[key]                     # one dict lookup: atomic
+    def read_into(self, key: bytes, out, ranges: ByteRanges | None = None) -> int:
+        block = self._committed(key)
         start, size = block.start, block.size
-        if not ranges:
-            return bytes(self._arena[start:start + size])
-        check_ranges(ranges, size)
+        total = check_ranges(ranges, size)
+        dst = output_view(out, total)
         arena = self._arena
-        return b"".join(arena[start + off:start + off + n] for off, n in ranges)
+        if not ranges:
+            dst[:] = arena[start:start + size]
+            return size
+        pos = 0
+        for off, n in ranges:
+            dst[pos:pos + n] = arena[start + off:start + off + n]
+            pos += n
+        return total
 
     def view(self, key: bytes) -> memoryview:
         """Read-only zero-copy view of the block in the arena (valid while the block is pinned)."""
-        block = self._blocks[key]
+        block = self._committed(key)
         return self._arena_ro[block.start:block.start + block.size]
 
     def free(self, key: bytes) -> None:
         with self._lock:
-            block = self._blocks.pop(key)
+            block = self._blocks.pop(key, None)
+            if block is None:
+                raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
             self._alloc.release(block.start, block.alloc)
+
+    # -------------------------------------------------------------- shared segment
+
+    def segment(self) -> SegmentInfo:
+        """The arena's memfd (``shared`` tiers only). Raises InvalidAccess otherwise."""
+        if self._buffer.fd < 0:
+            raise InvalidAccess(f"{self.name}: the arena is not shared memory")
+        return SegmentInfo(self._buffer.fd, self._buffer.nbytes, f"memfd:{self.name}")
+
+    def extent(self, key: bytes) -> tuple[int, int]:
+        """``(offset, size)`` of a committed block or a reservation in the arena (bytes)."""
+        with self._lock:
+            block = self._blocks.get(key) or self._reserved.get(key)
+            if block is None:
+                raise BlockNotStored(f"block {key.hex()[:16]} is not in {self.name}")
+            return block.start, block.size
 
     def close(self) -> None:
         with self._lock:
@@ -323,7 +373,10 @@ class HostTier(Tier):
                 self._arena.release()
             except BufferError:   # a caller still holds an export; the memory goes with it
                 pass
+            self._buffer.close()
 
     def describe(self) -> str:
-        return (f"{self.name}(host, {self.capacity_bytes} bytes, alignment {self.alignment}, "
-                f"{'pinned' if self.pinned else 'pageable'})")
+        kind = "pinned" if self.pinned else "pageable"
+        if self.shared:
+            kind += ", shared memfd"
+        return f"{self.name}(host, {self.capacity_bytes} bytes, alignment {self.alignment}, {kind})"

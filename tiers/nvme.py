@@ -32,7 +32,7 @@ renamed into place, overwritten and cut to its new length before the final renam
 files are outside the capacity accounting and bounded (``spare_files``, ``spare_bytes``).
 
 Reads verify the size and the checksum of every block on every read; a missing,
-truncated or altered file raises :class:`kvstore.errors.CorruptBlock`, never wrong bytes.
+truncated or altered file raises :class:`kvstore.errors.BlockCorrupt`, never wrong bytes.
 
 Disk full (ENOSPC/EDQUOT while writing, e.g. a capacity larger than the free space): the
 write raises :class:`DiskFull` (a TierFull and a TierIOError); from then on the tier's
@@ -62,10 +62,10 @@ import time
 import lmdb
 import xxhash
 
-from kvstore.errors import ConfigError, CorruptBlock, TierFull, TierIOError
+from .errors import BlockCorrupt, BlockExists, BlockNotStored, DiskFull, InvalidAccess, TierFull, TierIOError
 
 from . import gds
-from .base import ByteRanges, Tier, TierKind, check_chunk, check_ranges
+from .base import ByteRanges, Capabilities, NO_CAPABILITIES, Tier, TierKind, check_chunk, check_ranges, output_view
 from .gds import gds_available, gds_info
 from .gpu import GPUUnavailable, allocate_pinned, cuda_buffer
 
@@ -89,14 +89,6 @@ _HEX = frozenset("0123456789abcdef")
 _ZEROS = memoryview(bytes(PAGE))
 _MIN_BOUNCE = 1 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-class DiskFull(TierIOError, TierFull):
-    """The filesystem ran out of space before the tier reached its configured capacity
-    (a capacity larger than the free space, or other files filling the disk). It is a
-    TierFull (RESOURCE_EXHAUSTED to clients) and, for callers that expect I/O errors from
-    writes, a TierIOError. The tier then holds its capacity to what the disk can take
-    (see ``NVMeTier.capacity_bytes``)."""
 
 
 def disk_bytes(nbytes: int) -> int:
@@ -399,15 +391,16 @@ class NVMeTier(Tier):
     """
 
     kind = TierKind.NVME
+    volatile = False
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, name: str = "nvme",
                  io: str = "auto", fsync: bool = False, direct: bool | None = None,
                  map_size: int = 1 << 30, max_bounce_bytes: int = 64 << 20,
                  spare_files: int = 256, spare_bytes: int | None = None):
         if io not in IO_CHOICES:
-            raise ConfigError(f"io must be one of {', '.join(IO_CHOICES)}, got {io!r}")
+            raise ValueError(f"io must be one of {', '.join(IO_CHOICES)}, got {io!r}")
         if io == "gds" and not gds_available():
-            raise ConfigError(f"io = gds needs a CUDA GPU and kvikio ({gds_info().reason})")
+            raise ValueError(f"io = gds needs a CUDA GPU and kvikio ({gds_info().reason})")
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0 bytes, got {capacity_bytes}")
         self.name = name
@@ -444,7 +437,7 @@ class NVMeTier(Tier):
         """The rest of ``__init__``, once the folder is locked."""
         accepted = _probe_direct(self.path) if direct is not False else False
         if direct and not accepted:
-            raise ConfigError(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT")
+            raise ValueError(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT")
         self.direct = accepted
         o_direct = os.O_DIRECT if accepted else 0
         self._reuse_flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | o_direct
@@ -549,7 +542,14 @@ class NVMeTier(Tier):
         return nbytes >= 0 and self._used + disk_bytes(nbytes) <= self.capacity_bytes
 
     def size_of(self, key: bytes) -> int:
-        return self._index[key][0]
+        entry = self._index.get(key)
+        if entry is None:
+            raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
+        return entry[0]
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(device_files=self) if self.device_io else NO_CAPABILITIES
 
     @property
     def device_io(self) -> bool:
@@ -567,7 +567,7 @@ class NVMeTier(Tier):
         disk = disk_bytes(nbytes)
         with self._lock:
             if key in self._index or key in self._pending:
-                raise ValueError(f"block {key.hex()[:16]} already present in {self.name}")
+                raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
             capacity = self.capacity_bytes
             if self._used + disk > capacity:
                 raise TierFull(f"{self.name}: {nbytes} bytes do not fit "
@@ -605,7 +605,7 @@ class NVMeTier(Tier):
         with self._lock:
             p = self._pending.get(key)
             if p is None:
-                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+                raise BlockNotStored(f"block {key.hex()[:16]} is not reserved in {self.name}")
             check_chunk(offset, n, p.written, p.size)
             p.written = offset + n
         try:
@@ -622,7 +622,7 @@ class NVMeTier(Tier):
                 raise self._disk_full(f"writing block {key.hex()[:16]} failed: disk full") from e
             raise TierIOError(f"{self.name}: writing block {key.hex()[:16]} failed: {e}") from e
 
-    def write_device(self, key: bytes, device_buf) -> None:
+    def write_from_device(self, key: bytes, device_buf) -> None:
         """Fill a reserved block from device memory: the block's whole payload (its reserved
         size, from the start of ``device_buf``) in one kvikio write (GDS, or kvikio's
         compatibility mode) to the block's temp file, padded to whole pages as with
@@ -647,7 +647,7 @@ class NVMeTier(Tier):
         with self._lock:
             p = self._pending.get(key)
             if p is None:
-                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+                raise BlockNotStored(f"block {key.hex()[:16]} is not reserved in {self.name}")
             if p.written:
                 raise ValueError(f"block {key.hex()[:16]} already has {p.written} bytes written")
             if available < p.size:
@@ -725,9 +725,9 @@ class NVMeTier(Tier):
         with self._lock:
             p = self._pending.get(key)
             if p is None:
-                raise ValueError(f"block {key.hex()[:16]} is not reserved in {self.name}")
+                raise BlockNotStored(f"block {key.hex()[:16]} is not reserved in {self.name}")
             if p.written != p.size:
-                raise ValueError(f"block {key.hex()[:16]}: {p.written} of {p.size} bytes written")
+                raise InvalidAccess(f"block {key.hex()[:16]}: {p.written} of {p.size} bytes written")
         final = self._file_path(key)
         renamed = False
         try:
@@ -795,12 +795,20 @@ class NVMeTier(Tier):
 
     # -------------------------------------------------------------- read / free
 
-    def read(self, key: bytes, ranges: ByteRanges | None = None) -> bytes:
-        """Read a block, verifying its size and xxh3_64 checksum (see :meth:`Tier.read`)."""
+    def read_into(self, key: bytes, out, ranges: ByteRanges | None = None) -> int:
+        """Read a block (or ``ranges`` of it) into ``out``, verifying its size and xxh3_64
+        checksum (see :meth:`Tier.read_into`). This port reads the whole file to verify it."""
+        total = check_ranges(ranges, self.size_of(key))
+        dst = output_view(out, total)
+        data = memoryview(self._read(key, ranges))
+        dst[:total] = data
+        return total
+
+    def _read(self, key: bytes, ranges: ByteRanges | None = None) -> bytes:
         with self._lock:
             entry = self._index.get(key)
         if entry is None:
-            raise KeyError(f"block {key.hex()[:16]} is not stored in {self.name}")
+            raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
         size, checksum = entry[0], entry[1]
         if ranges:
             check_ranges(ranges, size)
@@ -808,10 +816,10 @@ class NVMeTier(Tier):
         try:
             fd = os.open(path, self._read_flags)
         except FileNotFoundError:
-            raise CorruptBlock(f"{self.name}: block {key.hex()[:16]}: file {path} is missing") from None
+            raise BlockCorrupt(f"{self.name}: block {key.hex()[:16]}: file {path} is missing") from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise CorruptBlock(f"{self.name}: block {key.hex()[:16]}: {path} is a symbolic link") from None
+                raise BlockCorrupt(f"{self.name}: block {key.hex()[:16]}: {path} is a symbolic link") from None
             raise TierIOError(f"{self.name}: cannot open {path}: {e}") from e
         try:
             if self.direct:
@@ -824,13 +832,13 @@ class NVMeTier(Tier):
 
     def _verify(self, key: bytes, payload, size: int, got: int, checksum: int) -> None:
         if got < size:
-            raise CorruptBlock(f"{self.name}: block {key.hex()[:16]} is truncated: "
+            raise BlockCorrupt(f"{self.name}: block {key.hex()[:16]} is truncated: "
                                f"{got} of {size} bytes on disk")
         self._check_sum(key, xxhash.xxh3_64_intdigest(payload), checksum)
 
     def _check_sum(self, key: bytes, actual: int, checksum: int) -> None:
         if actual != checksum:
-            raise CorruptBlock(f"{self.name}: block {key.hex()[:16]} fails its checksum "
+            raise BlockCorrupt(f"{self.name}: block {key.hex()[:16]} fails its checksum "
                                f"(xxh3_64 {actual:016x}, indexed {checksum:016x})")
 
     def _read_direct(self, fd: int, key: bytes, size: int, checksum: int, ranges) -> bytes:
@@ -875,12 +883,12 @@ class NVMeTier(Tier):
         :meth:`read`. Returns the payload bytes read.
 
         The checksum costs one device -> host copy of the payload (see :class:`_DeviceChecksum`).
-        On CorruptBlock the buffer holds the bad bytes: the caller drops them (the manager
+        On BlockCorrupt the buffer holds the bad bytes: the caller drops them (the manager
         aborts the reservation they were read into).
 
         Raises:
             KeyError: not stored here.
-            CorruptBlock: file missing, a symbolic link, truncated, or failing its checksum.
+            BlockCorrupt: file missing, a symbolic link, truncated, or failing its checksum.
             TierIOError: the read failed.
             ValueError: ``device_buf`` is smaller than the block; TypeError: not a CUDA array.
             GPUUnavailable: no GPU or no kvikio (``io`` is not ``"gds"``).
@@ -890,18 +898,18 @@ class NVMeTier(Tier):
         with self._lock:
             entry = self._index.get(key)
         if entry is None:
-            raise KeyError(f"block {key.hex()[:16]} is not stored in {self.name}")
+            raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
         size, checksum = entry[0], entry[1]
         path = self._file_path(key)
         what = f"{self.name}: block {key.hex()[:16]}"
         if os.path.islink(path):                   # the POSIX path opens with O_NOFOLLOW
-            raise CorruptBlock(f"{what}: {path} is a symbolic link")
+            raise BlockCorrupt(f"{what}: {path} is a symbolic link")
         try:
             gds.read_block_file(path, device_buf, size)
         except FileNotFoundError:
-            raise CorruptBlock(f"{what}: file {path} is missing") from None
-        except CorruptBlock as e:                  # truncated file or short read
-            raise CorruptBlock(f"{what}: {e}") from None
+            raise BlockCorrupt(f"{what}: file {path} is missing") from None
+        except BlockCorrupt as e:                  # truncated file or short read
+            raise BlockCorrupt(f"{what}: {e}") from None
         except TierIOError as e:
             raise TierIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
         self._check_sum(key, self._checksum.digest(device_buf, size), checksum)
@@ -909,7 +917,9 @@ class NVMeTier(Tier):
 
     def free(self, key: bytes) -> None:
         with self._lock:
-            entry = self._index.pop(key)
+            entry = self._index.pop(key, None)
+            if entry is None:
+                raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
             try:
                 self._index_txn(lambda txn: txn.delete(key))
             except lmdb.Error as e:

@@ -64,6 +64,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/kvstore.v1.KVStore/Info',
+                request_serializer=kvstore__pb2.InfoRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.InfoReply.FromString,
+                _registered_method=True)
         self.ToolCallStart = channel.unary_unary(
                 '/kvstore.v1.KVStore/ToolCallStart',
                 request_serializer=kvstore__pb2.ToolCallStartRequest.SerializeToString,
@@ -83,6 +88,16 @@ class KVStoreStub:
                 '/kvstore.v1.KVStore/Release',
                 request_serializer=kvstore__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.ReleaseReply.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kvstore.v1.KVStore/Reserve',
+                request_serializer=kvstore__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ReserveReply.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvstore.v1.KVStore/Commit',
+                request_serializer=kvstore__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.CommitReply.FromString,
                 _registered_method=True)
 
 
@@ -127,6 +142,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ToolCallStart(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -146,6 +167,18 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +217,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     request_deserializer=kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore__pb2.StatsReply.SerializeToString,
             ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=kvstore__pb2.InfoRequest.FromString,
+                    response_serializer=kvstore__pb2.InfoReply.SerializeToString,
+            ),
             'ToolCallStart': grpc.unary_unary_rpc_method_handler(
                     servicer.ToolCallStart,
                     request_deserializer=kvstore__pb2.ToolCallStartRequest.FromString,
@@ -203,6 +241,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvstore__pb2.ReleaseRequest.FromString,
                     response_serializer=kvstore__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvstore__pb2.ReserveRequest.FromString,
+                    response_serializer=kvstore__pb2.ReserveReply.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvstore__pb2.CommitRequest.FromString,
+                    response_serializer=kvstore__pb2.CommitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -378,6 +426,33 @@ class KVStore:
             _registered_method=True)
 
     @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Info',
+            kvstore__pb2.InfoRequest.SerializeToString,
+            kvstore__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ToolCallStart(request,
             target,
             options=(),
@@ -475,6 +550,60 @@ class KVStore:
             '/kvstore.v1.KVStore/Release',
             kvstore__pb2.ReleaseRequest.SerializeToString,
             kvstore__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Reserve',
+            kvstore__pb2.ReserveRequest.SerializeToString,
+            kvstore__pb2.ReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Commit',
+            kvstore__pb2.CommitRequest.SerializeToString,
+            kvstore__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,8 @@ The manager never calls these; the agent-aware components do:
   the model every request's keys and :meth:`attach` it to every policy that wants it.
 - :class:`AcceptsNextUse`: the policy takes explicit predicted next-use times for keys
   (``next_use`` from tool-call predictions, ``opt`` from the simulator's oracle).
+- :class:`PredictsDistance`: the policy predicts when a resident block is needed next
+  (``next_use``); prefetch uses it not to displace blocks needed sooner.
 
 Both are checked with ``isinstance`` (runtime protocols), so a policy opts in by
 defining the method; :class:`kvstore.policy.lru.LRUPolicy` and the other classic
@@ -33,3 +35,9 @@ class AcceptsNextUse(Protocol):
     def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
         """Predicted next use of ``keys``: one time for all, or one per key (seconds, same
         clock as ``now``; ``math.inf`` = never). ``keys`` are in prefix order."""
+
+
+@runtime_checkable
+class PredictsDistance(Protocol):
+    def distance(self, key: bytes, now: float) -> float:
+        """Predicted seconds from ``now`` until ``key`` is used again (``math.inf``: never)."""

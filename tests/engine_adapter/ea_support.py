@@ -14,7 +14,7 @@ from typing import Sequence
 
 from kvstore import config
 from kvstore.errors import StoreUnavailable
-from kvstore.manager import GetResult, LookupResult
+from kvstore.types import GetResult, LookupResult
 from tiers.base import TierKind, check_ranges
 
 from engine_adapter.config import EngineConfig, ModelConfig

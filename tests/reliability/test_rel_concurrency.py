@@ -16,6 +16,7 @@ from conftest import daemon_config
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import KVStoreClient
+from kvstore.errors import SizeConflict
 from kvstore.serve import start_server
 from rel_support import key, payload, run_in_thread
 from tiers.base import TierKind
@@ -44,7 +45,7 @@ def settle(d, expected, what: str) -> None:
     """Wait (bounded) for background transfers, then compare tier usage with ``expected``."""
     deadline = time.monotonic() + DEADLINE
     while usage(d) != expected and time.monotonic() < deadline:
-        d.manager.drain(DEADLINE) if hasattr(d.manager, "drain") else None
+        d.manager.drain(DEADLINE)
         time.sleep(0.01)
     assert usage(d) == expected, what
 
@@ -79,16 +80,23 @@ def test_same_key_written_concurrently_by_many_clients(layout_daemon):
         for t in threads:
             t.join(DEADLINE * 2)
             assert not t.is_alive(), "a writer hung"
-        failed = {ik: r for ik, r in results.items() if isinstance(r, Exception)}
+        # first writer wins: a put of the same size is a no-op; of another size, refused
+        failed = {ik: r for ik, r in results.items()
+                  if isinstance(r, Exception) and not isinstance(r, SizeConflict)}
         assert not failed, f"{len(failed)} concurrent puts failed, e.g. {next(iter(failed.values()))}"
         assert len(results) == len(keys) * writers
         c = clients[0]
         for i, k in enumerate(keys):
             outcomes = [results[(i, w)] for w in range(writers)]
-            assert sum(r.stored for r in outcomes) == 1, f"key {i}: {outcomes}"
-            assert sum(r.already_present for r in outcomes) == writers - 1
+            ok = [r for r in outcomes if not isinstance(r, SizeConflict)]
+            assert sum(r.stored for r in ok) == 1, f"key {i}: {outcomes}"
             got = c.get([k])[0]
-            assert got.found and got.data in {variant(k, w) for w in range(writers)}, f"key {i}: mixed bytes"
+            winner = next(w for w in range(writers) if not isinstance(outcomes[w], SizeConflict)
+                          and outcomes[w].stored)
+            assert got.found and got.data == variant(k, winner), f"key {i}: mixed bytes"
+            same_size = [w for w in range(writers) if len(variant(k, w)) == len(got.data)]
+            assert sum(r.already_present for r in ok) == len(same_size) - 1
+            assert len(outcomes) - len(ok) == writers - len(same_size)   # every other size refused
             assert c.lookup([k]).hit_blocks == 1
             again = c.put([(k, got.data)])                       # identical re-put: idempotent
             assert (again.stored, again.already_present) == (0, 1)
@@ -165,15 +173,15 @@ def test_abandoned_put_stream_releases_its_reservation(layout_daemon, how):
 
 
 def gate_reads(tier, gate: threading.Event, entered: threading.Event):
-    """Make ``tier.read`` wait on ``gate`` before reading (a slow medium)."""
-    real = tier.read
+    """Make ``tier.read_into`` wait on ``gate`` before reading (a slow medium)."""
+    real = tier.read_into
 
-    def slow_read(k, ranges=None):
+    def slow_read(k, out, ranges=None):
         entered.set()
         assert gate.wait(DEADLINE)
-        return real(k, ranges)
+        return real(k, out, ranges)
 
-    tier.read = slow_read
+    tier.read_into = slow_read
 
 
 @pytest.mark.parametrize("tier_name", ["host", "nvme"])

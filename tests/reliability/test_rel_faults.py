@@ -26,6 +26,7 @@ DEADLINE = 10.0          # seconds any single operation may take before the test
 def make(host_blocks: int, nvme_blocks: int, **kw) -> TierManager:
     tiers = [MemTier(TierKind.HOST, host_blocks * BLOCK), MemTier(TierKind.NVME, nvme_blocks * BLOCK)]
     kw.setdefault("async_moves", True)
+    kw.setdefault("watermarks", (1.0, 1.0))      # no background cleaning: exact placement
     return TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], **kw)
 
 

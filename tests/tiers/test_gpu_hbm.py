@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from tiers.base import read_bytes
 from tiers.gpu import gpu_info
 
 info = gpu_info()
@@ -48,9 +49,9 @@ def test_host_and_device_copies(tier):
     tier.write(key(1), 0, a[:30_000])
     tier.write(key(1), 30_000, memoryview(a)[30_000:])
     tier.commit(key(1))
-    assert tier.read(key(1)) == a
-    assert tier.read(key(1), [(5, 10), (99_990, 10)]) == a[5:15] + a[99_990:]
-    assert bytes(tier.view(key(1))) == a
+    assert read_bytes(tier, key(1)) == a
+    assert read_bytes(tier, key(1), [(5, 10), (99_990, 10)]) == a[5:15] + a[99_990:]
+    assert tier.capabilities.host is None and tier.capabilities.device is tier
     out = np.zeros(100_000, dtype=np.uint8)
     assert tier.read_into(key(1), out) == 100_000 and out.tobytes() == a
     dev = tier.device_array(key(1))
@@ -62,26 +63,26 @@ def test_host_and_device_copies(tier):
     tier.reserve(key(2), len(b))
     tier.write(key(2), 0, cupy.asarray(np.frombuffer(b, dtype=np.uint8)))
     tier.commit(key(2))
-    assert tier.read(key(2)) == b
+    assert read_bytes(tier, key(2)) == b
 
     c = torch.arange(1000, dtype=torch.float32, device="cuda")  # and from a torch CUDA tensor
     tier.reserve(key(3), 4000)
     tier.write(key(3), 0, c)
     tier.commit(key(3))
-    assert tier.read(key(3)) == c.cpu().numpy().tobytes()
+    assert read_bytes(tier, key(3)) == c.cpu().numpy().tobytes()
     assert torch.equal(torch.as_tensor(tier.device_array(key(3)), device="cuda").view(torch.float32), c)
 
 
-def test_lease_handle_is_a_cuda_ipc_handle(tier):
+def test_ipc_handle_is_a_cuda_ipc_handle(tier):
     tier.reserve(key(1), 10)
     tier.write(key(1), 0, b"0123456789")
     tier.commit(key(1))
-    (h,) = tier.lease([key(1)]).blocks
-    assert h.found and h.device == 0 and len(h.ipc_handle) == 64 and h.size == 10
+    h = tier.ipc_handle(key(1))
+    assert h.device == 0 and len(h.handle) == 64 and h.size == 10
     assert tier.device_array(key(1)).data.ptr % 4096 == 0
 
 
-def test_leased_block_read_through_cuda_ipc_by_another_process(tier):
+def test_block_read_through_cuda_ipc_by_another_process(tier):
     data = payload(7, 1 << 20)
     tier.reserve(key(0), 4096)
     tier.write(key(0), 0, bytes(4096))
@@ -89,22 +90,20 @@ def test_leased_block_read_through_cuda_ipc_by_another_process(tier):
     tier.reserve(key(7), len(data))
     tier.write(key(7), 0, data)
     tier.commit(key(7))
-    (h,) = tier.lease([key(7)], ttl=60).blocks
+    h = tier.ipc_handle(key(7))
     assert h.offset > 0
     script = textwrap.dedent("""
         import hashlib, json, sys
         import cupy
-        from tiers.hbm import BlockHandle, close_attachments, open_leased_block
+        from kvstore.ipc import close_attachments, open_block
+        from tiers.base import IpcHandle
         d = json.loads(sys.argv[1])
-        h = BlockHandle(bytes.fromhex(d["key"]), True, bytes.fromhex(d["handle"]), d["offset"], d["size"],
-                        d["device"])
-        arr = open_leased_block(h)
+        arr = open_block(IpcHandle(bytes.fromhex(d["handle"]), d["offset"], d["size"], d["device"]))
         print(hashlib.sha256(cupy.asnumpy(arr).tobytes()).hexdigest(), arr.size)
         del arr
         close_attachments()
     """)
-    arg = json.dumps({"key": h.key.hex(), "handle": h.ipc_handle.hex(), "offset": h.offset, "size": h.size,
-                      "device": h.device})
+    arg = json.dumps({"handle": h.handle.hex(), "offset": h.offset, "size": h.size, "device": h.device})
     res = subprocess.run([sys.executable, "-c", script, arg], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr

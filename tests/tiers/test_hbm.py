@@ -1,5 +1,6 @@
-"""HBM tier on its CPU stand-in (shared memory): accounting, two-phase writes, leases,
-and a second process reading a leased block through the handle.
+"""HBM tier on its CPU stand-in (shared memory): accounting, two-phase writes, IPC
+handles, and a second process reading a block in place through its handle (leases are
+the catalogue's: tests/kvstore/test_leases.py).
 
 The CUDA backend runs the same code with a device slab; see ``test_gpu_hbm.py``.
 """
@@ -16,9 +17,10 @@ import pathlib
 import numpy as np
 import pytest
 
-from kvstore.errors import InvalidRequest, TierFull
-from tiers.base import TierKind
-from tiers.hbm import ALIGNMENT, MAX_LEASE_TTL_S, BlockHandle, HBMTier, close_attachments, open_leased_block
+from kvstore.ipc import close_attachments, open_block
+from tiers.base import TierKind, read_bytes
+from tiers.errors import BlockNotStored, TierFull
+from tiers.hbm import ALIGNMENT, HBMTier
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -31,22 +33,9 @@ def payload(i: int, n: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock():
-    return Clock()
-
-
-@pytest.fixture
-def tier(clock):
-    t = HBMTier(64 * 1024, backend="shm", clock=clock)
+def tier():
+    t = HBMTier(64 * 1024, backend="shm")
     yield t
     t.close()
     close_attachments()
@@ -79,8 +68,8 @@ def test_put_read_ranges_view_and_extent_accounting(tier):
     b = put(tier, 2, 4096)
     assert key(1) in tier and key(2) in tier and len(tier) == 2
     assert tier.used_bytes == 2 * ALIGNMENT + ALIGNMENT      # 5000 -> 8192, 4096 -> 4096
-    assert tier.read(key(1)) == a and tier.read(key(2)) == b
-    assert tier.read(key(1), [(10, 5), (4999, 1)]) == a[10:15] + a[4999:]
+    assert read_bytes(tier, key(1)) == a and read_bytes(tier, key(2)) == b
+    assert read_bytes(tier, key(1), [(10, 5), (4999, 1)]) == a[10:15] + a[4999:]
     assert bytes(tier.view(key(2))) == b
     assert tier.size_of(key(1)) == 5000
     out = np.zeros(6000, dtype=np.uint8)
@@ -90,7 +79,7 @@ def test_put_read_ranges_view_and_extent_accounting(tier):
     tier.free(key(1))
     assert key(1) not in tier and tier.used_bytes == ALIGNMENT
     with pytest.raises(KeyError):
-        tier.read(key(1))
+        read_bytes(tier, key(1))
 
 
 def test_full_tier_raises_and_fits_is_exact(tier):
@@ -109,7 +98,7 @@ def test_two_phase_errors(tier):
     tier.reserve(key(1), 100)
     assert key(1) not in tier                              # invisible until commit
     with pytest.raises(KeyError):
-        tier.read(key(1))
+        read_bytes(tier, key(1))
     with pytest.raises(ValueError, match="already present"):
         tier.reserve(key(1), 100)
     with pytest.raises(ValueError, match="offset 10"):
@@ -122,7 +111,7 @@ def test_two_phase_errors(tier):
     tier.abort(key(1))
     assert tier.used_bytes == 0
     tier.abort(key(1))                                     # unknown key: no-op
-    with pytest.raises(ValueError, match="not reserved"):
+    with pytest.raises(BlockNotStored, match="not reserved"):
         tier.write(key(2), 0, b"x")
     with pytest.raises(KeyError):
         tier.free(key(2))
@@ -135,7 +124,7 @@ def test_mark_written_after_filling_in_place(tier):
     tier.device_array(key(1))[:] = 7
     tier.mark_written(key(1), 300)
     tier.commit(key(1))
-    assert tier.read(key(1)) == bytes([7]) * 300
+    assert read_bytes(tier, key(1)) == bytes([7]) * 300
     tier.reserve(key(2), 10)
     with pytest.raises(ValueError):
         tier.mark_written(key(2), 11)
@@ -156,7 +145,7 @@ def test_slots():
         t.free(key(2))
         assert t.fits(3000)
         d = put(t, 4, 1234)
-        assert t.read(key(4)) == d and t.read(key(3)) == payload(3, 2999)
+        assert read_bytes(t, key(4)) == d and read_bytes(t, key(3)) == payload(3, 2999)
     finally:
         t.close()
 
@@ -170,117 +159,53 @@ def test_bad_arguments():
         HBMTier(1 << 20, backend="shm", slot_bytes=0)
 
 
-# ---------------------------------------------------------------------- leases
+# ---------------------------------------------------------------------- IPC handles
 
-def test_lease_gives_handles_in_key_order(tier):
-    put(tier, 1, 5000)
+def test_ipc_handles_locate_blocks(tier):
+    a = put(tier, 1, 5000)
     put(tier, 2, 100)
     tier.reserve(key(3), 10)                                # reserved, not committed
-    lease_id, blocks, expires_at = tier.lease([key(2), key(9), key(1), key(3)], ttl=5.0)
-    assert len(lease_id) == 32 and int(lease_id, 16) >= 0
-    assert [b.found for b in blocks] == [True, False, True, False]
-    assert blocks[1] == BlockHandle(key(9), False)
-    h1, h2 = blocks[2], blocks[0]
-    assert (h1.key, h1.size, h1.device) == (key(1), 5000, -1)
+    h1, h2 = tier.ipc_handle(key(1)), tier.ipc_handle(key(2))
+    assert (h1.size, h1.device) == (5000, -1)
     assert h1.offset % ALIGNMENT == 0 and h2.offset % ALIGNMENT == 0 and h1.offset != h2.offset
-    assert h1.ipc_handle == h2.ipc_handle and h1.ipc_handle
-    import time
-    assert abs(expires_at - (time.time() + 5.0)) < 2.0
-    assert tier.is_leased(key(1)) and tier.is_leased(key(2)) and not tier.is_leased(key(9))
-
-
-def test_leased_block_is_read_in_place(tier):
-    data = put(tier, 1, 5000)
-    (h,) = tier.lease([key(1)]).blocks
-    arr = open_leased_block(h)
-    assert arr.tobytes() == data
+    assert h1.handle == h2.handle and h1.handle
+    with pytest.raises(BlockNotStored):
+        tier.ipc_handle(key(3))
+    arr = open_block(h1)
+    assert arr.tobytes() == a
     assert not arr.flags.writeable                         # workers get a read-only mapping
-    with pytest.raises(ValueError):
-        open_leased_block(BlockHandle(key(2), False))
 
 
-def test_free_of_leased_block_hides_it_and_keeps_its_bytes(tier):
-    data = put(tier, 1, 5000)
-    lease = tier.lease([key(1)], ttl=10)
-    used = tier.used_bytes
-    tier.free(key(1))
-    assert key(1) not in tier and len(tier) == 0
-    assert tier.used_bytes == used                         # space held until the lease ends
-    h = lease.blocks[0]
-    assert open_leased_block(h).tobytes() == data
-    # the same key may be stored again meanwhile, at another place
-    put(tier, 1, 100)
-    assert tier.lease([key(1)]).blocks[0].offset != h.offset
-    assert tier.release(lease.lease_id) is True
-    assert used == 2 * ALIGNMENT and tier.used_bytes == ALIGNMENT   # 8192 back; the new copy holds 4096
-    assert tier.release(lease.lease_id) is False
-
-
-def test_two_leases_on_one_block(tier):
-    put(tier, 1, 100)
-    a = tier.lease([key(1)])
-    b = tier.lease([key(1), key(1)])
-    tier.free(key(1))
-    tier.release(a.lease_id)
-    assert tier.used_bytes == ALIGNMENT
-    tier.release(b.lease_id)
-    assert tier.used_bytes == 0
-
-
-def test_leases_expire(tier, clock):
-    put(tier, 1, 100)
-    lease = tier.lease([key(1)], ttl=2.0)
-    clock.now += 1.9
-    assert tier.is_leased(key(1)) and tier.num_leases() == 1
-    tier.free(key(1))
-    clock.now += 0.2
-    assert tier.num_leases() == 0
-    assert tier.used_bytes == 0                             # expiry returned the doomed block's space
-    assert tier.release(lease.lease_id) is False
-
-
-def test_default_ttl_and_bounds(clock):
-    t = HBMTier(8192, backend="shm", clock=clock, default_ttl_s=3.0)
-    try:
-        t.lease([])
-        clock.now += 2.9
-        assert t.num_leases() == 1
-        clock.now += 0.2
-        assert t.num_leases() == 0
-        for bad in (0.0, -1.0, float("nan"), MAX_LEASE_TTL_S + 1):
-            with pytest.raises(InvalidRequest):
-                t.lease([], ttl=bad)
-    finally:
-        t.close()
-
-
-def test_leased_block_read_by_another_process(tier):
+def test_block_read_in_place_by_another_process(tier):
     """A separate Python process maps the slab by its name and reads the block zero-copy."""
     data = put(tier, 7, 12_345)
     put(tier, 8, 100)
-    lease = tier.lease([key(8), key(7)], ttl=60)
-    h = lease.blocks[1]
+    h = tier.ipc_handle(key(7))
     script = textwrap.dedent("""
         import hashlib, json, sys
-        from tiers.hbm import BlockHandle, open_leased_block
+        from kvstore.ipc import open_block
+        from tiers.base import IpcHandle
         d = json.loads(sys.argv[1])
-        h = BlockHandle(bytes.fromhex(d["key"]), True, d["handle"].encode(), d["offset"], d["size"], d["device"])
-        arr = open_leased_block(h)
+        arr = open_block(IpcHandle(d["handle"].encode(), d["offset"], d["size"], d["device"]))
         print(hashlib.sha256(arr).hexdigest(), arr.size, arr.flags.writeable)
     """)
-    arg = json.dumps({"key": h.key.hex(), "handle": h.ipc_handle.decode(), "offset": h.offset,
-                      "size": h.size, "device": h.device})
+    arg = json.dumps({"handle": h.handle.decode(), "offset": h.offset, "size": h.size, "device": h.device})
     res = subprocess.run([sys.executable, "-c", script, arg], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr
     digest, size, writeable = res.stdout.split()
     assert digest == hashlib.sha256(data).hexdigest() and int(size) == 12_345 and writeable == "False"
     assert "resource_tracker" not in res.stderr            # the reader did not adopt the segment
-    assert tier.read(key(7)) == data                        # still there after the reader exited
+    assert read_bytes(tier, key(7)) == data                  # still there after the reader exited
 
 
-def test_close_with_outstanding_views(clock):
-    t = HBMTier(8192, backend="shm", clock=clock)
+def test_capabilities_of_the_stand_in(tier):
+    caps = tier.capabilities
+    assert caps.device is tier and caps.host is tier and caps.shared is None and caps.device_files is None
+
+
+def test_close_with_outstanding_views():
+    t = HBMTier(8192, backend="shm")
     put(t, 1, 10)
     v = t.view(key(1))
     t.close()                                              # must not raise although v is alive

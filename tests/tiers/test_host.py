@@ -6,7 +6,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.errors import TierFull
+from tiers.base import read_bytes
+
+from tiers.errors import BlockNotStored, TierFull
 from tiers.base import TierKind
 from tiers.host import ExtentAllocator, HostTier
 
@@ -125,15 +127,15 @@ def test_put_read_ranges_and_view():
     data = payload(3, 10_000)
     put(t, K(1), data)
     assert K(1) in t and len(t) == 1 and t.size_of(K(1)) == 10_000
-    assert t.read(K(1)) == data
-    assert t.read(K(1), [(0, 3), (9_990, 10), (500, 0)]) == data[:3] + data[9_990:]
+    assert read_bytes(t, K(1)) == data
+    assert read_bytes(t, K(1), [(0, 3), (9_990, 10), (500, 0)]) == data[:3] + data[9_990:]
     v = t.view(K(1))
     assert v.readonly and v.nbytes == 10_000 and bytes(v) == data
     assert t.used_bytes == 10_048                 # 10,000 rounded up to 64
     with pytest.raises(ValueError):
-        t.read(K(1), [(9_999, 2)])
+        read_bytes(t, K(1), [(9_999, 2)])
     with pytest.raises(KeyError):
-        t.read(K(2))
+        read_bytes(t, K(2))
 
 
 def test_view_is_zero_copy_into_the_arena():
@@ -157,8 +159,8 @@ def test_chunked_writes_and_write_errors():
         t.write(K(1), 3000, b"x")
     assert K(1) not in t                          # invisible until commit
     t.commit(K(1))
-    assert t.read(K(1)) == data
-    with pytest.raises(ValueError, match="not reserved"):
+    assert read_bytes(t, K(1)) == data
+    with pytest.raises(BlockNotStored, match="not reserved"):
         t.write(K(9), 0, b"x")
 
 
@@ -168,7 +170,7 @@ def test_write_accepts_numpy_arrays_of_any_dtype():
     t.reserve(K(1), arr.nbytes)
     t.write(K(1), 0, arr)
     t.commit(K(1))
-    assert np.array_equal(np.frombuffer(t.read(K(1)), dtype=np.float32), arr)
+    assert np.array_equal(np.frombuffer(read_bytes(t, K(1)), dtype=np.float32), arr)
 
 
 def test_commit_incomplete_and_duplicate_reserve():
@@ -217,7 +219,7 @@ def test_coalescing_makes_room_for_a_big_block_after_frees():
     t.free(K(1))                                  # 0, 1, 2 join into 768 bytes
     assert t.fits(768) and t.fragmentation == 0.0
     put(t, K(9), payload(9, 768))
-    assert t.read(K(9)) == payload(9, 768) and t.read(K(3)) == payload(3, 256)
+    assert read_bytes(t, K(9)) == payload(9, 768) and read_bytes(t, K(3)) == payload(3, 256)
     t.free(K(9))
     t.free(K(3))
     assert t.used_bytes == 0 and t.free_extents == 1 and t.largest_free_extent == 1024
@@ -230,7 +232,7 @@ def test_random_blocks_keep_their_bytes():
     for step in range(600):
         if live and rng.random() < 0.4:
             key = rng.choice(list(live))
-            assert t.read(key) == live.pop(key)
+            assert read_bytes(t, key) == live.pop(key)
             t.free(key)
             continue
         n = rng.randrange(1, 5000)
@@ -245,7 +247,7 @@ def test_random_blocks_keep_their_bytes():
         live[key] = data
         assert t.used_bytes <= t.capacity_bytes
     for key, data in live.items():
-        assert t.read(key) == data
+        assert read_bytes(t, key) == data
         t.free(key)
     assert t.used_bytes == 0 and len(t) == 0
 
@@ -266,7 +268,7 @@ def test_concurrent_writes_and_reads_of_different_blocks():
                 t.write(key, 3000, data[3000:])
                 with lock:
                     t.commit(key)
-                assert t.read(key) == data
+                assert read_bytes(t, key) == data
                 if i % 2:
                     with lock:
                         t.free(key)

@@ -12,7 +12,7 @@ import pytest
 from kvstore import simulate
 from kvstore.trace import Request, read_mooncake_trace
 
-CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
                       / "mooncake_conversation_trace.jsonl")
 
 POLICIES = ("lru", "arc", "s3fifo", "next_use", "opt")

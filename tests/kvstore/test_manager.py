@@ -4,43 +4,12 @@ import threading
 
 import pytest
 
+from support.fake_tiers import MemTier
+
 from kvstore.errors import InvalidRequest, TierFull
 from kvstore.manager import TierManager
 from kvstore.policy import make_policy
 from tiers.base import TierKind
-from tiers.null import NullTier
-
-
-class MemTier(NullTier):
-    """NullTier that keeps the bytes, for data checks."""
-
-    def __init__(self, kind, capacity):
-        super().__init__(kind, capacity)
-        self.data = {}
-        self.bufs = {}
-
-    def reserve(self, key, nbytes):
-        super().reserve(key, nbytes)
-        self.bufs[key] = bytearray(nbytes)
-
-    def write(self, key, offset, data):
-        super().write(key, offset, data)
-        self.bufs[key][offset:offset + len(data)] = data
-
-    def commit(self, key):
-        super().commit(key)
-        self.data[key] = bytes(self.bufs.pop(key))
-
-    def abort(self, key):
-        super().abort(key)
-        self.bufs.pop(key, None)
-
-    def read(self, key, ranges=None):
-        return self.data[key]
-
-    def free(self, key):
-        super().free(key)
-        del self.data[key]
 
 
 def K(i):
@@ -68,7 +37,8 @@ def make(host_blocks=4, nvme_blocks=None, block=100, write="write_back"):
     if nvme_blocks is not None:
         tiers.append(MemTier(TierKind.NVME, nvme_blocks * block))
     policies = [make_policy("lru", t.capacity_bytes) for t in tiers]
-    m = TierManager(tiers, policies, write_policy=write, async_moves=MODE["async"])
+    # watermarks of 1.0: no background cleaning, so placement is exact (tests below test the cleaner)
+    m = TierManager(tiers, policies, write_policy=write, async_moves=MODE["async"], watermarks=(1.0, 1.0))
     made.append(m)
     return m
 
@@ -82,7 +52,7 @@ def test_put_get_roundtrip_and_idempotent_put():
     assert m.put(K(1), payload(1)) is True
     assert m.put(K(1), payload(1)) is False
     r = m.get(K(1))
-    assert r.found and r.tier == TierKind.HOST and r.data == payload(1)
+    assert r.found and r.tier == TierKind.HOST and bytes(r.data) == payload(1)
     assert not m.get(K(2)).found
     assert m.counters["puts_already_present"] == 1
 
@@ -98,7 +68,7 @@ def test_lru_demotes_to_nvme_not_drops():
     assert m.lookup([K(i) for i in range(5)]).tiers == (TierKind.NVME,) * 3 + (TierKind.HOST,) * 2
     # a get from NVMe promotes to host (evicting the LRU host block, K(3), to NVMe)
     r = m.get(K(0))
-    assert r.tier == TierKind.NVME and r.data == payload(0)
+    assert r.tier == TierKind.NVME and bytes(r.data) == payload(0)
     m.drain()
     assert m.tier_of(K(0)) == TierKind.HOST
     assert K(3) in nvme.data and K(3) not in host.data
@@ -132,19 +102,19 @@ def test_pinned_block_is_not_evicted():
     m = make(host_blocks=2)
     m.put(K(0), payload(0))
     m.put(K(1), payload(1))
-    entry = m._pin(K(0))          # a reader holds K(0)
+    entry = m.catalogue.pin(K(0))          # a reader holds K(0)
     m.put(K(2), payload(2))       # must evict K(1), not the older but pinned K(0)
     assert K(0) in m and K(1) not in m
-    m._unpin(K(0), entry)
+    m.catalogue.unpin(entry)
 
 
 def test_everything_pinned_gives_tier_full():
     m = make(host_blocks=1)
     m.put(K(0), payload(0))
-    entry = m._pin(K(0))
+    entry = m.catalogue.pin(K(0))
     with pytest.raises(TierFull):
         m.put(K(1), payload(1))
-    m._unpin(K(0), entry)
+    m.catalogue.unpin(entry)
     assert m.put(K(1), payload(1))
 
 
@@ -161,7 +131,7 @@ def test_invisible_until_committed():
     assert K(7) not in m and m.lookup([K(7)]).hit_blocks == 0
     m.write_chunk(out.pending, 50, payload(7, 50))
     m.commit_put(out.pending)
-    assert m.get(K(7)).data == payload(7)
+    assert bytes(m.get(K(7)).data) == payload(7)
 
 
 def test_chunk_errors_and_short_commit():
@@ -203,10 +173,10 @@ def test_delete_returns_used_bytes_to_zero():
 def test_delete_while_pinned_frees_after_unpin():
     m = make()
     m.put(K(1), payload(1))
-    entry = m._pin(K(1))
+    entry = m.catalogue.pin(K(1))
     assert m.delete([K(1)]) == 1
     assert K(1) not in m and m.tiers[0].used_bytes == 100
-    m._unpin(K(1), entry)
+    m.catalogue.unpin(entry)
     assert m.tiers[0].used_bytes == 0
 
 
@@ -221,14 +191,14 @@ def test_write_through_copies_to_every_tier():
     m.put(K(3), payload(3))
     m.drain()
     assert m.counters["demotions"] == 0
-    assert m.get(K(1)).data == payload(1)
+    assert bytes(m.get(K(1)).data) == payload(1)
 
 
 def test_ranges():
     m = make()
     data = bytes(range(100))
     m.put(K(1), data)
-    assert m.get(K(1), ranges=[(0, 2), (50, 3)]).data == bytes([0, 1, 50, 51, 52])
+    assert bytes(m.get(K(1), ranges=[(0, 2), (50, 3)]).data) == bytes([0, 1, 50, 51, 52])
     with pytest.raises(InvalidRequest):
         m.get(K(1), ranges=[(99, 2)])
 
@@ -250,7 +220,7 @@ def test_concurrent_same_key_puts_store_one_value():
         t.join()
     assert not errors
     assert m.counters["blocks_put"] == 1 and m.counters["puts_already_present"] == 7
-    assert m.get(K(5)).data in {payload(i) for i in range(8)}
+    assert bytes(m.get(K(5)).data) in {payload(i) for i in range(8)}
     assert m.tiers[0].used_bytes == 100
 
 
@@ -266,36 +236,33 @@ def test_repeated_cycles_restore_accounting():
         assert [t.used_bytes for t in m.tiers] == [0, 0]
 
 
-class SlowTier(MemTier):
-    """A tier whose writes block until released: a hung NVMe write."""
-
-    def __init__(self, kind, capacity):
-        super().__init__(kind, capacity)
-        self.release = threading.Event()
-
-    def write(self, key, offset, data):
-        self.release.wait(10)
-        super().write(key, offset, data)
+def slow_tier(kind, capacity):
+    """A tier whose writes wait until ``tier.write_gate`` is set: a hung NVMe write."""
+    t = MemTier(kind, capacity)
+    t.write_gate = threading.Event()
+    t.gate_timeout = 10
+    return t
 
 
 def test_get_is_not_blocked_by_a_slow_demotion(moves):
     if moves != "async":
         pytest.skip("inline copies hold the lock by design (simulator)")
-    host, nvme = MemTier(TierKind.HOST, 200), SlowTier(TierKind.NVME, 1000)
-    m = TierManager([host, nvme], [make_policy("lru", 200), make_policy("lru", 1000)], async_moves=True)
+    host, nvme = MemTier(TierKind.HOST, 200), slow_tier(TierKind.NVME, 1000)
+    m = TierManager([host, nvme], [make_policy("lru", 200), make_policy("lru", 1000)], async_moves=True,
+                    watermarks=(1.0, 1.0))
     made.append(m)
     m.put(K(0), payload(0))
     m.put(K(1), payload(1))
     t = threading.Thread(target=m.put, args=(K(2), payload(2)))   # must demote K(0) to the slow tier
     t.start()
     for _ in range(100):
-        if m._moving:
+        if m._placement._moving:
             break
         threading.Event().wait(0.01)
-    assert m._moving, "the demotion should be in flight"
-    assert m.get(K(1)).data == payload(1)          # served while the demotion hangs
+    assert m._placement._moving, "the demotion should be in flight"
+    assert bytes(m.get(K(1)).data) == payload(1)          # served while the demotion hangs
     assert m.lookup([K(0), K(1)]).hit_blocks == 2  # K(0) still visible in host
-    nvme.release.set()
+    nvme.write_gate.set()
     t.join(10)
     assert m.tier_of(K(0)) == TierKind.NVME and m.tier_of(K(2)) == TierKind.HOST
 
@@ -303,20 +270,20 @@ def test_get_is_not_blocked_by_a_slow_demotion(moves):
 def test_hung_demotion_times_out_and_releases_pins(moves):
     if moves != "async":
         pytest.skip("timeouts apply to queued transfers")
-    host, nvme = MemTier(TierKind.HOST, 200), SlowTier(TierKind.NVME, 1000)
+    host, nvme = MemTier(TierKind.HOST, 200), slow_tier(TierKind.NVME, 1000)
     m = TierManager([host, nvme], [make_policy("lru", 200), make_policy("lru", 1000)],
-                    async_moves=True, transfer_timeout_s=0.2)
+                    async_moves=True, transfer_timeout_s=0.2, watermarks=(1.0, 1.0))
     made.append(m)
     m.put(K(0), payload(0))
     m.put(K(1), payload(1))
     from kvstore.errors import TierIOError
     with pytest.raises(TierIOError, match="demotion"):
         m.put(K(2), payload(2))
-    assert m._entries[K(0)].pins == 0 and m.get(K(0)).data == payload(0)   # kept, readable
+    assert m.catalogue.raw(K(0)).pins == 0 and bytes(m.get(K(0)).data) == payload(0)   # kept, readable
     assert m.counters["transfers_timed_out"] == 1
-    nvme.release.set()
+    nvme.write_gate.set()
     m.drain()
-    assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m._moving
+    assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m._placement._moving
 
 
 def test_block_no_tier_admits_is_a_normal_not_stored_outcome():

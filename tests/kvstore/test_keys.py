@@ -9,7 +9,7 @@ import pytest
 from kvstore.keys import (KEY_BYTES, BlockKeyer, Namespace, chain_key, encode_extra, explain_miss,
                           validate_key)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def ns(**kw):

@@ -1,0 +1,111 @@
+"""The daemon's counters, declared once: every name, its unit and what it counts.
+
+``Stats`` returns them (``StatsReply.counters``), the README lists them, and
+:class:`Counters` refuses a name that is not declared here, so a counter cannot be
+misspelt into existence. Names with ``{tier}`` exist once per configured tier (its
+name: ``hbm``, ``host``, ``nvme``, ``remote``).
+
+Units: *blocks* count whole blocks, *reads* count read operations (a ranged read of
+part of a block, e.g. one TP rank's KV heads, is one read), *bytes* count payload bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Iterator
+
+COUNTERS: dict[str, str] = {
+    # lookups and reads
+    "lookups": "Lookup calls",
+    "lookup_blocks": "blocks asked for by Lookup calls",
+    "lookup_hit_blocks": "blocks found by Lookup calls (longest stored prefix)",
+    "reads": "reads served (whole blocks or byte ranges of them)",
+    "read_bytes": "payload bytes served by reads",
+    "reads_{tier}": "reads served from this tier",
+    "read_bytes_{tier}": "payload bytes read from this tier to serve reads",
+    "get_misses": "blocks asked for by reads that were not stored",
+    # puts
+    "blocks_put": "blocks stored by puts",
+    "bytes_put": "payload bytes stored by puts",
+    "puts_already_present": "blocks put again with the same size (no-op)",
+    "puts_size_conflict": "blocks refused: the key is stored with another size",
+    "puts_not_admitted": "blocks no tier's admission policy wanted (not stored)",
+    "puts_rejected_full": "blocks refused: no tier could make room",
+    "puts_aborted": "puts abandoned before their last byte (stream ended, client gone)",
+    "reservations_expired": "zero-copy reservations reclaimed after their TTL",
+    # movement between tiers
+    "evictions_{tier}": "blocks removed from this tier to make room",
+    "demotions": "blocks copied to the next tier to make room",
+    "demotions_failed": "demotions that failed (the block stayed or was dropped)",
+    "precleaned": "blocks copied to the next tier ahead of need (background, write-back)",
+    "promotions": "blocks copied to a faster tier (after a read, or by prefetch)",
+    "promotions_deduplicated": "promotion requests for a block already moving there",
+    "promotions_skipped": "promotions given up (no room without evicting pinned blocks)",
+    "blocks_dropped": "blocks deleted from the store by eviction from the last tier",
+    "write_through_copies": "copies made to lower tiers by write-through",
+    "write_through_failed": "write-through copies that failed",
+    "transfers_failed": "tier-to-tier copies that failed",
+    "transfers_timed_out": "tier-to-tier copies abandoned after the transfer timeout",
+    # integrity and life cycle
+    "corrupt_blocks": "stored copies that failed their checksum (dropped, never served)",
+    "read_errors": "reads that failed on the medium (the copy was dropped)",
+    "blocks_deleted": "blocks deleted by Delete calls",
+    "blocks_recovered": "blocks found on persistent tiers at start",
+    "blocks_persisted": "blocks copied from memory to NVMe on a graceful stop",
+    # leases
+    "leases_granted": "leases granted",
+    "leased_blocks": "blocks pinned by leases",
+    "leases_expired": "leases that ended by their TTL (not released)",
+}
+
+_PATTERNS = [(re.compile("^" + re.escape(name).replace(re.escape("{tier}"), "[a-z0-9_]+") + "$"), name)
+             for name in COUNTERS if "{tier}" in name]
+
+
+def declared(name: str) -> str | None:
+    """The declaration ``name`` matches (itself, or a ``{tier}`` pattern), else None."""
+    if name in COUNTERS:
+        return name
+    for pattern, decl in _PATTERNS:
+        if pattern.match(name):
+            return decl
+    return None
+
+
+class Counters:
+    """Thread-safe monotonic counters restricted to :data:`COUNTERS` (plus any names
+    registered with :meth:`declare`). Reading is lock-free (a snapshot copy)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._known: dict[str, bool] = {}
+
+    def _check(self, name: str) -> None:
+        ok = self._known.get(name)
+        if ok is None:
+            ok = self._known[name] = declared(name) is not None
+        if not ok:
+            raise KeyError(f"counter {name!r} is not declared in kvstore/counters.py")
+
+    def inc(self, name: str, n: int = 1) -> None:
+        self._check(name)
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + n
+
+    def __getitem__(self, name: str) -> int:
+        return self._values.get(name, 0)
+
+    def get(self, name: str, default: int = 0) -> int:
+        return self._values.get(name, default)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+    def items(self) -> Iterator[tuple[str, int]]:
+        return iter(self.snapshot().items())
+
+    def keys(self) -> list[str]:
+        return list(self.snapshot())
