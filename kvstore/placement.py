@@ -53,11 +53,12 @@ class Placement:
         transfer_timeout_s: a copy that an evicting thread waits on longer than this is
             abandoned (its pin released) and the eviction fails with TierIOError.
         watermarks: ``(low, high)`` fractions of each tier's capacity (background cleaning).
+        promote_on_get: a read from a lower tier asks for a promotion into tier 0.
     """
 
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy], catalogue: Catalogue,
                  mover: Mover, counters: Counters, clock: Callable[[], float], transfer_timeout_s: float,
-                 watermarks: tuple[float, float] = (0.85, 0.95)):
+                 watermarks: tuple[float, float] = (0.85, 0.95), promote_on_get: bool = True):
         self.tiers = list(tiers)
         self.policies = list(policies)
         self.cat = catalogue
@@ -66,6 +67,7 @@ class Placement:
         self.clock = clock
         self.transfer_timeout_s = transfer_timeout_s
         self.low, self.high = watermarks
+        self.promote_on_get = promote_on_get
         self.last = len(self.tiers) - 1
         self.clean_first = mover.async_moves
         self._moving: dict[tuple[bytes, int], Transfer] = {}
@@ -134,6 +136,26 @@ class Placement:
         for i in list(entry.tiers):
             self.drop_copy(entry, i, reason)
         self.cat.forget(entry)
+
+    def touch(self, entry: Entry) -> None:
+        """An access to ``entry`` for the policies of every tier holding it (lock held)."""
+        now = self.clock()
+        for i in entry.tiers:
+            self.policies[i].access(entry.key, now)
+
+    def count_read(self, tier: Tier, nbytes: int) -> None:
+        """Count a read of ``nbytes`` served from ``tier``."""
+        c = self.counters
+        c.inc("reads")
+        c.inc("read_bytes", nbytes)
+        c.inc(f"reads_{tier.name}")
+        c.inc(f"read_bytes_{tier.name}", nbytes)
+
+    def kick_if_full(self, i: int) -> None:
+        """Wake the cleaner when tier ``i`` passed its high watermark."""
+        tier = self.tiers[i]
+        if self.cleaner is not None and tier.used_bytes > self.high * tier.capacity_bytes:
+            self.cleaner.kick()
 
     def resident_bytes(self, i: int) -> int:
         return self._resident[i]

@@ -256,10 +256,10 @@ def test_get_is_not_blocked_by_a_slow_demotion(moves):
     t = threading.Thread(target=m.put, args=(K(2), payload(2)))   # must demote K(0) to the slow tier
     t.start()
     for _ in range(100):
-        if m._placement._moving:
+        if m.placement._moving:
             break
         threading.Event().wait(0.01)
-    assert m._placement._moving, "the demotion should be in flight"
+    assert m.placement._moving, "the demotion should be in flight"
     assert bytes(m.get(K(1)).data) == payload(1)          # served while the demotion hangs
     assert m.lookup([K(0), K(1)]).hit_blocks == 2  # K(0) still visible in host
     nvme.write_gate.set()
@@ -283,7 +283,7 @@ def test_hung_demotion_times_out_and_releases_pins(moves):
     assert m.counters["transfers_timed_out"] == 1
     nvme.write_gate.set()
     m.drain()
-    assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m._placement._moving
+    assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m.placement._moving
 
 
 def test_block_no_tier_admits_is_a_normal_not_stored_outcome():
