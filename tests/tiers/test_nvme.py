@@ -1,7 +1,9 @@
-"""NVMe tier: file format, checksums, restart and recovery, crash safety, hostile keys, disk full.
+"""NVMe tier: the write protocol, reads, recycling, restart and recovery, crash safety,
+hostile keys, disk full, errors.
 
 Every behaviour is checked in both I/O modes: O_DIRECT (where the filesystem of
-``tmp_path`` accepts it) and buffered I/O (forced with ``direct=False``).
+``tmp_path`` accepts it) and buffered I/O (forced with ``direct=False``). The block
+format and ranged reads: test_nvme_format.py; a damaged index: test_nvme_index_damage.py.
 """
 
 import errno
@@ -13,103 +15,63 @@ import sys
 import threading
 
 import lmdb
-import numpy as np
 import pytest
 
-from kvstore.errors import ConfigError, CorruptBlock, TierFull, TierIOError
-from tiers import nvme
+from nvme_support import ROOT, K, block_files, disk_bytes, file_of, mode, open_tier, payload, put, read  # noqa: F401
+from tiers import gds, nvme_write
 from tiers.base import TierKind
-from tiers.nvme import PAGE, NVMeTier, disk_bytes
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def K(i):
-    return i.to_bytes(4, "big") * 8
+from tiers.errors import (BlockCorrupt, BlockExists, BlockNotStored, DiskFull, InvalidAccess, TierFull,
+                          TierIOError, TierUnavailable)
+from tiers.nvme import NVMeTier
+from tiers.nvme_format import PAGE
 
 
-def payload(key, n):
-    """``n`` bytes derived from ``key``, so a wrong block is visible."""
-    seed = int.from_bytes(key[:8], "big") % 251
-    return ((np.arange(n, dtype=np.int64) * 13 + seed) % 251).astype(np.uint8).tobytes()
+# ---------------------------------------------------------------- basics
 
 
-def put(tier, key, data, chunk=None):
-    tier.reserve(key, len(data))
-    chunk = chunk or max(len(data), 1)
-    for off in range(0, len(data), chunk):
-        tier.write(key, off, data[off:off + chunk])
-    tier.commit(key)
-
-
-def block_files(root):
-    """Paths of all files under ``root/blocks``, relative to it."""
-    base = pathlib.Path(root) / "blocks"
-    return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file())
-
-
-def file_of(tier, key):
-    h = key.hex()
-    return pathlib.Path(tier.path) / "blocks" / h[:2] / h[2:4] / h
-
-
-@pytest.fixture(params=["direct", "buffered"])
-def mode(request, tmp_path):
-    if request.param == "direct" and not nvme._probe_direct(str(tmp_path)):
-        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
-    return request.param
-
-
-@pytest.fixture
-def open_tier(tmp_path, mode):
-    """Open (or reopen) an NVMe tier in ``tmp_path/nvme`` in the test's I/O mode."""
-    opened = []
-
-    def make(capacity=1 << 30, **kw):
-        kw.setdefault("direct", None if mode == "direct" else False)
-        t = NVMeTier(tmp_path / "nvme", capacity, **kw)
-        opened.append(t)
-        return t
-
-    yield make
-    for t in opened:
-        t.close()
-
-
-# ---------------------------------------------------------------- basics and format
-
-
-def test_io_mode_is_the_one_asked_for(open_tier, mode):
+def test_kind_mode_and_declared_capabilities(open_tier, mode):
     t = open_tier()
-    assert t.kind is TierKind.NVME and t.io == "posix"
+    assert t.kind is TierKind.NVME and t.io == "posix" and t.volatile is False
     assert t.direct is (mode == "direct")
+    assert t.capabilities.device_files is None and t.capabilities.host is None
 
 
-def test_put_read_ranges_and_file_format(open_tier, mode):
+def test_put_read_ranges_and_file_layout(open_tier):
     t = open_tier()
-    put(t, K(0), b"\xff" * 200_000)                # leaves stale bytes in a reused bounce buffer
+    put(t, K(0), b"\xff" * 200_000)                # leaves stale bytes in reused buffers
     t.free(K(0))
     data = payload(K(1), 100_003)
     put(t, K(1), data)
     assert K(1) in t and len(t) == 1 and t.size_of(K(1)) == 100_003
-    assert t.read(K(1)) == data
-    assert t.read(K(1), [(0, 5), (100_000, 3), (7, 0)]) == data[:5] + data[100_000:]
-    assert bytes(t.view(K(1))) == data
-    assert t.used_bytes == 102_400                  # 25 pages of 4096 bytes
+    assert read(t, K(1)) == data
+    assert read(t, K(1), [(0, 5), (100_000, 3), (7, 0)]) == data[:5] + data[100_000:]
+    assert t.used_bytes == disk_bytes(100_003) == 4096 + 102_400       # header page + 25 payload pages
     raw = file_of(t, K(1)).read_bytes()
-    assert raw[:100_003] == data                    # payload at offset 0
-    if mode == "direct":
-        assert len(raw) == 102_400 and raw[100_003:] == bytes(2397)
-    else:
-        assert len(raw) == 100_003
-    with pytest.raises(ValueError):
-        t.read(K(1), [(100_000, 4)])
-    with pytest.raises(KeyError):
-        t.read(K(2))
+    assert len(raw) == 106_496 and raw[:8] == b"KVSBLK\r\n"
+    assert raw[4096:4096 + 100_003] == data and raw[4096 + 100_003:] == bytes(2397)
+    with pytest.raises(InvalidAccess):
+        read(t, K(1), [(100_000, 4)])
+    with pytest.raises(BlockNotStored):
+        read(t, K(2))
 
 
-def test_chunked_writes_cross_bounce_buffers(open_tier, monkeypatch):
-    monkeypatch.setattr(nvme, "WRITE_BOUNCE_BYTES", 1 << 20)   # a 2.5 MB block crosses it twice
+def test_read_into_numpy_and_bounds_of_the_output_buffer(open_tier):
+    import numpy as np
+    t = open_tier()
+    data = payload(K(1), 70_000)
+    put(t, K(1), data)
+    out = np.zeros(70_000 // 4 + 10, dtype=np.float32)          # any C-contiguous buffer
+    assert t.read_into(K(1), out) == 70_000
+    assert out.tobytes()[:70_000] == data and out.tobytes()[70_000:] == bytes(40)
+    with pytest.raises(InvalidAccess, match="output buffer has 69999 bytes"):
+        t.read_into(K(1), bytearray(69_999))
+    with pytest.raises(InvalidAccess, match="read-only"):
+        t.read_into(K(1), bytes(70_000))
+    assert t.read_into(K(1), bytearray(10), [(5, 10)]) == 10
+
+
+def test_chunked_writes_cross_staging_buffers(open_tier, monkeypatch):
+    monkeypatch.setattr(nvme_write, "STAGE_BYTES", 1 << 20)    # a 2.5 MB block crosses it twice
     t = open_tier()
     data = payload(K(2), 2_500_001)
     t.reserve(K(2), len(data))
@@ -121,32 +83,41 @@ def test_chunked_writes_cross_bounce_buffers(open_tier, monkeypatch):
         off += len(data[off:off + n])
     assert K(2) not in t                            # invisible until commit
     t.commit(K(2))
-    assert t.read(K(2)) == data
+    assert read(t, K(2)) == data
 
 
-def test_write_errors_and_incomplete_commit(open_tier):
+def test_protocol_errors_are_typed(open_tier):
     t = open_tier()
     t.reserve(K(1), 1000)
-    with pytest.raises(ValueError, match="offset 10 but 0"):
+    with pytest.raises(InvalidAccess, match="offset 10 but 0"):
         t.write(K(1), 10, b"x")
     t.write(K(1), 0, b"a" * 600)
-    with pytest.raises(ValueError, match="overruns"):
+    with pytest.raises(InvalidAccess, match="overruns"):
         t.write(K(1), 600, b"b" * 401)
-    with pytest.raises(ValueError, match="600 of 1000"):
+    with pytest.raises(InvalidAccess, match="600 of 1000"):
         t.commit(K(1))
-    with pytest.raises(ValueError, match="already present"):
+    with pytest.raises(BlockExists):
         t.reserve(K(1), 5)
-    with pytest.raises(ValueError, match="not reserved"):
+    with pytest.raises(BlockNotStored, match="not reserved"):
         t.write(K(2), 0, b"x")
-    with pytest.raises(ValueError, match="32 bytes"):
+    with pytest.raises(BlockNotStored):
+        t.commit(K(2))
+    with pytest.raises(InvalidAccess, match="32 bytes"):
         t.reserve(b"short", 5)
+    with pytest.raises(InvalidAccess):
+        t.reserve(K(3), -1)
+    with pytest.raises(BlockNotStored):
+        t.free(K(9))
+    with pytest.raises(BlockNotStored):
+        t.size_of(K(9))
 
 
 def test_zero_byte_block(open_tier):
     t = open_tier()
     t.reserve(K(1), 0)
     t.commit(K(1))
-    assert t.read(K(1)) == b"" and t.used_bytes == PAGE
+    assert read(t, K(1)) == b"" and t.used_bytes == PAGE         # the header page only
+    assert t.read_into(K(1), bytearray(0)) == 0
 
 
 def test_abort_leaves_nothing(open_tier):
@@ -159,19 +130,20 @@ def test_abort_leaves_nothing(open_tier):
     assert block_files(t.path) == []
     t.abort(K(1))                                   # unknown key: no-op
     put(t, K(1), b"again")
-    assert t.read(K(1)) == b"again"
+    assert read(t, K(1)) == b"again"
 
 
-def test_capacity_counts_whole_pages_and_is_never_exceeded(open_tier):
-    t = open_tier(capacity=5 * PAGE)
-    put(t, K(1), b"x")                              # 1 page
-    put(t, K(2), b"y" * (PAGE + 1))                 # 2 pages
-    assert t.used_bytes == 3 * PAGE
-    assert t.fits(2 * PAGE) and not t.fits(2 * PAGE + 1)
+def test_capacity_counts_whole_files_and_is_never_exceeded(open_tier):
+    t = open_tier(capacity=7 * PAGE)
+    put(t, K(1), b"x")                              # header + 1 page
+    put(t, K(2), b"y" * (PAGE + 1))                 # header + 2 pages
+    assert t.used_bytes == 5 * PAGE
+    assert t.fits(PAGE) and not t.fits(PAGE + 1)
+    assert t.max_block_bytes == 6 * PAGE
     with pytest.raises(TierFull):
-        t.reserve(K(3), 2 * PAGE + 1)
-    t.reserve(K(3), 2 * PAGE)
-    assert t.used_bytes == t.capacity_bytes == 5 * PAGE
+        t.reserve(K(3), PAGE + 1)
+    t.reserve(K(3), PAGE)
+    assert t.used_bytes == t.capacity_bytes == 7 * PAGE
     assert not t.fits(0)
     t.abort(K(3))
     t.free(K(2))
@@ -179,7 +151,7 @@ def test_capacity_counts_whole_pages_and_is_never_exceeded(open_tier):
     assert t.used_bytes == 0 and len(t) == 0 and block_files(t.path) == []
 
 
-def test_freed_files_are_recycled_and_cut_to_the_new_size(open_tier, mode):
+def test_freed_files_are_recycled_and_cut_to_the_new_size(open_tier):
     t = open_tier()
     put(t, K(1), payload(K(1), 300_000))
     inode = file_of(t, K(1)).stat().st_ino
@@ -188,32 +160,32 @@ def test_freed_files_are_recycled_and_cut_to_the_new_size(open_tier, mode):
     put(t, K(2), payload(K(2), 5000))
     st = file_of(t, K(2)).stat()
     assert st.st_ino == inode                       # the same file, renamed into place
-    assert st.st_size == (8192 if mode == "direct" else 5000)
-    assert t.read(K(2)) == payload(K(2), 5000) and t.spare_bytes == 0
+    assert st.st_size == disk_bytes(5000) == 12_288
+    assert read(t, K(2)) == payload(K(2), 5000) and t.spare_bytes == 0
 
 
-def test_spare_files_are_bounded_and_kept_across_restarts(open_tier, mode):
+def test_spare_files_are_bounded_and_kept_across_restarts(open_tier):
     t = open_tier(spare_files=2)
     for i in range(5):
         put(t, K(i), b"s" * 100)
     for i in range(5):
         t.free(K(i))
     spare = pathlib.Path(t.path) / "spare"
-    assert len(list(spare.iterdir())) == 2 and block_files(t.path) == [] and t.spare_bytes == 2 * PAGE
+    assert len(list(spare.iterdir())) == 2 and block_files(t.path) == [] and t.spare_bytes == 2 * disk_bytes(100)
     t.close()
     (spare / "junk").write_bytes(b"not ours")
     t2 = open_tier(spare_files=1)
     assert [p.name for p in spare.iterdir()] == ["0"]
-    assert t2.spare_bytes == (PAGE if mode == "direct" else 100)     # the file's size now
+    assert t2.spare_bytes == disk_bytes(100) and len(t2) == 0      # a spare file is no block
     kept = (spare / "0").stat().st_ino
     put(t2, K(7), b"new")
     assert file_of(t2, K(7)).stat().st_ino == kept and list(spare.iterdir()) == []
-    assert t2.read(K(7)) == b"new"
+    assert read(t2, K(7)) == b"new"
 
 
 def test_spare_limits_in_bytes_and_recycling_off(open_tier, tmp_path):
-    t = open_tier(spare_bytes=PAGE)
-    put(t, K(1), b"x" * (PAGE + 1))                 # two pages: over the limit
+    t = open_tier(spare_bytes=2 * PAGE)
+    put(t, K(1), b"x" * (PAGE + 1))                 # three pages with the header: over the limit
     t.free(K(1))
     assert t.spare_bytes == 0 and list((pathlib.Path(t.path) / "spare").iterdir()) == []
     t.close()
@@ -238,53 +210,62 @@ def test_restart_recovers_blocks_and_reads_match(open_tier):
     t.close()
 
     t2 = open_tier()
-    assert t2.used_bytes == used
+    assert t2.used_bytes == used and t2.recovery.blocks == 7 and not t2.recovery.index_rebuilt
     recovered = t2.recover()
     assert sorted(recovered) == sorted(sizes.items())
     assert [k for k, _ in recovered] == [K(i) for i in (1, 2, 3, 5, 6, 7, 8)]   # oldest first
     for key, n in sizes.items():
-        assert t2.read(key) == payload(key, n)
+        assert read(t2, key) == payload(key, n)
     assert len(t2) == 7 and t2.used_bytes == used
 
 
 def test_second_process_cannot_open_the_same_folder(open_tier):
     t = open_tier()
-    with pytest.raises(TierIOError, match="in use"):
+    with pytest.raises(TierUnavailable, match="in use by another process"):
         open_tier()
     t.close()
     open_tier()                                     # the lock went with close()
 
 
-def test_recover_removes_orphans_temps_and_entries_without_files(open_tier):
+def test_unusable_folder_is_tier_unavailable(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(TierUnavailable, match="cannot use the tier folder"):
+        NVMeTier(tmp_path / "file", 1 << 20)
+
+
+def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open_tier):
     t = open_tier()
     for i in range(1, 5):
         put(t, K(i), payload(K(i), 5000))
     t.close()
     blocks = pathlib.Path(t.path) / "blocks"
     file_of(t, K(1)).unlink()                                       # index entry without file
-    with open(file_of(t, K(2)), "r+b") as f:                        # wrong size
+    with open(file_of(t, K(2)), "r+b") as f:                        # cut inside its header
         f.truncate(100)
-    orphan = file_of(t, K(9))                                       # file without index entry
+    orphan = file_of(t, K(9))                                       # no index entry, no header
     orphan.parent.mkdir(parents=True, exist_ok=True)
     orphan.write_bytes(b"orphan")
     temp = file_of(t, K(3)).with_name(K(3).hex() + ".tmp")         # leftover temp file
     temp.write_bytes(b"partial")
-    misplaced = blocks / "00" / "00" / K(4).hex()                   # right name, wrong folder
+    misplaced = blocks / "ff" / "ff" / K(4).hex()                   # right name, wrong folder
     misplaced.parent.mkdir(parents=True, exist_ok=True)
-    misplaced.write_bytes(b"x" * 5000)
+    misplaced.write_bytes(file_of(t, K(4)).read_bytes())
     stranger = blocks / "README"                                    # not ours: left alone
     stranger.write_text("hello")
 
     t2 = open_tier()
-    assert t2.used_bytes == 4 * disk_bytes(5000)                    # before the check
+    r = t2.recovery
+    assert (r.dropped, r.temps_removed, r.quarantined, r.adopted) == (2, 1, 3, 0)
     assert sorted(t2.recover()) == [(K(3), 5000), (K(4), 5000)]
     assert t2.used_bytes == 2 * disk_bytes(5000) and len(t2) == 2
-    rel = lambda k: f"{k.hex()[:2]}/{k.hex()[2:4]}/{k.hex()}"
+    rel = lambda k: f"{k.hex()[:2]}/{k.hex()[2:4]}/{k.hex()}"       # noqa: E731
     assert block_files(t2.path) == sorted(["README", rel(K(3)), rel(K(4))])
-    assert t2.read(K(3)) == payload(K(3), 5000)
+    quarantined = sorted(p.name for p in (pathlib.Path(t2.path) / "quarantine").iterdir())
+    assert quarantined == sorted([K(2).hex(), K(9).hex(), K(4).hex()])   # moved, never deleted
+    assert read(t2, K(3)) == payload(K(3), 5000)
     t2.close()
     t3 = open_tier()                                                # the index agrees too
-    assert sorted(t3.recover()) == [(K(3), 5000), (K(4), 5000)]
+    assert sorted(t3.recover()) == [(K(3), 5000), (K(4), 5000)] and t3.recovery.dropped == 0
 
 
 def test_reopen_with_smaller_capacity_drops_oldest_blocks(open_tier):
@@ -292,8 +273,8 @@ def test_reopen_with_smaller_capacity_drops_oldest_blocks(open_tier):
     for i in range(1, 6):
         put(t, K(i), payload(K(i), PAGE))
     t.close()
-    t2 = open_tier(capacity=3 * PAGE)
-    assert t2.used_bytes == 3 * PAGE
+    t2 = open_tier(capacity=3 * disk_bytes(PAGE))
+    assert t2.used_bytes == 3 * disk_bytes(PAGE) and t2.recovery.trimmed == 2
     assert sorted(k for k, _ in t2.recover()) == [K(3), K(4), K(5)]
     assert len(block_files(t2.path)) == 3
 
@@ -302,10 +283,10 @@ def test_index_map_grows_when_full(tmp_path):
     t = NVMeTier(tmp_path / "nvme", 1 << 30, direct=False, map_size=64 << 10)   # 16 pages
     for i in range(1200):
         put(t, K(i), b"b")
-    assert len(t) == 1200 and t._env.info()["map_size"] > 64 << 10
+    assert len(t) == 1200 and t._index.map_size() > 64 << 10
     t.close()
     t2 = NVMeTier(tmp_path / "nvme", 1 << 30, direct=False, map_size=64 << 10)
-    assert len(t2.recover()) == 1200 and t2.read(K(1199)) == b"b"
+    assert len(t2.recover()) == 1200 and read(t2, K(1199)) == b"b" and t2.recovery.adopted == 0
     t2.close()
 
 
@@ -314,43 +295,48 @@ def test_fsync_mode_round_trip(open_tier):
     put(t, K(1), payload(K(1), 9000))
     t.close()
     t2 = open_tier(fsync=True)
-    assert t2.recover() == [(K(1), 9000)] and t2.read(K(1)) == payload(K(1), 9000)
+    assert t2.recover() == [(K(1), 9000)] and read(t2, K(1)) == payload(K(1), 9000)
 
 
 # ---------------------------------------------------------------- corruption
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "symlink"])
-def test_damaged_file_raises_corrupt_block(open_tier, tmp_path, damage):
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "symlink", "other-block"])
+def test_damaged_file_raises_block_corrupt(open_tier, tmp_path, damage):
     t = open_tier()
-    data = payload(K(1), 20_000)
+    data = payload(K(1), 40_000)
     put(t, K(1), data)
     put(t, K(2), data[:100])
     path = file_of(t, K(1))
-    if damage == "flip":
+    if damage == "flip":                            # payload byte 12_345: chunk 0 of 16 KiB
         raw = bytearray(path.read_bytes())
-        raw[12_345] ^= 0x01
+        raw[4096 + 12_345] ^= 0x01
         path.write_bytes(raw)
-        match = "checksum"
+        match = "fails its checksum in chunk 0"
     elif damage == "truncate":
         os.truncate(path, 8192)
-        match = "truncated: 8192 of 20000"
+        match = "truncated"
     elif damage == "missing":
         path.unlink()
         match = "missing"
-    else:
+    elif damage == "symlink":
         other = tmp_path / "elsewhere"
-        other.write_bytes(data)
+        other.write_bytes(path.read_bytes())
         path.unlink()
         path.symlink_to(other)
         match = "symbolic link"
-    with pytest.raises(CorruptBlock, match=match):
-        t.read(K(1))
-    with pytest.raises(CorruptBlock):
-        t.read(K(1), [(0, 10)])                     # ranges are verified too
-    assert t.read(K(2)) == data[:100]               # other blocks unaffected
+    else:                                           # another block's complete file under this name
+        path.write_bytes(file_of(t, K(2)).read_bytes())
+        match = "header names block"
+    with pytest.raises(BlockCorrupt, match=match):
+        read(t, K(1))
+    with pytest.raises(BlockCorrupt):
+        read(t, K(1), [(0, 10)])                    # ranges are verified too
+    if damage == "flip":                            # an intact chunk of the block is still served
+        assert read(t, K(1), [(16_384, 100)]) == data[16_384:16_484]
+    assert read(t, K(2)) == data[:100]              # other blocks unaffected
     t.free(K(1))                                    # what the manager does next
-    assert K(1) not in t and t.used_bytes == PAGE
+    assert K(1) not in t and t.used_bytes == disk_bytes(100)
 
 
 # ---------------------------------------------------------------- hostile keys
@@ -365,7 +351,7 @@ def test_hostile_keys_stay_inside_the_tier_folder(open_tier, tmp_path, key):
     assert block_files(t.path) == [f"{h[:2]}/{h[2:4]}/{h}"]
     outside = [p for p in tmp_path.rglob("*") if p.is_file() and pathlib.Path(t.path) not in p.parents]
     assert outside == []
-    assert t.read(key) == b"secret"
+    assert read(t, key) == b"secret"
     t.close()
     assert open_tier().recover() == [(key, 6)]
 
@@ -373,23 +359,31 @@ def test_hostile_keys_stay_inside_the_tier_folder(open_tier, tmp_path, key):
 # ---------------------------------------------------------------- I/O failures
 
 
-def test_disk_full_on_write_leaves_nothing_behind(open_tier, monkeypatch):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_disk_full_on_write_leaves_nothing_behind(open_tier, monkeypatch, chunked):
     t = open_tier()
     put(t, K(1), b"kept")
 
-    def full(fd, data, offset):
+    def full(fd, bufs, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", full)
-    t.reserve(K(2), 50_000)
-    with pytest.raises(TierIOError, match="disk full"):
-        t.write(K(2), 0, payload(K(2), 50_000))
+    monkeypatch.setattr(os, "pwritev", full)
+    data = payload(K(2), 50_000)
+    t.reserve(K(2), len(data))
+    with pytest.raises(DiskFull, match="disk full") as info:
+        if chunked:                                 # staged: the error may come with any call
+            t.write(K(2), 0, data[:20_000])
+            t.write(K(2), 20_000, data[20_000:])
+            t.commit(K(2))
+        else:
+            t.write(K(2), 0, data)
+    assert isinstance(info.value, TierFull) and isinstance(info.value, TierIOError)
     monkeypatch.undo()
-    assert K(2) not in t and t.used_bytes == PAGE
+    assert K(2) not in t and t.used_bytes == disk_bytes(4)
     assert len(block_files(t.path)) == 1            # no temp file
     t.abort(K(2))                                   # the manager's clean-up: a no-op now
-    put(t, K(2), payload(K(2), 50_000))             # the space is usable again
-    assert t.read(K(2)) == payload(K(2), 50_000)
+    put(t, K(2), data)                              # the space is usable again
+    assert read(t, K(2)) == data
 
 
 def test_rename_failure_on_commit_is_an_io_error(open_tier, monkeypatch):
@@ -415,8 +409,8 @@ def test_index_failure_on_commit_removes_the_renamed_file(open_tier, monkeypatch
     def broken(apply):
         raise lmdb.Error("simulated index failure")
 
-    monkeypatch.setattr(t, "_index_txn", broken)
-    with pytest.raises(TierIOError, match="simulated index failure"):
+    monkeypatch.setattr(t._index, "_txn", broken)
+    with pytest.raises(TierIOError, match="simulated index failure.*kvstore repair-index"):
         t.commit(K(1))
     monkeypatch.undo()
     assert K(1) not in t and t.used_bytes == 0 and block_files(t.path) == []
@@ -425,14 +419,30 @@ def test_index_failure_on_commit_removes_the_renamed_file(open_tier, monkeypatch
 # ---------------------------------------------------------------- configuration
 
 
-def test_io_choices(tmp_path):
+def test_bad_arguments_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="io must be one of"):
         NVMeTier(tmp_path / "a", 1 << 20, io="spdk")
-    if nvme._gds_available():
+    with pytest.raises(ValueError, match="capacity"):
+        NVMeTier(tmp_path / "a", -1)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        NVMeTier(tmp_path / "a", 1 << 20, chunk_bytes=5000)
+    if gds.gds_available():
         pytest.skip("this machine has a CUDA GPU and kvikio")
-    with pytest.raises(ConfigError, match="io = gds needs a CUDA GPU and kvikio"):
+    with pytest.raises(ValueError, match="io = gds needs a CUDA GPU and kvikio"):
         NVMeTier(tmp_path / "b", 1 << 20, io="gds")
-    NVMeTier(tmp_path / "c", 1 << 20, io="auto").close()
+    t = NVMeTier(tmp_path / "c", 1 << 20, io="auto")
+    assert t.io == "posix"
+    with pytest.raises(TierIOError, match="needs io = gds"):
+        t.read_into_device(K(1), None)
+    t.close()
+
+
+def test_tiers_import_nothing_from_kvstore():
+    code = ("import sys; import tiers.nvme, tiers.nvme_recover, tiers.nvme_device, tiers.gds; "
+            "bad = sorted(m for m in sys.modules if m == 'kvstore' or m.startswith('kvstore.')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # ---------------------------------------------------------------- concurrency and crashes
@@ -454,7 +464,8 @@ def test_concurrent_writes_and_reads(open_tier):
                 t.write(key, 5000, data[5000:])
                 with lock:
                     t.commit(key)
-                assert t.read(key) == data
+                assert read(t, key) == data
+                assert read(t, key, [(4000, 3000)]) == data[4000:7000]
         except Exception as e:                      # surfaced by the assert below
             errors.append(e)
 
@@ -477,14 +488,16 @@ def payload(key, n):
     return ((np.arange(n, dtype=np.int64) * 13 + seed) % 251).astype(np.uint8).tobytes()
 
 t = NVMeTier({path!r}, 1 << 30, direct={direct!r})
-t.recover()
 i = 0
 while True:
     key = i.to_bytes(4, "big") * 8
     data = payload(key, 3000 + (i * 7919) % 40000)
     t.reserve(key, len(data))
-    t.write(key, 0, data[:1000])
-    t.write(key, 1000, data[1000:])
+    if i % 2:
+        t.write(key, 0, data)
+    else:
+        t.write(key, 0, data[:1000])
+        t.write(key, 1000, data[1000:])
     t.commit(key)
     if i % 3 == 2:
         t.free((i - 1).to_bytes(4, "big") * 8)
@@ -519,7 +532,8 @@ def test_sigkill_at_any_time_leaves_index_and_files_in_agreement(open_tier, tmp_
     assert done <= set(recovered)                                   # nothing committed is lost
     assert set(recovered) - done <= in_flight
     for key, n in recovered.items():
-        assert t.read(key) == payload(key, n)
+        assert read(t, key) == payload(key, n)
     files = block_files(path)
     assert not any(f.endswith(".tmp") for f in files)
     assert sorted(f.rsplit("/", 1)[1] for f in files) == sorted(k.hex() for k in recovered)
+    assert t.recovery.quarantined == 0

@@ -1,0 +1,78 @@
+"""Helpers shared by the NVMe tier tests: keys, payloads, puts, file paths, the I/O-mode
+fixture (O_DIRECT where the filesystem of ``tmp_path`` accepts it, and buffered)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from tiers.base import read_bytes
+from tiers.nvme import NVMeTier
+from tiers.nvme_format import DEFAULT_CHUNK_BYTES, file_bytes
+from tiers.nvme_io import probe_direct
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def payload(key: bytes, n: int) -> bytes:
+    """``n`` bytes derived from ``key``, so a wrong block (or a wrong offset) is visible."""
+    seed = int.from_bytes(key[:8], "big") % 251
+    return ((np.arange(n, dtype=np.int64) * 13 + seed) % 251).astype(np.uint8).tobytes()
+
+
+def disk_bytes(n: int) -> int:
+    """A block's file size (header + payload pages) at the default chunk size."""
+    return file_bytes(n, DEFAULT_CHUNK_BYTES)
+
+
+def put(tier, key: bytes, data: bytes, chunk: int | None = None) -> None:
+    tier.reserve(key, len(data))
+    chunk = chunk or max(len(data), 1)
+    for off in range(0, len(data), chunk):
+        tier.write(key, off, data[off:off + chunk])
+    tier.commit(key)
+
+
+def read(tier, key: bytes, ranges=None) -> bytes:
+    return read_bytes(tier, key, ranges)
+
+
+def block_files(root) -> list[str]:
+    """Paths of all files under ``root/blocks``, relative to it."""
+    base = pathlib.Path(root) / "blocks"
+    return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file() or p.is_symlink())
+
+
+def file_of(tier_or_path, key: bytes) -> pathlib.Path:
+    root = tier_or_path.path if isinstance(tier_or_path, NVMeTier) else tier_or_path
+    h = key.hex()
+    return pathlib.Path(root) / "blocks" / h[:2] / h[2:4] / h
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def mode(request, tmp_path):
+    if request.param == "direct" and not probe_direct(str(tmp_path)):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    return request.param
+
+
+@pytest.fixture
+def open_tier(tmp_path, mode):
+    """Open (or reopen) an NVMe tier in ``tmp_path/nvme`` in the test's I/O mode."""
+    opened = []
+
+    def make(capacity=1 << 30, **kw):
+        kw.setdefault("direct", None if mode == "direct" else False)
+        t = NVMeTier(tmp_path / "nvme", capacity, **kw)
+        opened.append(t)
+        return t
+
+    yield make
+    for t in opened:
+        t.close()

@@ -1,0 +1,223 @@
+"""Reconciling the NVMe tier's index with its block files at start, and the offline
+index repair (``kvstore repair-index PATH``).
+
+The block files are the truth; the index is a cache of their headers. At start every
+file under ``blocks/`` is looked at once (``scandir`` + ``stat``; a header is read only
+when the index does not vouch for the file):
+
+==============================================  =========================================
+found                                           done
+==============================================  =========================================
+``<hex>.tmp``                                   deleted: never renamed, so never a block
+indexed file of the indexed length              kept (its checksums are checked on read)
+file not indexed, or of another length, whose   indexed from its header (a crash between
+header is valid and names this key              rename and index update, a lost index)
+file with a bad header, a short file, a         moved to ``quarantine/`` (never deleted)
+symbolic link, a key file in the wrong folder
+index entry without a file                      dropped
+any other name                                  left alone, with a warning
+==============================================  =========================================
+
+So a damaged or lost index costs no block: the tier rebuilds it from the headers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from .nvme_format import PAGE, BlockHeader, HeaderError, IndexEntry, decode_header, header_length, key_of_name
+from .nvme_index import BlockIndex
+
+log = logging.getLogger("kvstore.tiers.nvme")
+
+
+@dataclass
+class RecoveryReport:
+    """What opening an NVMe tier folder found and did (counts of files and entries).
+
+    Attributes:
+        blocks: blocks indexed afterwards; ``file_bytes`` their files' bytes.
+        adopted: block files indexed from their headers (not in the index before).
+        corrected: index entries replaced from their file's header (another length).
+        dropped: index entries without a usable file.
+        quarantined: files moved to ``quarantine/`` (bad header, short, misplaced);
+            ``quarantined_bytes`` their bytes (on disk, outside the tier's capacity).
+        temps_removed: temp files of unfinished writes deleted.
+        trimmed: oldest blocks deleted because they exceeded the capacity.
+        index_damage: why the old index could not be used (None when it could).
+        index_moved_to: where the old index was moved (None when it was not).
+        index_rebuilt: the index was rebuilt from the block files' headers.
+    """
+
+    blocks: int = 0
+    file_bytes: int = 0
+    adopted: int = 0
+    corrected: int = 0
+    dropped: int = 0
+    quarantined: int = 0
+    quarantined_bytes: int = 0
+    temps_removed: int = 0
+    trimmed: int = 0
+    index_damage: str | None = None
+    index_moved_to: str | None = None
+    index_rebuilt: bool = False
+    quarantine_dir: str = field(default="", repr=False)
+
+    def summary(self) -> str:
+        parts = [f"{self.blocks} blocks ({self.file_bytes} bytes on disk)"]
+        if self.index_rebuilt:
+            parts.append("index rebuilt from the block files' headers")
+        if self.index_damage:
+            parts.append(f"old index damaged: {self.index_damage}")
+        if self.index_moved_to:
+            parts.append(f"old index kept in {self.index_moved_to}")
+        for label, n in (("indexed from their headers", self.adopted), ("index entries corrected", self.corrected),
+                         ("index entries without a file dropped", self.dropped),
+                         ("temp files removed", self.temps_removed),
+                         ("oldest blocks deleted to fit the capacity", self.trimmed)):
+            if n:
+                parts.append(f"{n} {label}")
+        if self.quarantined:
+            parts.append(f"{self.quarantined} files ({self.quarantined_bytes} bytes) moved to "
+                         f"{self.quarantine_dir}: bad header, short or misplaced; inspect and delete them")
+        return "; ".join(parts)
+
+
+def read_header(path: str, key: bytes) -> BlockHeader:
+    """Read and verify the header of the block file at ``path`` (not following a symbolic
+    link). Raises HeaderError (also for an unreadable file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise HeaderError(f"cannot open: {e.strerror}") from None
+    try:
+        first = os.pread(fd, PAGE, 0)
+        h = header_length(memoryview(first))
+        buf = first if h <= len(first) else first + os.pread(fd, h - len(first), len(first))
+        return decode_header(memoryview(buf), key)
+    except OSError as e:
+        raise HeaderError(f"cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+class _Quarantine:
+    def __init__(self, folder: str, report: RecoveryReport):
+        self.folder = folder
+        self.report = report
+        report.quarantine_dir = folder
+
+    def move(self, path: str, why: str) -> None:
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        name = os.path.basename(path)
+        target, n = os.path.join(self.folder, name), 1
+        while os.path.lexists(target):
+            n += 1
+            target = os.path.join(self.folder, f"{name}.{n}")
+        try:
+            size = os.lstat(path).st_size
+            os.rename(path, target)
+        except OSError as e:
+            log.warning("cannot move %s to %s: %s; left in place", path, self.folder, e)
+            return
+        self.report.quarantined += 1
+        self.report.quarantined_bytes += size
+        log.warning("moved %s to %s: %s", path, target, why)
+
+
+def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: RecoveryReport) -> None:
+    """Make ``index`` agree with the block files under ``blocks_dir`` (see the module
+    docstring); fills ``report``. Call with no write in flight. Raises lmdb.Error when the
+    index cannot be written, OSError when ``blocks_dir`` cannot be listed."""
+    quarantine = _Quarantine(quarantine_dir, report)
+    kept: dict[bytes, IndexEntry] = {}
+    updates: list[tuple[bytes, IndexEntry]] = []
+    for top in os.scandir(blocks_dir):
+        if not top.is_dir(follow_symlinks=False):
+            log.warning("leaving alone an unknown file %s", top.path)
+            continue
+        for sub in os.scandir(top.path):
+            if not sub.is_dir(follow_symlinks=False):
+                log.warning("leaving alone an unknown file %s", sub.path)
+                continue
+            prefix = top.name + sub.name
+            for f in os.scandir(sub.path):
+                _classify(f, prefix, index, kept, updates, quarantine, report)
+    dropped = [k for k in index.entries if k not in kept]
+    if dropped:
+        index.delete(dropped)
+        report.dropped += len(dropped)
+    if updates:
+        index.put_many(updates)
+
+
+def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, updates: list,
+              quarantine: _Quarantine, report: RecoveryReport) -> None:
+    name = f.name
+    if name.endswith(".tmp") and key_of_name(name[:-4]) is not None:
+        try:
+            os.unlink(f.path)
+            report.temps_removed += 1
+        except OSError as e:
+            log.warning("cannot remove %s: %s", f.path, e)
+        return
+    key = key_of_name(name)
+    if key is None:
+        log.warning("leaving alone an unknown file %s", f.path)
+        return
+    if not name.startswith(prefix):
+        quarantine.move(f.path, "a block file in the wrong folder")
+        return
+    if not f.is_file(follow_symlinks=False):
+        quarantine.move(f.path, "not a regular file")
+        return
+    size = f.stat(follow_symlinks=False).st_size
+    entry = index.entries.get(key)
+    if entry is not None and size == entry.file_bytes:
+        kept[key] = entry
+        return
+    try:
+        header = read_header(f.path, key)
+    except HeaderError as e:
+        quarantine.move(f.path, f"bad block header ({e})")
+        return
+    if size < header.header_bytes + header.size:
+        quarantine.move(f.path, f"truncated: {size} of {header.file_bytes} bytes")
+        return
+    found = IndexEntry.of(header)
+    kept[key] = found
+    if entry is None:
+        report.adopted += 1
+        updates.append((key, found))
+    elif entry != found:
+        report.corrected += 1
+        updates.append((key, found))
+
+
+def repair_index(path: str | os.PathLike) -> RecoveryReport:
+    """Rebuild the index of an NVMe tier folder from its block files' headers, offline.
+
+    The current index (damaged or not) is moved aside to ``index.replaced-<UTC time>``
+    (or ``index.damaged-...``) and kept; files are handled as at start (module
+    docstring), no block is deleted for capacity. Needs the folder's lock: no daemon may
+    be using the folder.
+
+    Returns the :class:`RecoveryReport`. Raises :class:`tiers.errors.TierUnavailable`
+    (folder missing, in use, or unusable).
+    """
+    from .errors import TierUnavailable
+    from .nvme import NVMeTier
+
+    folder = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(os.path.join(folder, "blocks")):
+        raise TierUnavailable(f"{folder} is not an NVMe tier folder (it has no blocks/ folder)")
+    tier = NVMeTier(folder, 1 << 62, direct=False, spare_files=0, rebuild_index=True)
+    try:
+        return tier.recovery
+    finally:
+        tier.close()
+
+
+__all__ = ["RecoveryReport", "read_header", "reconcile", "repair_index"]
