@@ -52,7 +52,7 @@ from .gds import gds_available, gds_info
 from .nvme_commit import REPAIR_HINT, Reservations
 from .nvme_format import (DEFAULT_CHUNK_BYTES, IndexEntry, block_path, check_chunk_bytes, file_bytes,
                           floor_page, header_bytes)
-from .nvme_index import BlockIndex, move_index_aside
+from .nvme_index import BlockIndex
 from .nvme_io import BufferPool, probe_direct
 from .nvme_read import read_block
 from .nvme_recover import RecoveryReport, reconcile
@@ -177,11 +177,9 @@ class NVMeTier(Tier):
         report = self.recovery = RecoveryReport()
         hint = REPAIR_HINT.format(path=self.path)
         try:
-            if rebuild_index and os.path.isdir(os.path.join(self.path, "index")):
-                report.index_moved_to = move_index_aside(self.path, "replaced")
-            self._index = BlockIndex(self.path, fsync=self._fsync, map_size=map_size, name=self.name)
-            report.index_damage = self._index.damage
-            report.index_moved_to = self._index.moved_to or report.index_moved_to
+            self._index = BlockIndex(self.path, fsync=self._fsync, map_size=map_size, name=self.name,
+                                     rebuild=rebuild_index)
+            report.index_damage, report.index_moved_to = self._index.damage, self._index.moved_to
             reconcile(self._blocks_dir, os.path.join(self.path, "quarantine"), self._index, report)
             report.index_rebuilt = (rebuild_index or self._index.damage is not None
                                     or (self._index.absent and report.adopted > 0))

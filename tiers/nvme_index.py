@@ -160,10 +160,12 @@ class BlockIndex:
 
     After construction ``damage`` is None, or the reason the old index could not be used
     and ``moved_to`` the folder it was moved to; ``entries`` is then empty and the caller
-    rebuilds it from the block files. Raises OSError when no index can be opened at all.
+    rebuilds it from the block files. ``rebuild=True`` moves a sound index aside too
+    (``index.replaced-<UTC time>``). Raises OSError when no index can be opened at all.
     """
 
-    def __init__(self, folder: str, *, fsync: bool = False, map_size: int = 1 << 30, name: str = "nvme"):
+    def __init__(self, folder: str, *, fsync: bool = False, map_size: int = 1 << 30, name: str = "nvme",
+                 rebuild: bool = False):
         self.folder = folder
         self.dir = os.path.join(folder, "index")
         self.name = name
@@ -179,6 +181,11 @@ class BlockIndex:
             return
         try:
             self._open_checked()
+            if rebuild:                                  # sound, but the caller wants it rebuilt
+                self._close_env()
+                self.moved_to = self.move_aside("replaced")
+                self.entries = {}
+                self._open_fresh()
         except IndexDamaged as e:
             self._close_env()
             self.damage = str(e)
@@ -201,6 +208,8 @@ class BlockIndex:
         try:
             with self._env.begin() as txn:
                 marker = txn.get(FORMAT_KEY)
+                if marker != FORMAT_VALUE and txn.stat()["entries"] > (marker is not None):
+                    raise IndexDamaged("the index is of another format (an older kvstore's)")
                 for key, value in txn.cursor():
                     if key == FORMAT_KEY:
                         continue
@@ -212,9 +221,7 @@ class BlockIndex:
                         raise IndexDamaged(f"block {bytes(key).hex()[:16]}: {e}") from None
         except lmdb.Error as e:
             raise IndexDamaged(f"LMDB: {e}") from None
-        if marker != FORMAT_VALUE:
-            if self.entries or marker is not None:
-                raise IndexDamaged("the index is of another format (an older kvstore's)")
+        if marker != FORMAT_VALUE:                      # an empty index: ours from now on
             self._txn(lambda txn: txn.put(FORMAT_KEY, FORMAT_VALUE))
 
     def _open_fresh(self) -> None:
