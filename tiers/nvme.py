@@ -53,8 +53,8 @@ from .nvme_commit import REPAIR_HINT, Reservations
 from .nvme_format import (DEFAULT_CHUNK_BYTES, IndexEntry, block_path, check_chunk_bytes, file_bytes,
                           floor_page, header_bytes)
 from .nvme_index import BlockIndex
-from .nvme_io import BufferPool, probe_direct
-from .nvme_read import read_block
+from .nvme_io import BufferPool, ReadThreads, probe_direct
+from .nvme_read import HeaderCache, read_block
 from .nvme_recover import RecoveryReport, reconcile
 from .nvme_space import Space
 from .nvme_spare import SpareFiles
@@ -109,6 +109,10 @@ class NVMeTier(Tier):
             a ranged read reads and verifies whole chunks.
         map_size: initial LMDB map size in bytes; doubled whenever the index fills it.
         max_buffer_bytes: bytes of free aligned buffers kept for reuse.
+        header_cache_bytes: memory for the chunk checksums of recently written or read
+            blocks (a read of a cached block skips its header).
+        read_threads: threads issuing the separate reads of one ranged read together
+            (a TP rank's KV heads); 1 reads them one by one.
         spare_files: most freed files kept for reuse in ``path/spare`` (0: none).
         spare_bytes: most bytes those files may hold (default: capacity / 16, at most
             1 GiB); they are on disk in addition to :attr:`used_bytes`.
@@ -131,8 +135,8 @@ class NVMeTier(Tier):
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, name: str = "nvme",
                  io: str = "auto", fsync: bool = False, direct: bool | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, map_size: int = 1 << 30,
-                 max_buffer_bytes: int = 64 << 20, spare_files: int = 256, spare_bytes: int | None = None,
-                 rebuild_index: bool = False):
+                 max_buffer_bytes: int = 64 << 20, header_cache_bytes: int = 32 << 20, read_threads: int = 4,
+                 spare_files: int = 256, spare_bytes: int | None = None, rebuild_index: bool = False):
         if io not in IO_CHOICES:
             raise ValueError(f"io must be one of {', '.join(IO_CHOICES)}, got {io!r}")
         if io == "gds" and not gds_available():
@@ -150,6 +154,8 @@ class NVMeTier(Tier):
         self._counts_lock = threading.Lock()
         self._counts = [0, 0, 0]             # reads, bytes served, bytes read
         self._closed = False
+        self._headers = HeaderCache(header_cache_bytes)
+        self._threads = ReadThreads(read_threads) if read_threads > 1 else None
         self._index: BlockIndex | None = None
         self._device = None
         self._lock_fd = _lock_folder(self.path, name)
@@ -192,7 +198,8 @@ class NVMeTier(Tier):
         report.blocks, report.file_bytes = len(self._index.entries), self._space.used
         self._writes = Reservations(folder=self.path, name=self.name, lock=self._lock, index=self._index,
                                     space=self._space, writer=BlockWriter(accepted, self._pool),
-                                    spares=self._spares, direct=accepted, fsync=self._fsync)
+                                    spares=self._spares, direct=accepted, fsync=self._fsync,
+                                    headers=self._headers)
         if self.io == "gds":
             from .nvme_device import DeviceFiles, kvikio_backend
             self._device = DeviceFiles(kvikio_backend())
@@ -307,9 +314,14 @@ class NVMeTier(Tier):
                 raise BlockCorrupt(f"{self._what(key)}: {path} is a symbolic link") from None
             raise TierIOError(f"{self.name}: cannot open {path}: {e}") from e
         try:
-            nread = read_block(fd, key, entry, view, ranges, direct=self.direct, pool=self._pool,
-                               what=self._what(key))
+            nread, sums = read_block(fd, key, entry, view, ranges, direct=self.direct, pool=self._pool,
+                                     what=self._what(key),
+                                     sums=self._headers.get(key, entry.size, entry.chunk_bytes),
+                                     threads=self._threads)
+            if sums is not None:
+                self._headers.put(key, entry.size, entry.chunk_bytes, sums)
         except BlockCorrupt:
+            self._headers.drop(key)
             if self._index.entries.get(key) is not entry:           # freed (and reused) meanwhile
                 raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}") from None
             raise
@@ -381,6 +393,7 @@ class NVMeTier(Tier):
     def free(self, key: bytes) -> None:
         with self._lock:
             entry = self._entry(key)
+            self._headers.drop(key)
             self._remove_file(key, entry.file_bytes)
             try:
                 self._index.delete([key])
@@ -419,6 +432,8 @@ class NVMeTier(Tier):
             self._spares.close()
         self._index.close()
         self._pool.close()
+        if self._threads is not None:
+            self._threads.close()
         if self._device is not None:
             self._device.close()
         os.close(self._lock_fd)           # releases the flock

@@ -28,6 +28,7 @@ from .base import check_chunk
 from .errors import BlockExists, BlockNotStored, InvalidAccess, TierIOError
 from .nvme_format import KEY_BYTES, IndexEntry, block_path
 from .nvme_index import BlockIndex
+from .nvme_read import HeaderCache
 from .nvme_space import DISK_FULL_ERRNOS, Space
 from .nvme_spare import SpareFiles
 from .nvme_write import BlockWriter, PendingBlock
@@ -45,7 +46,8 @@ class Reservations:
     """
 
     def __init__(self, *, folder: str, name: str, lock: threading.Lock, index: BlockIndex, space: Space,
-                 writer: BlockWriter, spares: SpareFiles | None, direct: bool, fsync: bool):
+                 writer: BlockWriter, spares: SpareFiles | None, direct: bool, fsync: bool,
+                 headers: HeaderCache):
         self.folder = folder
         self.blocks_dir = os.path.join(folder, "blocks")
         self.name = name
@@ -56,6 +58,7 @@ class Reservations:
         self._writer = writer
         self._spares = spares
         self._fsync = fsync
+        self._headers = headers
         self._dirs: set[str] = set()
         o_direct = os.O_DIRECT if direct else 0
         self._reuse_flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | o_direct
@@ -160,6 +163,7 @@ class Reservations:
             with self._lock:
                 self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at))
                 del self.pending[key]
+            self._headers.put(key, p.size, p.chunk, tuple(p.sums))
         except (OSError, lmdb.Error) as e:
             self.discard(p, final if renamed else None)
             raise self.io_error("committing", key, e) from e

@@ -39,8 +39,8 @@ alone (:mod:`tiers.nvme_recover`), and its per-chunk checksums let a ranged read
 (a TP rank reading its KV heads) read and verify only the chunks it serves: every byte
 served was verified, and no read needs more than its chunks plus the header. The
 payload starts page aligned, so O_DIRECT reads land straight in a page-aligned caller
-buffer. ``H = ceil4096(88 + 8n)``: one page up to 501 chunks (2 MiB blocks at 4 KiB
-chunks, 31 MiB at 64 KiB).
+buffer. ``H = ceil4096(88 + 8n)``: one page up to 501 chunks (blocks up to 7.8 MiB at
+the default 16 KiB chunks).
 
 Index: LMDB, key (32 bytes) -> ``<QIId`` (payload size, chunk bytes, 0, write time),
 plus :data:`FORMAT_KEY` -> :data:`FORMAT_VALUE`. The checksums live only in the files.
@@ -214,22 +214,26 @@ def decode_header(buf: memoryview, expect_key: bytes | None = None) -> BlockHead
 # ---------------------------------------------------------------------- index values
 
 
-@dataclass(frozen=True)
 class IndexEntry:
     """What the index holds for a block: payload ``size`` and ``chunk_bytes`` (bytes),
-    ``written_at`` (Unix seconds)."""
+    ``written_at`` (Unix seconds); ``header_bytes`` and ``file_bytes`` follow from them.
+    Immutable by convention (compared by value)."""
 
-    size: int
-    chunk_bytes: int
-    written_at: float
+    __slots__ = ("size", "chunk_bytes", "written_at", "header_bytes", "file_bytes")
 
-    @property
-    def header_bytes(self) -> int:
-        return header_bytes(self.size, self.chunk_bytes)
+    def __init__(self, size: int, chunk_bytes: int, written_at: float):
+        self.size = size
+        self.chunk_bytes = chunk_bytes
+        self.written_at = written_at
+        self.header_bytes = header_bytes(size, chunk_bytes)
+        self.file_bytes = self.header_bytes + ceil_page(size)
 
-    @property
-    def file_bytes(self) -> int:
-        return file_bytes(self.size, self.chunk_bytes)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IndexEntry) and (self.size, self.chunk_bytes, self.written_at) == \
+            (other.size, other.chunk_bytes, other.written_at)
+
+    def __repr__(self) -> str:
+        return f"IndexEntry(size={self.size}, chunk_bytes={self.chunk_bytes}, written_at={self.written_at})"
 
     def pack(self) -> bytes:
         return _INDEX_VALUE.pack(self.size, self.chunk_bytes, 0, self.written_at)

@@ -17,13 +17,15 @@ amplification.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Sequence
 
 import xxhash
 
 from .errors import BlockCorrupt
 from .nvme_format import PAGE, HeaderError, IndexEntry, ceil_page, decode_header, floor_page
-from .nvme_io import AlignedBuffer, BufferPool, buffer_address, copy_bytes, preadv_full
+from .nvme_io import AlignedBuffer, BufferPool, ReadThreads, buffer_address, copy_bytes, preadv_full
 
 
 class _Span:
@@ -104,28 +106,78 @@ def _verify(pieces: list[tuple[int, memoryview]], span: _Span, chunk: int, size:
     return -1
 
 
+class HeaderCache:
+    """Chunk checksums of recently written or read blocks, so a read of a cached block
+    skips reading and decoding its header. An LRU bounded in bytes (about 40 bytes per
+    checksum); thread-safe. The checksums still verify every byte served: a file changed
+    under a cached entry fails them."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[bytes, tuple[int, int, tuple[int, ...]]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _cost(sums: tuple[int, ...]) -> int:
+        return 160 + 40 * len(sums)
+
+    def get(self, key: bytes, size: int, chunk: int) -> tuple[int, ...] | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None or item[0] != size or item[1] != chunk:
+                return None
+            self._items.move_to_end(key)
+            return item[2]
+
+    def put(self, key: bytes, size: int, chunk: int, sums: tuple[int, ...]) -> None:
+        cost = self._cost(sums)
+        if cost > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= self._cost(old[2])
+            self._items[key] = (size, chunk, sums)
+            self._bytes += cost
+            while self._bytes > self.max_bytes:
+                _, (_, _, gone) = self._items.popitem(last=False)
+                self._bytes -= self._cost(gone)
+
+    def drop(self, key: bytes) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= self._cost(old[2])
+
+
 def read_block(fd: int, key: bytes, entry: IndexEntry, out: memoryview,
                ranges: Sequence[tuple[int, int]] | None, *, direct: bool, pool: BufferPool,
-               what: str) -> int:
+               what: str, sums: tuple[int, ...] | None = None,
+               threads: ReadThreads | None = None) -> tuple[int, tuple[int, ...] | None]:
     """Read ``ranges`` of a block (all of it when None) from its open file ``fd`` into
-    ``out`` (concatenated, from its start), verifying the header and every chunk read.
+    ``out`` (concatenated, from its start), verifying every chunk read.
 
     Args:
         entry: the index entry (size, chunk size) the header must agree with.
         out: writable byte view of at least the ranges' total length.
         direct: ``fd`` is open with O_DIRECT.
         what: names the block in error messages.
+        sums: the block's chunk checksums when known (:class:`HeaderCache`); otherwise
+            the header is read and verified (magic, checksum, key, size).
+        threads: issue the reads of separate spans together on these threads.
     Returns:
-        bytes read from the file (header and chunks, page-rounded under O_DIRECT).
+        ``(bytes read from the file, the header's checksums or None when sums was given)``;
+        the bytes count headers and whole chunks, page-rounded under O_DIRECT.
     Raises:
         BlockCorrupt: bad header, a chunk failing its checksum, or a truncated file
             (``out`` may hold some of the bad bytes).
         OSError: the read failed.
     """
-    size, chunk, hlen = entry.size, entry.chunk_bytes, entry.header_bytes
-    spans = plan_spans(size, chunk, ranges)
+    size = entry.size
+    spans = plan_spans(size, entry.chunk_bytes, ranges)
     base = buffer_address(out) if (direct and out.nbytes) else 0
-    need = hlen
+    need = 0 if sums is not None else entry.header_bytes
     for s in spans:
         length = s.end - s.start
         s.direct = _tiles(s) and (not direct or (base + s.pieces[0][2]) % PAGE == 0)
@@ -133,28 +185,31 @@ def read_block(fd: int, key: bytes, entry: IndexEntry, out: memoryview,
             need += ceil_page(length)
         elif direct and length % PAGE:
             need += PAGE
-    buf: AlignedBuffer = pool.lease(need)
+    buf = pool.lease(need) if need else None
     try:
-        return _read_spans(fd, key, entry, out, spans, buf, direct=direct, what=what)
+        return _read_spans(fd, key, entry, out, spans, buf, direct=direct, what=what, sums=sums,
+                           threads=threads if len(spans) > 1 else None)
     finally:
-        pool.release(buf)
+        if buf is not None:
+            pool.release(buf)
 
 
 def _read_spans(fd: int, key: bytes, entry: IndexEntry, out: memoryview, spans: list[_Span],
-                buf: AlignedBuffer, *, direct: bool, what: str) -> int:
-    size, chunk, hlen = entry.size, entry.chunk_bytes, entry.header_bytes
-    header = buf.view[:hlen]
+                buf: AlignedBuffer | None, *, direct: bool, what: str, sums: tuple[int, ...] | None,
+                threads: ReadThreads | None) -> tuple[int, tuple[int, ...] | None]:
+    size, chunk = entry.size, entry.chunk_bytes
+    hlen = 0 if sums is not None else entry.header_bytes
+    header = buf.view[:hlen] if hlen else None
     free = hlen                                          # next unused byte of buf
     total = 0
     plans = []
     for s in spans:
         length = s.end - s.start
-        iov: list[memoryview] = []
         if s.direct:
             pos0 = s.pieces[0][2]
             body = floor_page(length) if direct else length
             pieces = [(s.start, out[pos0:pos0 + body])]
-            iov.append(pieces[0][1])
+            iov = [pieces[0][1]]
             if body < length:                            # O_DIRECT: the payload's last partial page
                 tail = buf.view[free:free + PAGE]
                 free += PAGE
@@ -164,38 +219,47 @@ def _read_spans(fd: int, key: bytes, entry: IndexEntry, out: memoryview, spans: 
             room = ceil_page(length) if direct else length
             bounce = buf.view[free:free + room]
             free += room
-            iov.append(bounce)
+            iov = [bounce]
             pieces = [(s.start, bounce[:length])]
         plans.append((s, iov, pieces))
-    got_header, header_got = False, 0
-    short = ""                                           # reported after the header's own verdict
+    ios = []
     for s, iov, pieces in plans:
-        offset = hlen + s.start
-        if s.start == 0 and not got_header:              # header and first span in one preadv
-            iov, offset, got_header = [header] + iov, 0, True
-        wanted = sum(v.nbytes for v in iov)
-        got = preadv_full(fd, iov, offset, direct)
+        if s.start == 0 and hlen:                        # header and first span in one preadv
+            ios.append(([header] + iov, 0, s))
+        else:
+            ios.append((iov, entry.header_bytes + s.start, s))
+    if hlen and not (spans and spans[0].start == 0):
+        ios.append(([header], 0, None))
+    done = threads.map(lambda io: preadv_full(fd, io[0], io[1], direct), ios) if threads \
+        else [preadv_full(fd, iov, offset, direct) for iov, offset, _ in ios]
+    header_got = 0
+    short = ""                                           # reported after the header's own verdict
+    for (iov, offset, s), got in zip(ios, done):
         total += got
         if offset == 0:
             header_got = min(got, hlen)
+        if s is None:
+            continue
+        wanted = sum(v.nbytes for v in iov)
         if got < wanted - (ceil_page(s.end - s.start) - (s.end - s.start) if direct else 0) and not short:
             short = f"{what} is truncated: the file ends {got} bytes after offset {offset}, {wanted} expected"
-    if not got_header:
-        header_got = preadv_full(fd, [header], 0, direct)
-        total += header_got
-    if header_got < hlen:
-        raise BlockCorrupt(f"{what} is truncated: {header_got} of {hlen} header bytes")
-    try:
-        hdr = decode_header(header, key)
-    except HeaderError as e:
-        raise BlockCorrupt(f"{what}: {e}") from None
+    if hlen:
+        if header_got < hlen:
+            raise BlockCorrupt(f"{what} is truncated: {header_got} of {hlen} header bytes")
+        try:
+            hdr = decode_header(header, key)
+        except HeaderError as e:
+            raise BlockCorrupt(f"{what}: {e}") from None
+        if hdr.size != size or hdr.chunk_bytes != chunk:
+            raise BlockCorrupt(f"{what}: the header says {hdr.size} bytes in {hdr.chunk_bytes}-byte chunks, "
+                               f"the index {size} in {chunk}")
+        checks = hdr.sums
+    else:
+        checks = sums
     if short:
         raise BlockCorrupt(short)
-    if hdr.size != size or hdr.chunk_bytes != chunk:
-        raise BlockCorrupt(f"{what}: the header says {hdr.size} bytes in {hdr.chunk_bytes}-byte chunks, "
-                           f"the index {size} in {chunk}")
     for s, _, pieces in plans:
-        bad = _verify(pieces, s, chunk, size, hdr.sums)
+        bad = _verify(pieces, s, chunk, size, checks)
         if bad >= 0:
             raise BlockCorrupt(f"{what} fails its checksum in chunk {bad} "
                                f"(bytes {bad * chunk}-{min((bad + 1) * chunk, size)})")
@@ -208,7 +272,7 @@ def _read_spans(fd: int, key: bytes, entry: IndexEntry, out: memoryview, spans: 
         bounce = pieces[0][1]
         for off, n, pos in s.pieces:
             copy_bytes(out[pos:pos + n], bounce[off - s.start:off - s.start + n])
-    return total
+    return total, (None if sums is not None else checks)
 
 
-__all__ = ["plan_spans", "read_block"]
+__all__ = ["HeaderCache", "plan_spans", "read_block"]
