@@ -2,16 +2,19 @@
 """NVMe tier put and get next to raw O_DIRECT file I/O of the same bytes, in the same run.
 
 For each block size (default 256 KiB, 1 MiB, 4 MiB) and thread count (default 1 and 4),
-interleaved over ``--rounds`` rounds (the median is printed), it measures:
+over ``--rounds`` rounds (the median is printed), it measures the figures below. Ours and
+the raw figure it is compared with run over the same blocks in alternating slices of
+8 blocks per thread, so that the load of a shared machine weighs on both alike.
 
 - ``raw write`` / ``raw read``: one new file per block, opened with O_DIRECT, written or
   read in one call from/into a page-aligned buffer (buffered I/O where the filesystem
   refuses O_DIRECT): the limit;
 - ``put``: ``reserve`` + ``write`` (the whole block from a page-aligned buffer, as the
   host arena demotes) + ``commit``, reserve and commit under one lock as the manager
-  serialises them; ``put bytes``: the same from a ``bytes`` object (unaligned: a bounce copy);
+  serialises them; ``put bytes`` (1 thread): the same from a ``bytes`` object (unaligned:
+  one bounce copy), into recycled spare files;
 - ``get``: ``read_into`` of the whole block into a page-aligned buffer, every chunk
-  verified; ``get bytearray``: into a ``bytearray`` (unaligned: a bounce copy);
+  verified; ``get bytearray`` (1 thread): into a ``bytearray`` (unaligned: a bounce copy);
 - ``get 1/16``: a contiguous sixteenth of the block (one of 16 rotating slices), next to
   ``raw read 1/16``: an O_DIRECT read of those bytes alone;
 - ``get TP rank``: what TP rank 0 of 8 reads of a block laid out
@@ -55,18 +58,43 @@ def filled(n: int) -> memoryview:
     return view
 
 
-def run_threads(threads: int, count: int, work) -> float:
-    """Seconds to run ``work(i, buf_index)`` for i in range(count), split over threads."""
-    def part(t: int) -> None:
-        for i in range(t, count, threads):
-            work(i, t)
-    start = time.perf_counter()
-    if threads == 1:
-        part(0)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(part, range(threads)))
-    return time.perf_counter() - start
+class Workers:
+    """``threads`` threads that run one share each of a list of block indices."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        if self.pool is not None:                       # start the threads before anything is timed
+            barrier = threading.Barrier(threads)
+            list(self.pool.map(lambda _: barrier.wait(), range(threads)))
+
+    def run(self, indices: list[int], work) -> float:
+        """Seconds to run ``work(i, thread)`` for every i, split over the threads."""
+        def part(t: int) -> None:
+            for i in indices[t::self.threads]:
+                work(i, t)
+        start = time.perf_counter()
+        if self.pool is None:
+            part(0)
+        else:
+            list(self.pool.map(part, range(self.threads)))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def alternate(workers: Workers, count: int, slice_blocks: int, first, second) -> tuple[float, float]:
+    """Run ``first`` and ``second`` over the same blocks, alternating slices of
+    ``slice_blocks`` blocks so that drift in the machine's load hits both alike; returns
+    the seconds each took in all."""
+    a = b = 0.0
+    for start in range(0, count, slice_blocks):
+        indices = list(range(start, min(count, start + slice_blocks)))
+        a += workers.run(indices, first)
+        b += workers.run(indices, second)
+    return a, b
 
 
 def key(i: int) -> bytes:
@@ -79,85 +107,73 @@ def tp_ranges(size: int, layers: int = 32, heads: int = 8, tp: int = 8) -> list[
     return [((layer * 2 + kv) * per_kv, per_head * heads // tp) for layer in range(layers) for kv in range(2)]
 
 
-class Round:
-    def __init__(self, folder: pathlib.Path, size: int, count: int, threads: int, chunk: int, direct: bool):
-        self.folder, self.size, self.count, self.threads = folder, size, count, threads
-        self.chunk, self.direct = chunk, direct
-        self.src = filled(size)
-        self.src_bytes = bytes(self.src[:size])
-        self.outs = [filled(size) for _ in range(threads)]
-        self.flags = os.O_DIRECT if direct else 0
+def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: int, direct: bool) -> dict:
+    """Seconds per figure (``(seconds, bytes served per block)``) and read amplification."""
+    src = filled(size)
+    src_bytes = bytes(src[:size])
+    outs = [filled(size) for _ in range(threads)]
+    plain = [bytearray(size) for _ in range(threads)]
+    flags = os.O_DIRECT if direct else 0
+    (folder / "raw").mkdir()
+    paths = [str(folder / "raw" / f"{i:08d}") for i in range(count)]
+    t = NVMeTier(folder / "tier", count * (size + (64 << 10)) + (64 << 20), direct=None if direct else False,
+                 chunk_bytes=chunk)
+    lock = threading.Lock()
+    workers = Workers(threads)
+    slice_blocks = 8 * threads
+    sixteenth = size // 16
+    tp = tp_ranges(size)
+    times, amp = {}, {}
 
-    def raw(self) -> dict:
-        d = self.folder / "raw"
-        d.mkdir()
-        paths = [str(d / f"{i:08d}") for i in range(self.count)]
+    def raw_write(i, th):
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        os.pwrite(fd, src[:size], 0)
+        os.close(fd)
 
-        def write(i, t):
-            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self.flags, 0o600)
-            os.pwrite(fd, self.src[:self.size], 0)
-            os.close(fd)
+    def raw_read(i, th, offset=0, n=size):
+        fd = os.open(paths[i], os.O_RDONLY | flags)
+        os.preadv(fd, [outs[th][:n]], offset)
+        os.close(fd)
 
-        def read(i, t):
-            fd = os.open(paths[i], os.O_RDONLY | self.flags)
-            os.preadv(fd, [self.outs[t][:self.size]], 0)
-            os.close(fd)
+    def put(i, th, data=src[:size]):
+        with lock:
+            t.reserve(key(i), size)
+        t.write(key(i), 0, data)
+        with lock:
+            t.commit(key(i))
 
-        sixteenth = self.size // 16
+    def get(i, th, ranges=None, out=outs):
+        t.read_into(key(i), out[th], ranges)
 
-        def read16(i, t):
-            fd = os.open(paths[i], os.O_RDONLY | self.flags)
-            os.preadv(fd, [self.outs[t][:sixteenth]], (i % 16) * sixteenth)
-            os.close(fd)
+    def counted(label, fn):
+        before = t.read_counters()
+        result = fn()
+        after = t.read_counters()
+        amp[label] = (after.bytes_read - before.bytes_read) / max(1, after.bytes_served - before.bytes_served)
+        return result
 
-        r = {"raw write": run_threads(self.threads, self.count, write),
-             "raw read": run_threads(self.threads, self.count, read),
-             "raw read 1/16": run_threads(self.threads, self.count, read16)}
-        shutil.rmtree(d)
-        return r
-
-    def tier(self) -> dict:
-        t = NVMeTier(self.folder / "tier", self.count * (self.size + (64 << 10)) + (64 << 20),
-                     direct=None if self.direct else False, chunk_bytes=self.chunk)
-        lock = threading.Lock()
-        results, amplification = {}, {}
-        try:
-            for label, src in (("put", self.src[:self.size]), ("put bytes", self.src_bytes)):
-                def put(i, _t, src=src):
-                    with lock:
-                        t.reserve(key(i), self.size)
-                    t.write(key(i), 0, src)
-                    with lock:
-                        t.commit(key(i))
-                if label == "put bytes":
-                    if self.threads != 1:
-                        continue
-                    for i in range(self.count):
-                        t.free(key(i))
-                results[label] = run_threads(self.threads, self.count, put)
-            sixteenth = self.size // 16
-            tp = tp_ranges(self.size)
-            reads = {"get": lambda i: None, "get bytearray": lambda i: None,
-                     "get 1/16": lambda i: [((i % 16) * sixteenth, sixteenth)], "get TP rank": lambda i: tp}
-            plain = [bytearray(self.size) for _ in range(self.threads)]
-            for label, ranges in reads.items():
-                if label == "get bytearray" and self.threads != 1:
-                    continue
-                outs = plain if label == "get bytearray" else self.outs
-                before = t.read_counters()
-
-                def get(i, th, ranges=ranges, outs=outs):
-                    t.read_into(key(i), outs[th], ranges(i))
-                results[label] = run_threads(self.threads, self.count, get)
-                after = t.read_counters()
-                amplification[label] = (after.bytes_read - before.bytes_read) / (after.bytes_served -
-                                                                                  before.bytes_served)
-            for label in ("get 1/16", "get TP rank"):
-                results[label] = (results[label], sixteenth if label == "get 1/16" else sum(n for _, n in tp))
-        finally:
-            t.close()
-            shutil.rmtree(self.folder / "tier")
-        return {"times": results, "amplification": amplification}
+    try:
+        times["raw write"], times["put"] = alternate(workers, count, slice_blocks, raw_write, put)
+        times["raw read"], times["get"] = counted("get", lambda: alternate(workers, count, slice_blocks, raw_read, get))
+        r16, g16 = counted("get 1/16", lambda: alternate(
+            workers, count, slice_blocks, lambda i, th: raw_read(i, th, (i % 16) * sixteenth, sixteenth),
+            lambda i, th: get(i, th, [((i % 16) * sixteenth, sixteenth)])))
+        times["raw read 1/16"], times["get 1/16"] = (r16, sixteenth), (g16, sixteenth)
+        served = sum(n for _, n in tp)
+        times["get TP rank"] = (counted("get TP rank", lambda: workers.run(list(range(count)),
+                                                                            lambda i, th: get(i, th, tp))), served)
+        if threads == 1:
+            _, times["get bytearray"] = counted("get bytearray", lambda: alternate(
+                workers, count, slice_blocks, raw_read, lambda i, th: get(i, th, None, plain)))
+            for i in range(count):
+                t.free(key(i))
+                os.unlink(paths[i])
+            _, times["put bytes"] = alternate(workers, count, slice_blocks, raw_write,
+                                              lambda i, th: put(i, th, src_bytes))
+    finally:
+        workers.close()
+        t.close()
+    return {"times": times, "amplification": amp}
 
 
 def main(argv=None) -> int:
@@ -177,46 +193,41 @@ def main(argv=None) -> int:
     print(f"# folder {base} ({'O_DIRECT' if direct else 'buffered: the filesystem refuses O_DIRECT'}), "
           f"{format_size(total)} per figure, chunk {format_size(chunk)}, median of {args.rounds} rounds, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    print(f"{'block':>7} {'thr':>3} {'what':<14} {'GB/s':>6} {'raw GB/s':>8} {'x raw':>6} {'disk/served':>11}")
+    print(f"{'block':>10} {'thr':>3} {'what':<14} {'GB/s':>6} {'raw GB/s':>8} {'x raw':>6} {'disk/served':>11}")
     try:
         for size in sizes:
             count = max(1, total // size)
             for nthreads in threads:
-                raws, tiers = [], []
+                rounds = []
                 for _ in range(args.rounds):
                     folder = base / "run"
                     folder.mkdir()
-                    r = Round(folder, size, count, nthreads, chunk, direct)
-                    raws.append(r.raw())
-                    tiers.append(r.tier())
+                    rounds.append(one_round(folder, size, count, nthreads, chunk, direct))
                     shutil.rmtree(folder)
-                report(size, count, nthreads, raws, tiers)
+                report(size, count, nthreads, rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0
 
 
-def report(size: int, count: int, nthreads: int, raws: list[dict], tiers: list[dict]) -> None:
-    def gbs(seconds: float, nbytes: int) -> float:
-        return nbytes / seconds / 1e9
+def report(size: int, count: int, nthreads: int, rounds: list[dict]) -> None:
+    def gbs(label: str, r: dict) -> float:
+        v = r["times"][label]
+        seconds, served = v if isinstance(v, tuple) else (v, size)
+        return count * served / seconds / 1e9
 
-    raw = {k: statistics.median(gbs(r[k], count * (size // 16 if "1/16" in k else size)) for r in raws)
-           for k in raws[0]}
     pairs = {"put": "raw write", "put bytes": "raw write", "get": "raw read", "get bytearray": "raw read",
              "get 1/16": "raw read 1/16", "get TP rank": None}
     for label, base in pairs.items():
-        if label not in tiers[0]["times"]:
+        if label not in rounds[0]["times"]:
             continue
-        vals = []
-        for t in tiers:
-            v = t["times"][label]
-            seconds, served = (v if isinstance(v, tuple) else (v, size))
-            vals.append(gbs(seconds, count * served))
-        ours = statistics.median(vals)
-        amp = statistics.median(t["amplification"][label] for t in tiers) if label.startswith("get") else None
-        limit = raw[base] if base else None
-        print(f"{format_size(size):>7} {nthreads:>3} {label:<14} {ours:6.2f} "
-              f"{(f'{limit:8.2f}' if limit else ' ' * 8)} {(f'{ours / limit:6.2f}' if limit else ' ' * 6)} "
+        ours = statistics.median(gbs(label, r) for r in rounds)
+        limit = statistics.median(gbs(base, r) for r in rounds) if base else None
+        ratio = statistics.median(gbs(label, r) / gbs(base, r) for r in rounds) if base else None
+        amp = statistics.median(r["amplification"][label] for r in rounds) if label in rounds[0]["amplification"] \
+            else None
+        print(f"{format_size(size):>10} {nthreads:>3} {label:<14} {ours:6.2f} "
+              f"{(f'{limit:8.2f}' if limit else ' ' * 8)} {(f'{ratio:6.2f}' if ratio else ' ' * 6)} "
               f"{(f'{amp:11.3f}' if amp is not None else '')}")
     sys.stdout.flush()
 

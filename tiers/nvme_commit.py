@@ -69,7 +69,7 @@ class Reservations:
             raise InvalidAccess(f"{self.name}: block keys are {KEY_BYTES} bytes")
         if not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidAccess(f"block size must be an integer >= 0 bytes, got {nbytes!r}")
-        p = PendingBlock(key, nbytes, chunk)
+        p = PendingBlock(key, nbytes, chunk, block_path(self.blocks_dir, key))
         with self._lock:
             if key in self._index.entries or key in self.pending:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
@@ -85,7 +85,7 @@ class Reservations:
 
     def open_temp(self, p: PendingBlock) -> int:
         """Open the block's temp file: a spare file renamed into place, or a new file."""
-        path = block_path(self.blocks_dir, p.key)
+        path = p.path
         folder = os.path.dirname(path)
         if folder not in self._dirs:
             os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -132,8 +132,7 @@ class Reservations:
             p.written = p.size
         try:
             p.fd = self.open_temp(p)
-            temp = block_path(self.blocks_dir, key) + ".tmp"
-            p.sums = device.write(temp, p.fd, device_buf, p.size, p.chunk, p.header_len)
+            p.sums = device.write(p.path + ".tmp", p.fd, device_buf, p.size, p.chunk, p.header_len)
             p.file_off = p.disk
         except (OSError, RuntimeError) as e:
             self.discard(p)
@@ -144,7 +143,7 @@ class Reservations:
             p = self.get(key)
             if p.written != p.size:
                 raise InvalidAccess(f"block {key.hex()[:16]}: {p.written} of {p.size} bytes written")
-        final = block_path(self.blocks_dir, key)
+        final = p.path
         renamed = False
         try:
             if p.fd < 0:                       # a zero-byte block: no write call came
@@ -161,7 +160,7 @@ class Reservations:
             if self._fsync:
                 fsync_folder(os.path.dirname(final))
             with self._lock:
-                self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at))
+                self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
                 del self.pending[key]
             self._headers.put(key, p.size, p.chunk, tuple(p.sums))
         except (OSError, lmdb.Error) as e:
@@ -187,7 +186,7 @@ class Reservations:
                 os.close(fd)
             except OSError:
                 pass
-        for path in (block_path(self.blocks_dir, p.key) + ".tmp", final):
+        for path in (p.path + ".tmp", final):
             if path is not None:
                 try:
                     os.unlink(path)

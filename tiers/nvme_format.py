@@ -48,6 +48,7 @@ plus :data:`FORMAT_KEY` -> :data:`FORMAT_VALUE`. The checksums live only in the 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -79,6 +80,7 @@ _FIXED = struct.Struct("<8sHHI32sQIIdQ")          # 80 bytes, up to the chunk ch
 _SUM = struct.Struct("<Q")
 _INDEX_VALUE = struct.Struct("<QIId")
 _HEX = frozenset("0123456789abcdef")
+_ZERO_PAGE = bytes(PAGE)
 
 
 class HeaderError(ValueError):
@@ -165,11 +167,16 @@ def encode_header(out: memoryview, key: bytes, size: int, chunk_bytes: int, writ
     _FIXED.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, h, key, size, chunk_bytes, n, written_at, 0)
     end = _FIXED.size + _SUM.size * n
     if n:
-        struct.pack_into(f"<{n}Q", out, _FIXED.size, *sums)
+        _sums_struct(n).pack_into(out, _FIXED.size, *sums)
     _SUM.pack_into(out, end, xxhash.xxh3_64_intdigest(out[:end]))
     end += _SUM.size
-    out[end:h] = bytes(h - end)
+    out[end:h] = _ZERO_PAGE[:h - end] if h - end <= PAGE else bytes(h - end)
     return h
+
+
+@functools.lru_cache(maxsize=64)
+def _sums_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}Q")
 
 
 def header_length(first: memoryview) -> int:
@@ -207,7 +214,7 @@ def decode_header(buf: memoryview, expect_key: bytes | None = None) -> BlockHead
         raise HeaderError("bad write time")
     if expect_key is not None and key != expect_key:
         raise HeaderError(f"header names block {key.hex()[:16]}, expected {expect_key.hex()[:16]}")
-    sums = struct.unpack_from(f"<{n}Q", buf, _FIXED.size) if n else ()
+    sums = _sums_struct(n).unpack_from(buf, _FIXED.size) if n else ()
     return BlockHeader(bytes(key), size, chunk, written_at, sums, h)
 
 
@@ -221,11 +228,11 @@ class IndexEntry:
 
     __slots__ = ("size", "chunk_bytes", "written_at", "header_bytes", "file_bytes")
 
-    def __init__(self, size: int, chunk_bytes: int, written_at: float):
+    def __init__(self, size: int, chunk_bytes: int, written_at: float, header_len: int = 0):
         self.size = size
         self.chunk_bytes = chunk_bytes
         self.written_at = written_at
-        self.header_bytes = header_bytes(size, chunk_bytes)
+        self.header_bytes = header_len or header_bytes(size, chunk_bytes)
         self.file_bytes = self.header_bytes + ceil_page(size)
 
     def __eq__(self, other: object) -> bool:

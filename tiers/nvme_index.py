@@ -264,7 +264,11 @@ class BlockIndex:
     def put(self, key: bytes, entry: IndexEntry) -> None:
         """Index one block. Raises lmdb.Error (the in-memory copy is then unchanged)."""
         value = entry.pack()
-        self._txn(lambda txn: txn.put(key, value))
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(key, value)
+        except lmdb.MapFullError:
+            self._txn(lambda txn: txn.put(key, value))
         self.entries[key] = entry
 
     def put_many(self, items: list[tuple[bytes, IndexEntry]]) -> None:

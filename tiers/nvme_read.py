@@ -175,8 +175,10 @@ def read_block(fd: int, key: bytes, entry: IndexEntry, out: memoryview,
         OSError: the read failed.
     """
     size = entry.size
-    spans = plan_spans(size, entry.chunk_bytes, ranges)
     base = buffer_address(out) if (direct and out.nbytes) else 0
+    if sums is not None and not ranges and size and base % PAGE == 0:
+        return _read_whole(fd, entry, out, pool, direct, what, sums), None
+    spans = plan_spans(size, entry.chunk_bytes, ranges)
     need = 0 if sums is not None else entry.header_bytes
     for s in spans:
         length = s.end - s.start
@@ -189,6 +191,36 @@ def read_block(fd: int, key: bytes, entry: IndexEntry, out: memoryview,
     try:
         return _read_spans(fd, key, entry, out, spans, buf, direct=direct, what=what, sums=sums,
                            threads=threads if len(spans) > 1 else None)
+    finally:
+        if buf is not None:
+            pool.release(buf)
+
+
+def _read_whole(fd: int, entry: IndexEntry, out: memoryview, pool: BufferPool, direct: bool, what: str,
+                sums: tuple[int, ...]) -> int:
+    """The common case, kept short: a whole block whose checksums are cached, read straight
+    into ``out`` (page aligned under O_DIRECT; the last partial page through a bounce)."""
+    size, chunk = entry.size, entry.chunk_bytes
+    body = floor_page(size) if direct else size
+    buf = pool.lease(PAGE) if body < size else None
+    try:
+        pieces = [(0, out[:body])]
+        iov = [pieces[0][1]]
+        if buf is not None:
+            iov.append(buf.view[:PAGE])
+            pieces.append((body, buf.view[:size - body]))
+        got = preadv_full(fd, iov, entry.header_bytes, direct)
+        if got < size:
+            raise BlockCorrupt(f"{what} is truncated: {got} of {size} payload bytes on disk")
+        span = _Span(0, len(sums), (0, size, 0))
+        span.end = size
+        bad = _verify(pieces, span, chunk, size, sums)
+        if bad >= 0:
+            raise BlockCorrupt(f"{what} fails its checksum in chunk {bad} "
+                               f"(bytes {bad * chunk}-{min((bad + 1) * chunk, size)})")
+        if buf is not None:
+            copy_bytes(out[body:size], pieces[1][1])
+        return got
     finally:
         if buf is not None:
             pool.release(buf)

@@ -196,6 +196,74 @@ def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, update
         updates.append((key, found))
 
 
+def audit_folder(path: str | os.PathLike, verify_payload: bool = True) -> dict:
+    """Compare a closed NVMe tier folder's index with its block files, changing nothing
+    (for tests and operators). Reads the index read-only after :func:`check_data_file`.
+
+    Returns counts: ``indexed``, ``files`` (block files), ``temp`` (``*.tmp``), ``orphans``
+    (block files without an index entry; the next start indexes them from their header
+    when it is valid), ``missing`` (entries without a file), ``bad_size`` (file length
+    not the entry's), ``bad_header``, ``bad_checksum`` (a payload chunk fails, when
+    ``verify_payload``), ``misplaced`` (not under ``ab/cd/`` of their name), ``other``
+    (any other file under ``blocks/``), and ``keys`` (the indexed keys, a set).
+    Raises IndexDamaged for an index that fails the check.
+    """
+    import lmdb
+    import xxhash
+    from .nvme_format import FORMAT_KEY
+    from .nvme_index import check_data_file
+
+    folder = os.path.abspath(os.fspath(path))
+    out = dict(indexed=0, files=0, temp=0, orphans=0, missing=0, bad_size=0, bad_header=0, bad_checksum=0,
+               misplaced=0, other=0, keys=set())
+    index: dict[bytes, IndexEntry] = {}
+    if os.path.exists(os.path.join(folder, "index", "data.mdb")):
+        check_data_file(os.path.join(folder, "index", "data.mdb"))
+        env = lmdb.open(os.path.join(folder, "index"), readonly=True, lock=False, subdir=True)
+        try:
+            with env.begin() as txn:
+                index = {bytes(k): IndexEntry.unpack(bytes(v)) for k, v in txn.cursor() if k != FORMAT_KEY}
+        finally:
+            env.close()
+    out["indexed"], out["keys"] = len(index), set(index)
+    seen = set()
+    for root, _, names in os.walk(os.path.join(folder, "blocks")):
+        for name in names:
+            f = os.path.join(root, name)
+            if name.endswith(".tmp"):
+                out["temp"] += 1
+                continue
+            key = key_of_name(name)
+            if key is None:
+                out["other"] += 1
+                continue
+            out["files"] += 1
+            if os.path.relpath(root, os.path.join(folder, "blocks")) != os.path.join(name[:2], name[2:4]):
+                out["misplaced"] += 1
+            entry = index.get(key)
+            if entry is None:
+                out["orphans"] += 1
+                continue
+            seen.add(key)
+            if os.lstat(f).st_size != entry.file_bytes:
+                out["bad_size"] += 1
+                continue
+            try:
+                header = read_header(f, key)
+            except HeaderError:
+                out["bad_header"] += 1
+                continue
+            if verify_payload:
+                with open(f, "rb") as fh:
+                    fh.seek(header.header_bytes)
+                    data = memoryview(fh.read(header.size))
+                c = header.chunk_bytes
+                if [xxhash.xxh3_64_intdigest(data[i:i + c]) for i in range(0, header.size, c)] != list(header.sums):
+                    out["bad_checksum"] += 1
+    out["missing"] = len(set(index) - seen)
+    return out
+
+
 def repair_index(path: str | os.PathLike) -> RecoveryReport:
     """Rebuild the index of an NVMe tier folder from its block files' headers, offline.
 
@@ -220,4 +288,4 @@ def repair_index(path: str | os.PathLike) -> RecoveryReport:
         tier.close()
 
 
-__all__ = ["RecoveryReport", "read_header", "reconcile", "repair_index"]
+__all__ = ["RecoveryReport", "audit_folder", "read_header", "reconcile", "repair_index"]

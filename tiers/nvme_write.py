@@ -41,13 +41,15 @@ class PendingBlock:
     bytes: ``disk`` bytes of capacity, ``written`` bytes received, the temp file ``fd``
     (-1 until opened), the chunk checksums so far, and under O_DIRECT the staging buffer
     holding ``tail`` bytes not yet written at ``file_off``. ``reused`` is the size of
-    the spare file taken (-1: a new file); ``done``: payload and header are on disk."""
+    the spare file taken (-1: a new file); ``done``: payload and header are on disk;
+    ``path``: the block's final file name."""
 
-    __slots__ = ("key", "size", "chunk", "header_len", "disk", "written", "fd", "reused", "sums",
+    __slots__ = ("key", "path", "size", "chunk", "header_len", "disk", "written", "fd", "reused", "sums",
                  "hasher", "fill", "stage", "tail", "file_off", "done", "written_at")
 
-    def __init__(self, key: bytes, size: int, chunk: int):
+    def __init__(self, key: bytes, size: int, chunk: int, path: str = ""):
         self.key = key
+        self.path = path                # the block's final file name
         self.size = size
         self.chunk = chunk
         self.header_len = header_bytes(size, chunk)

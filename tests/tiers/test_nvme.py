@@ -407,10 +407,10 @@ def test_index_failure_on_commit_removes_the_renamed_file(open_tier, monkeypatch
     t.reserve(K(1), 3000)
     t.write(K(1), 0, b"r" * 3000)
 
-    def broken(apply):
+    def broken(key, entry):
         raise lmdb.Error("simulated index failure")
 
-    monkeypatch.setattr(t._index, "_txn", broken)
+    monkeypatch.setattr(t._index, "put", broken)
     with pytest.raises(TierIOError, match="simulated index failure.*kvstore repair-index"):
         t.commit(K(1))
     monkeypatch.undo()

@@ -270,3 +270,19 @@ def test_repair_index_command(store):
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "repair-index", str(store / "nope")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "not an NVMe tier folder" in done.stdout
+
+
+def test_audit_of_a_closed_folder(store):
+    from tiers.nvme_recover import audit_folder
+    clean = audit_folder(store)
+    assert clean["indexed"] == clean["files"] == N and len(clean["keys"]) == N
+    assert all(clean[k] == 0 for k in ("temp", "orphans", "missing", "bad_size", "bad_header", "bad_checksum",
+                                       "misplaced", "other"))
+    raw = bytearray(file_of(store, K(3)).read_bytes())
+    raw[PAGE + 5] ^= 0x01                                       # a payload byte
+    file_of(store, K(3)).write_bytes(raw)
+    file_of(store, K(4)).unlink()
+    file_of(store, K(5)).with_name(K(5).hex() + ".tmp").write_bytes(b"partial")
+    found = audit_folder(store)
+    assert (found["bad_checksum"], found["missing"], found["temp"], found["files"]) == (1, 1, 1, N - 1)
+    assert audit_folder(store, verify_payload=False)["bad_checksum"] == 0
