@@ -1,17 +1,14 @@
-"""Helpers shared by the NVMe tier tests: keys, payloads, puts, file paths, the I/O-mode
-fixture (O_DIRECT where the filesystem of ``tmp_path`` accepts it, and buffered)."""
+"""Helpers shared by the NVMe tier tests: keys, payloads, puts, file paths. Their fixtures
+(``io_mode``, ``open_nvme``) are in conftest.py."""
 
 from __future__ import annotations
 
 import pathlib
 
 import numpy as np
-import pytest
-
 from tiers.base import read_bytes
 from tiers.nvme import NVMeTier
 from tiers.nvme_format import DEFAULT_CHUNK_BYTES, file_bytes
-from tiers.nvme_io import probe_direct
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -53,26 +50,3 @@ def file_of(tier_or_path, key: bytes) -> pathlib.Path:
     root = tier_or_path.path if isinstance(tier_or_path, NVMeTier) else tier_or_path
     h = key.hex()
     return pathlib.Path(root) / "blocks" / h[:2] / h[2:4] / h
-
-
-@pytest.fixture(params=["direct", "buffered"])
-def mode(request, tmp_path):
-    if request.param == "direct" and not probe_direct(str(tmp_path)):
-        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
-    return request.param
-
-
-@pytest.fixture
-def open_tier(tmp_path, mode):
-    """Open (or reopen) an NVMe tier in ``tmp_path/nvme`` in the test's I/O mode."""
-    opened = []
-
-    def make(capacity=1 << 30, **kw):
-        kw.setdefault("direct", None if mode == "direct" else False)
-        t = NVMeTier(tmp_path / "nvme", capacity, **kw)
-        opened.append(t)
-        return t
-
-    yield make
-    for t in opened:
-        t.close()

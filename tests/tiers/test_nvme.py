@@ -17,7 +17,7 @@ import threading
 import lmdb
 import pytest
 
-from nvme_support import ROOT, K, block_files, disk_bytes, file_of, mode, open_tier, payload, put, read  # noqa: F401
+from nvme_support import ROOT, K, block_files, disk_bytes, file_of, payload, put, read
 from tiers import gds, nvme_write
 from tiers.base import TierKind
 from tiers.errors import (BlockCorrupt, BlockExists, BlockNotStored, DiskFull, InvalidAccess, TierFull,
@@ -29,15 +29,15 @@ from tiers.nvme_format import PAGE
 # ---------------------------------------------------------------- basics
 
 
-def test_kind_mode_and_declared_capabilities(open_tier, mode):
-    t = open_tier()
+def test_kind_mode_and_declared_capabilities(open_nvme, io_mode):
+    t = open_nvme()
     assert t.kind is TierKind.NVME and t.io == "posix" and t.volatile is False
-    assert t.direct is (mode == "direct")
+    assert t.direct is (io_mode == "direct")
     assert t.capabilities.device_files is None and t.capabilities.host is None
 
 
-def test_put_read_ranges_and_file_layout(open_tier):
-    t = open_tier()
+def test_put_read_ranges_and_file_layout(open_nvme):
+    t = open_nvme()
     put(t, K(0), b"\xff" * 200_000)                # leaves stale bytes in reused buffers
     t.free(K(0))
     data = payload(K(1), 100_003)
@@ -55,9 +55,9 @@ def test_put_read_ranges_and_file_layout(open_tier):
         read(t, K(2))
 
 
-def test_read_into_numpy_and_bounds_of_the_output_buffer(open_tier):
+def test_read_into_numpy_and_bounds_of_the_output_buffer(open_nvme):
     import numpy as np
-    t = open_tier()
+    t = open_nvme()
     data = payload(K(1), 70_000)
     put(t, K(1), data)
     out = np.zeros(70_000 // 4 + 10, dtype=np.float32)          # any C-contiguous buffer
@@ -70,9 +70,9 @@ def test_read_into_numpy_and_bounds_of_the_output_buffer(open_tier):
     assert t.read_into(K(1), bytearray(10), [(5, 10)]) == 10
 
 
-def test_chunked_writes_cross_staging_buffers(open_tier, monkeypatch):
+def test_chunked_writes_cross_staging_buffers(open_nvme, monkeypatch):
     monkeypatch.setattr(nvme_write, "STAGE_BYTES", 1 << 20)    # a 2.5 MB block crosses it twice
-    t = open_tier()
+    t = open_nvme()
     data = payload(K(2), 2_500_001)
     t.reserve(K(2), len(data))
     sizes = [1, 4095, 4096, 70_001, 1 << 20, 3]
@@ -86,8 +86,8 @@ def test_chunked_writes_cross_staging_buffers(open_tier, monkeypatch):
     assert read(t, K(2)) == data
 
 
-def test_protocol_errors_are_typed(open_tier):
-    t = open_tier()
+def test_protocol_errors_are_typed(open_nvme):
+    t = open_nvme()
     t.reserve(K(1), 1000)
     with pytest.raises(InvalidAccess, match="offset 10 but 0"):
         t.write(K(1), 10, b"x")
@@ -112,16 +112,16 @@ def test_protocol_errors_are_typed(open_tier):
         t.size_of(K(9))
 
 
-def test_zero_byte_block(open_tier):
-    t = open_tier()
+def test_zero_byte_block(open_nvme):
+    t = open_nvme()
     t.reserve(K(1), 0)
     t.commit(K(1))
     assert read(t, K(1)) == b"" and t.used_bytes == PAGE         # the header page only
     assert t.read_into(K(1), bytearray(0)) == 0
 
 
-def test_abort_leaves_nothing(open_tier):
-    t = open_tier()
+def test_abort_leaves_nothing(open_nvme):
+    t = open_nvme()
     t.reserve(K(1), 10_000)
     t.write(K(1), 0, b"z" * 5000)
     assert any(f.endswith(".tmp") for f in block_files(t.path))
@@ -133,8 +133,8 @@ def test_abort_leaves_nothing(open_tier):
     assert read(t, K(1)) == b"again"
 
 
-def test_capacity_counts_whole_files_and_is_never_exceeded(open_tier):
-    t = open_tier(capacity=7 * PAGE)
+def test_capacity_counts_whole_files_and_is_never_exceeded(open_nvme):
+    t = open_nvme(capacity=7 * PAGE)
     put(t, K(1), b"x")                              # header + 1 page
     put(t, K(2), b"y" * (PAGE + 1))                 # header + 2 pages
     assert t.used_bytes == 5 * PAGE
@@ -151,8 +151,8 @@ def test_capacity_counts_whole_files_and_is_never_exceeded(open_tier):
     assert t.used_bytes == 0 and len(t) == 0 and block_files(t.path) == []
 
 
-def test_freed_files_are_recycled_and_cut_to_the_new_size(open_tier):
-    t = open_tier()
+def test_freed_files_are_recycled_and_cut_to_the_new_size(open_nvme):
+    t = open_nvme()
     put(t, K(1), payload(K(1), 300_000))
     inode = file_of(t, K(1)).stat().st_ino
     t.free(K(1))
@@ -164,8 +164,8 @@ def test_freed_files_are_recycled_and_cut_to_the_new_size(open_tier):
     assert read(t, K(2)) == payload(K(2), 5000) and t.spare_bytes == 0
 
 
-def test_spare_files_are_bounded_and_kept_across_restarts(open_tier):
-    t = open_tier(spare_files=2)
+def test_spare_files_are_bounded_and_kept_across_restarts(open_nvme):
+    t = open_nvme(spare_files=2)
     for i in range(5):
         put(t, K(i), b"s" * 100)
     for i in range(5):
@@ -174,7 +174,7 @@ def test_spare_files_are_bounded_and_kept_across_restarts(open_tier):
     assert len(list(spare.iterdir())) == 2 and block_files(t.path) == [] and t.spare_bytes == 2 * disk_bytes(100)
     t.close()
     (spare / "junk").write_bytes(b"not ours")
-    t2 = open_tier(spare_files=1)
+    t2 = open_nvme(spare_files=1)
     assert [p.name for p in spare.iterdir()] == ["0"]
     assert t2.spare_bytes == disk_bytes(100) and len(t2) == 0      # a spare file is no block
     kept = (spare / "0").stat().st_ino
@@ -183,8 +183,8 @@ def test_spare_files_are_bounded_and_kept_across_restarts(open_tier):
     assert read(t2, K(7)) == b"new"
 
 
-def test_spare_limits_in_bytes_and_recycling_off(open_tier, tmp_path):
-    t = open_tier(spare_bytes=2 * PAGE)
+def test_spare_limits_in_bytes_and_recycling_off(open_nvme, tmp_path):
+    t = open_nvme(spare_bytes=2 * PAGE)
     put(t, K(1), b"x" * (PAGE + 1))                 # three pages with the header: over the limit
     t.free(K(1))
     assert t.spare_bytes == 0 and list((pathlib.Path(t.path) / "spare").iterdir()) == []
@@ -199,8 +199,8 @@ def test_spare_limits_in_bytes_and_recycling_off(open_tier, tmp_path):
 # ---------------------------------------------------------------- restart and recovery
 
 
-def test_restart_recovers_blocks_and_reads_match(open_tier):
-    t = open_tier()
+def test_restart_recovers_blocks_and_reads_match(open_nvme):
+    t = open_nvme()
     sizes = {K(i): 1000 * i + 17 for i in range(1, 9)}
     for key, n in sizes.items():
         put(t, key, payload(key, n), chunk=777)
@@ -209,7 +209,7 @@ def test_restart_recovers_blocks_and_reads_match(open_tier):
     used = t.used_bytes
     t.close()
 
-    t2 = open_tier()
+    t2 = open_nvme()
     assert t2.used_bytes == used and t2.recovery.blocks == 7 and not t2.recovery.index_rebuilt
     recovered = t2.recover()
     assert sorted(recovered) == sorted(sizes.items())
@@ -219,12 +219,12 @@ def test_restart_recovers_blocks_and_reads_match(open_tier):
     assert len(t2) == 7 and t2.used_bytes == used
 
 
-def test_second_process_cannot_open_the_same_folder(open_tier):
-    t = open_tier()
+def test_second_process_cannot_open_the_same_folder(open_nvme):
+    t = open_nvme()
     with pytest.raises(TierUnavailable, match="in use by another process"):
-        open_tier()
+        open_nvme()
     t.close()
-    open_tier()                                     # the lock went with close()
+    open_nvme()                                     # the lock went with close()
 
 
 def test_unusable_folder_is_tier_unavailable(tmp_path):
@@ -233,8 +233,8 @@ def test_unusable_folder_is_tier_unavailable(tmp_path):
         NVMeTier(tmp_path / "file", 1 << 20)
 
 
-def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open_tier):
-    t = open_tier()
+def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open_nvme):
+    t = open_nvme()
     for i in range(1, 5):
         put(t, K(i), payload(K(i), 5000))
     t.close()
@@ -253,7 +253,7 @@ def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open
     stranger = blocks / "README"                                    # not ours: left alone
     stranger.write_text("hello")
 
-    t2 = open_tier()
+    t2 = open_nvme()
     r = t2.recovery
     assert (r.dropped, r.temps_removed, r.quarantined, r.adopted) == (2, 1, 3, 0)
     assert sorted(t2.recover()) == [(K(3), 5000), (K(4), 5000)]
@@ -264,16 +264,16 @@ def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open
     assert quarantined == sorted([K(2).hex(), K(9).hex(), K(4).hex()])   # moved, never deleted
     assert read(t2, K(3)) == payload(K(3), 5000)
     t2.close()
-    t3 = open_tier()                                                # the index agrees too
+    t3 = open_nvme()                                                # the index agrees too
     assert sorted(t3.recover()) == [(K(3), 5000), (K(4), 5000)] and t3.recovery.dropped == 0
 
 
-def test_reopen_with_smaller_capacity_drops_oldest_blocks(open_tier):
-    t = open_tier()
+def test_reopen_with_smaller_capacity_drops_oldest_blocks(open_nvme):
+    t = open_nvme()
     for i in range(1, 6):
         put(t, K(i), payload(K(i), PAGE))
     t.close()
-    t2 = open_tier(capacity=3 * disk_bytes(PAGE))
+    t2 = open_nvme(capacity=3 * disk_bytes(PAGE))
     assert t2.used_bytes == 3 * disk_bytes(PAGE) and t2.recovery.trimmed == 2
     assert sorted(k for k, _ in t2.recover()) == [K(3), K(4), K(5)]
     assert len(block_files(t2.path)) == 3
@@ -290,11 +290,11 @@ def test_index_map_grows_when_full(tmp_path):
     t2.close()
 
 
-def test_fsync_mode_round_trip(open_tier):
-    t = open_tier(fsync=True)
+def test_fsync_mode_round_trip(open_nvme):
+    t = open_nvme(fsync=True)
     put(t, K(1), payload(K(1), 9000))
     t.close()
-    t2 = open_tier(fsync=True)
+    t2 = open_nvme(fsync=True)
     assert t2.recover() == [(K(1), 9000)] and read(t2, K(1)) == payload(K(1), 9000)
 
 
@@ -303,8 +303,8 @@ def test_fsync_mode_round_trip(open_tier):
 
 @pytest.mark.parametrize("cache", [0, 1 << 20], ids=["header-read", "header-cached"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "symlink", "other-block"])
-def test_damaged_file_raises_block_corrupt(open_tier, tmp_path, damage, cache):
-    t = open_tier(header_cache_bytes=cache)
+def test_damaged_file_raises_block_corrupt(open_nvme, tmp_path, damage, cache):
+    t = open_nvme(header_cache_bytes=cache)
     data = payload(K(1), 40_000)
     put(t, K(1), data)
     put(t, K(2), data[:100])
@@ -345,8 +345,8 @@ def test_damaged_file_raises_block_corrupt(open_tier, tmp_path, damage, cache):
 
 @pytest.mark.parametrize("key", [b"../../".ljust(32, b"\0"), b"/" * 32, b"\0" * 32,
                                  b"..\\..\\etc\\passwd".ljust(32, b"."), bytes(range(224, 256))])
-def test_hostile_keys_stay_inside_the_tier_folder(open_tier, tmp_path, key):
-    t = open_tier()
+def test_hostile_keys_stay_inside_the_tier_folder(open_nvme, tmp_path, key):
+    t = open_nvme()
     put(t, key, b"secret")
     h = key.hex()
     assert block_files(t.path) == [f"{h[:2]}/{h[2:4]}/{h}"]
@@ -354,15 +354,15 @@ def test_hostile_keys_stay_inside_the_tier_folder(open_tier, tmp_path, key):
     assert outside == []
     assert read(t, key) == b"secret"
     t.close()
-    assert open_tier().recover() == [(key, 6)]
+    assert open_nvme().recover() == [(key, 6)]
 
 
 # ---------------------------------------------------------------- I/O failures
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_disk_full_on_write_leaves_nothing_behind(open_tier, monkeypatch, chunked):
-    t = open_tier()
+def test_disk_full_on_write_leaves_nothing_behind(open_nvme, monkeypatch, chunked):
+    t = open_nvme()
     put(t, K(1), b"kept")
 
     def full(fd, bufs, offset):
@@ -387,8 +387,8 @@ def test_disk_full_on_write_leaves_nothing_behind(open_tier, monkeypatch, chunke
     assert read(t, K(2)) == data
 
 
-def test_rename_failure_on_commit_is_an_io_error(open_tier, monkeypatch):
-    t = open_tier()
+def test_rename_failure_on_commit_is_an_io_error(open_nvme, monkeypatch):
+    t = open_nvme()
     t.reserve(K(1), 3000)
     t.write(K(1), 0, b"r" * 3000)
 
@@ -402,8 +402,8 @@ def test_rename_failure_on_commit_is_an_io_error(open_tier, monkeypatch):
     assert K(1) not in t and t.used_bytes == 0 and block_files(t.path) == []
 
 
-def test_index_failure_on_commit_removes_the_renamed_file(open_tier, monkeypatch):
-    t = open_tier()
+def test_index_failure_on_commit_removes_the_renamed_file(open_nvme, monkeypatch):
+    t = open_nvme()
     t.reserve(K(1), 3000)
     t.write(K(1), 0, b"r" * 3000)
 
@@ -449,8 +449,8 @@ def test_tiers_import_nothing_from_kvstore():
 # ---------------------------------------------------------------- concurrency and crashes
 
 
-def test_concurrent_writes_and_reads(open_tier):
-    t = open_tier()
+def test_concurrent_writes_and_reads(open_nvme):
+    t = open_nvme()
     lock = threading.Lock()                         # stands in for the manager's lock
     errors = []
 
@@ -507,9 +507,9 @@ while True:
 """
 
 
-def test_sigkill_at_any_time_leaves_index_and_files_in_agreement(open_tier, tmp_path, mode):
+def test_sigkill_at_any_time_leaves_index_and_files_in_agreement(open_nvme, tmp_path, io_mode):
     path = str(tmp_path / "nvme")
-    script = CHILD.format(root=str(ROOT), path=path, direct=None if mode == "direct" else False)
+    script = CHILD.format(root=str(ROOT), path=path, direct=None if io_mode == "direct" else False)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     last = -1
     for line in child.stdout:
@@ -528,7 +528,7 @@ def test_sigkill_at_any_time_leaves_index_and_files_in_agreement(open_tier, tmp_
     if (last + 1) % 3 == 2:
         done.discard(K(last))                                       # may have been freed since
         in_flight.add(K(last))
-    t = open_tier()
+    t = open_nvme()
     recovered = dict(t.recover())
     assert done <= set(recovered)                                   # nothing committed is lost
     assert set(recovered) - done <= in_flight

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from nvme_support import K, block_files, disk_bytes, file_of, mode, payload, put, read  # noqa: F401
+from nvme_support import K, block_files, disk_bytes, file_of, payload, put, read
 from tiers import nvme, nvme_device
 from tiers.base import DeviceFileIO
 from tiers.errors import BlockCorrupt, BlockNotStored, DiskFull, InvalidAccess
@@ -41,7 +41,7 @@ def _view(ptr: int, n: int) -> memoryview:
 
 
 class HostBackend:
-    """kvikio's compatibility mode, in host memory: POSIX I/O at the device address."""
+    """kvikio's compatibility io_mode, in host memory: POSIX I/O at the device address."""
 
     def __init__(self):
         self.calls = []
@@ -83,11 +83,11 @@ def backend(monkeypatch):
 
 
 @pytest.fixture
-def gds_tier(tmp_path, mode, backend):
+def gds_tier(tmp_path, io_mode, backend):
     opened = []
 
     def make(**kw):
-        t = NVMeTier(tmp_path / "nvme", 1 << 30, io="gds", direct=None if mode == "direct" else False, **kw)
+        t = NVMeTier(tmp_path / "nvme", 1 << 30, io="gds", direct=None if io_mode == "direct" else False, **kw)
         opened.append(t)
         return t
 
@@ -108,7 +108,7 @@ def test_capability_is_declared_only_with_gds(gds_tier, tmp_path):
     posix.close()
 
 
-def test_device_writes_read_by_posix_and_posix_writes_read_by_device(gds_tier, backend, tmp_path, mode):
+def test_device_writes_read_by_posix_and_posix_writes_read_by_device(gds_tier, backend, tmp_path, io_mode):
     t = gds_tier()
     blocks = {K(i): payload(K(i), n) for i, n in enumerate(SIZES)}
     for k, data in blocks.items():                       # device -> NVMe
@@ -127,7 +127,7 @@ def test_device_writes_read_by_posix_and_posix_writes_read_by_device(gds_tier, b
         assert out.host[:len(data)].tobytes() == data and out.host[len(data):].tobytes() == b"\xab" * 5
     assert backend.calls.count("write") == 3 and backend.calls.count("read") == 3
     t.close()
-    again = NVMeTier(tmp_path / "nvme", 1 << 30, io="posix", direct=None if mode == "direct" else False)
+    again = NVMeTier(tmp_path / "nvme", 1 << 30, io="posix", direct=None if io_mode == "direct" else False)
     try:                                                 # a restart on the POSIX path
         assert {k for k, _ in again.recover()} == set(blocks) | set(posix)
         assert all(read(again, k) == data for k, data in blocks.items())

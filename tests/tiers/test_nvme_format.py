@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from nvme_support import K, file_of, mode, open_tier, payload, put, read  # noqa: F401
+from nvme_support import K, file_of, payload, put, read
 from tiers.errors import BlockCorrupt
 from tiers.nvme_format import (MAGIC, PAGE, HeaderError, IndexEntry, chunk_sums, decode_header, encode_header,
                                file_bytes, header_bytes)
@@ -61,8 +61,8 @@ def test_plan_spans_merges_touching_chunks_only():
     assert [(s.c0, s.c1, s.end) for s in whole] == [(0, 11, 10 * C + 5)]
 
 
-def test_file_holds_the_header_then_the_payload(open_tier):
-    t = open_tier()
+def test_file_holds_the_header_then_the_payload(open_nvme):
+    t = open_nvme()
     data = payload(K(1), 3 * C + 5)
     put(t, K(1), data, chunk=1000)                            # streamed in odd pieces
     raw = file_of(t, K(1)).read_bytes()
@@ -73,8 +73,8 @@ def test_file_holds_the_header_then_the_payload(open_tier):
 
 
 @pytest.mark.parametrize("cached", [True, False])
-def test_a_ranged_read_reads_only_its_chunks(open_tier, mode, cached):
-    t = open_tier(header_cache_bytes=1 << 20 if cached else 0)
+def test_a_ranged_read_reads_only_its_chunks(open_nvme, io_mode, cached):
+    t = open_nvme(header_cache_bytes=1 << 20 if cached else 0)
     size = 64 * C + 611                                       # a short last chunk
     data = payload(K(1), size)
     put(t, K(1), data)
@@ -82,7 +82,7 @@ def test_a_ranged_read_reads_only_its_chunks(open_tier, mode, cached):
     cases = [([(3 * C + 100, 50)], C),                        # inside chunk 3
              ([(3 * C - 10, 20)], 2 * C),                     # across chunks 2 and 3
              ([(0, C)], C),                                   # exactly chunk 0
-             ([(64 * C, 611)], PAGE if mode == "direct" else 611),      # the short last chunk
+             ([(64 * C, 611)], PAGE if io_mode == "direct" else 611),      # the short last chunk
              ([(C, 10), (5 * C, 10), (9 * C, 10)], 3 * C)]    # three separate chunks
     for ranges, chunks in cases:
         before = t.read_counters()
@@ -93,11 +93,11 @@ def test_a_ranged_read_reads_only_its_chunks(open_tier, mode, cached):
     before = t.read_counters()
     assert read(t, K(1)) == data
     assert t.read_counters().bytes_read - before.bytes_read == header + file_bytes(size, C) - PAGE - \
-        (0 if mode == "direct" else (-size) % PAGE)
+        (0 if io_mode == "direct" else (-size) % PAGE)
 
 
-def test_every_byte_served_was_verified(open_tier):
-    t = open_tier(header_cache_bytes=0)
+def test_every_byte_served_was_verified(open_nvme):
+    t = open_nvme(header_cache_bytes=0)
     data = payload(K(1), 10 * C)
     put(t, K(1), data)
     with open(file_of(t, K(1)), "r+b") as f:                  # one altered byte in chunk 5
@@ -114,8 +114,8 @@ def _aligned(n: int, shift: int = 0) -> memoryview:
 
 
 @pytest.mark.parametrize("shift", [0, 1, 512], ids=["page-aligned", "odd", "512"])
-def test_reads_into_buffers_of_any_alignment(open_tier, shift):
-    t = open_tier()
+def test_reads_into_buffers_of_any_alignment(open_nvme, shift):
+    t = open_nvme()
     size = 5 * C + 123
     data = payload(K(1), size)
     put(t, K(1), data)
@@ -130,26 +130,26 @@ def test_reads_into_buffers_of_any_alignment(open_tier, shift):
     assert bytes(out) == b"".join(data[o:o + n] for o, n in mixed)
 
 
-def test_tp_rank_ranges_in_parallel_match_one_by_one(open_tier):
+def test_tp_rank_ranges_in_parallel_match_one_by_one(open_nvme):
     size = 1 << 20
     ranges = [((layer * 2 + kv) * (size // 64), size // 512) for layer in range(32) for kv in range(2)]
     data = payload(K(1), size)
-    one = open_tier(read_threads=1)
+    one = open_nvme(read_threads=1)
     put(one, K(1), data)
     expect = b"".join(data[o:o + n] for o, n in ranges)
     assert read(one, K(1), ranges) == expect
     one.close()
-    many = open_tier(read_threads=4)
+    many = open_nvme(read_threads=4)
     assert read(many, K(1), ranges) == expect
     counts = many.read_counters()
     assert counts.bytes_served == size // 8 and counts.bytes_read == PAGE + 64 * C   # header + one chunk per range
 
 
-def test_blocks_of_other_chunk_sizes_stay_readable(open_tier):
-    t = open_tier(chunk_bytes=4096)
+def test_blocks_of_other_chunk_sizes_stay_readable(open_nvme):
+    t = open_nvme(chunk_bytes=4096)
     put(t, K(1), payload(K(1), 50_000))
     t.close()
-    t2 = open_tier(chunk_bytes=64 << 10)
+    t2 = open_nvme(chunk_bytes=64 << 10)
     put(t2, K(2), payload(K(2), 200_000))
     assert read(t2, K(1), [(40_000, 100)]) == payload(K(1), 50_000)[40_000:40_100]
     assert read(t2, K(2)) == payload(K(2), 200_000)
@@ -169,9 +169,9 @@ def test_header_cache_is_bounded_and_drops_freed_blocks():
     assert cache.get(K(3), 10, C) is None
 
 
-def test_streamed_writes_from_aligned_and_unaligned_memory(open_tier):
+def test_streamed_writes_from_aligned_and_unaligned_memory(open_nvme):
     """Page-aligned pieces go straight to the file, others through the staging buffer."""
-    t = open_tier()
+    t = open_nvme()
     size = 3 * (1 << 20) + 5000
     data = payload(K(1), size)
     src = _aligned(size)
