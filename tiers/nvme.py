@@ -4,13 +4,15 @@ blocks survive restarts.
 Modules (one responsibility each):
 
 =========================  ==============================================================
-:mod:`tiers.nvme`          the tier: folder lock, accounting, the write protocol, reads
+:mod:`tiers.nvme`          the tier: opening, reads, frees, the Tier interface
 :mod:`tiers.nvme_format`   on-disk format: folder layout, block header, index values
+:mod:`tiers.nvme_commit`   the two-phase write protocol: reservations, temp files, commit
 :mod:`tiers.nvme_write`    writing a block file (chunk checksums, O_DIRECT staging)
 :mod:`tiers.nvme_read`     ranged, verified reads straight into the caller's buffer
-:mod:`tiers.nvme_io`       aligned buffers, O_DIRECT probe, vectored I/O
+:mod:`tiers.nvme_io`       folder lock, aligned buffers, O_DIRECT probe, vectored I/O
 :mod:`tiers.nvme_index`    the LMDB index, checked before it is mapped
-:mod:`tiers.nvme_recover`  index <-> files reconciliation, rebuild, offline repair
+:mod:`tiers.nvme_recover`  index <-> files reconciliation, rebuild, repair, audit
+:mod:`tiers.nvme_space`    capacity accounting, disk full
 :mod:`tiers.nvme_spare`    freed files kept for reuse
 :mod:`tiers.nvme_device`   GPUDirect Storage (kvikio) in the same format
 =========================  ==============================================================
@@ -37,7 +39,6 @@ room for the configured capacity again, so the manager evicts instead of failing
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import threading
@@ -53,9 +54,9 @@ from .nvme_commit import REPAIR_HINT, Reservations
 from .nvme_format import (DEFAULT_CHUNK_BYTES, IndexEntry, block_path, check_chunk_bytes, file_bytes,
                           floor_page, header_bytes)
 from .nvme_index import BlockIndex
-from .nvme_io import BufferPool, ReadThreads, probe_direct
+from .nvme_io import BufferPool, ReadThreads, lock_folder, probe_direct
 from .nvme_read import HeaderCache, read_block
-from .nvme_recover import RecoveryReport, reconcile
+from .nvme_recover import RecoveryReport, reconcile, trim_to_capacity
 from .nvme_space import Space
 from .nvme_spare import SpareFiles
 from .nvme_write import BlockWriter
@@ -73,21 +74,6 @@ class ReadCounters:
     reads: int
     bytes_served: int
     bytes_read: int
-
-
-def _lock_folder(path: str, name: str) -> int:
-    """Create the tier folder and take its flock; return the lock file's descriptor."""
-    try:
-        os.makedirs(os.path.join(path, "blocks"), mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise TierUnavailable(f"{name}: cannot use the tier folder {path}: {e.strerror}") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        raise TierUnavailable(f"{name}: {path} is in use by another process (another daemon?)") from e
-    return fd
 
 
 class NVMeTier(Tier):
@@ -158,7 +144,7 @@ class NVMeTier(Tier):
         self._threads = ReadThreads(read_threads) if read_threads > 1 else None
         self._index: BlockIndex | None = None
         self._device = None
-        self._lock_fd = _lock_folder(self.path, name)
+        self._lock_fd = lock_folder(self.path, name)
         try:
             self._open(direct, map_size, max_buffer_bytes, spare_files, spare_bytes, rebuild_index)
         except BaseException:
@@ -194,7 +180,7 @@ class NVMeTier(Tier):
                                   f"{hint}") from e
         self._space.used = sum(e.file_bytes for e in self._index.entries.values())
         if self._space.used > self._capacity:
-            self._trim_to_capacity()
+            report.trimmed = trim_to_capacity(self._index, self._space, self._remove_file, self.name)
         report.blocks, report.file_bytes = len(self._index.entries), self._space.used
         self._writes = Reservations(folder=self.path, name=self.name, lock=self._lock, index=self._index,
                                     space=self._space, writer=BlockWriter(accepted, self._pool),
@@ -205,22 +191,6 @@ class NVMeTier(Tier):
             self._device = DeviceFiles(kvikio_backend())
         level = logging.WARNING if (report.quarantined or report.index_damage) else logging.INFO
         log.log(level, "%s: opened %s: %s", self.name, self.path, report.summary())
-
-    def _trim_to_capacity(self) -> None:
-        """Delete the oldest written blocks until the blocks fit the capacity."""
-        by_age = sorted(self._index.entries.items(), key=lambda kv: kv[1].written_at)
-        victims = []
-        for key, entry in by_age:
-            if self._space.used <= self._capacity:
-                break
-            victims.append(key)
-            self._space.give(entry.file_bytes)
-        log.warning("%s: %d stored blocks exceed the capacity of %d bytes; deleting the %d oldest",
-                    self.name, len(by_age), self._capacity, len(victims))
-        for key in victims:
-            self._remove_file(key, self._index.entries[key].file_bytes)
-        self._index.delete(victims)
-        self.recovery.trimmed = len(victims)
 
     # -------------------------------------------------------------- accounting
 

@@ -200,7 +200,11 @@ class BlockIndex:
     def _open_checked(self) -> None:
         data = os.path.join(self.dir, "data.mdb")
         check_data_file(data)
-        compact_copy(self.dir, self._fsync)
+        try:
+            compact_copy(self.dir, self._fsync)
+        except (OSError, subprocess.SubprocessError) as e:      # no child process here: read it in-process
+            log.warning("%s: cannot check the index in a child process (%s); opening it directly",
+                        self.name, e)
         lock = os.path.join(self.dir, "lock.mdb")       # from a run that used LMDB's lock file
         if os.path.exists(lock):
             os.unlink(lock)

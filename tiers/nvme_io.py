@@ -1,5 +1,5 @@
-"""File I/O primitives of the NVMe tier: page-aligned buffers, O_DIRECT probing, full
-vectored reads and writes, and copies that release the GIL.
+"""File I/O primitives of the NVMe tier: the folder lock, page-aligned buffers, O_DIRECT
+probing, full vectored reads and writes, reads in flight together, GIL-free copies.
 
 O_DIRECT (``open(2)``) moves bytes between the device and user memory without the page
 cache, so file offsets, lengths and buffer addresses must be multiples of the logical
@@ -11,6 +11,7 @@ several threads are in flight together.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
@@ -19,12 +20,30 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .errors import TierUnavailable
 from .nvme_format import PAGE
 
 MIN_BUFFER_BYTES = 64 << 10
 """Smallest pooled buffer (bytes); larger ones are powers of two."""
 
 _GIL_FREE_COPY = 64 << 10      # copies at least this long go through numpy, which releases the GIL
+
+
+def lock_folder(path: str, name: str) -> int:
+    """Create the tier folder (and its ``blocks/``) and take the flock on ``LOCK``, so one
+    process at a time uses it; return the lock file's descriptor (closing it releases
+    the lock). Raises TierUnavailable naming the folder."""
+    try:
+        os.makedirs(os.path.join(path, "blocks"), mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise TierUnavailable(f"{name}: cannot use the tier folder {path}: {e.strerror}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        raise TierUnavailable(f"{name}: {path} is in use by another process (another daemon?)") from e
+    return fd
 
 
 def buffer_address(view: memoryview) -> int:
@@ -218,5 +237,5 @@ def pwritev_all(fd: int, bufs: Sequence[memoryview], offset: int) -> None:
         todo = _advance(todo, n)
 
 
-__all__ = ["AlignedBuffer", "BufferPool", "ReadThreads", "MIN_BUFFER_BYTES", "buffer_address", "copy_bytes",
+__all__ = ["AlignedBuffer", "BufferPool", "ReadThreads", "lock_folder", "MIN_BUFFER_BYTES", "buffer_address", "copy_bytes",
            "page_aligned", "preadv_full", "probe_direct", "pwritev_all"]

@@ -196,6 +196,25 @@ def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, update
         updates.append((key, found))
 
 
+def trim_to_capacity(index: BlockIndex, space, remove_file, name: str) -> int:
+    """Delete the oldest written blocks (``remove_file(key, file bytes)``, then the index
+    entries) until ``space.used`` fits ``space.configured``; return how many. For a
+    folder reopened with a smaller capacity."""
+    by_age = sorted(index.entries.items(), key=lambda kv: kv[1].written_at)
+    victims = []
+    for key, entry in by_age:
+        if space.used <= space.configured:
+            break
+        victims.append(key)
+        space.give(entry.file_bytes)
+    log.warning("%s: %d stored blocks exceed the capacity of %d bytes; deleting the %d oldest",
+                name, len(by_age), space.configured, len(victims))
+    for key in victims:
+        remove_file(key, index.entries[key].file_bytes)
+    index.delete(victims)
+    return len(victims)
+
+
 def audit_folder(path: str | os.PathLike, verify_payload: bool = True) -> dict:
     """Compare a closed NVMe tier folder's index with its block files, changing nothing
     (for tests and operators). Reads the index read-only after :func:`check_data_file`.
@@ -288,4 +307,4 @@ def repair_index(path: str | os.PathLike) -> RecoveryReport:
         tier.close()
 
 
-__all__ = ["RecoveryReport", "audit_folder", "read_header", "reconcile", "repair_index"]
+__all__ = ["RecoveryReport", "audit_folder", "read_header", "reconcile", "repair_index", "trim_to_capacity"]
