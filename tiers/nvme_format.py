@@ -267,7 +267,7 @@ class IndexEntry:
 def block_path(blocks_dir: str, key: bytes) -> str:
     """Path of a block's file under ``blocks_dir``."""
     h = key.hex()
-    return os.path.join(blocks_dir, h[:2], h[2:4], h)
+    return f"{blocks_dir}{os.sep}{h[:2]}{os.sep}{h[2:4]}{os.sep}{h}"
 
 
 def key_of_name(name: str) -> bytes | None:
