@@ -25,7 +25,7 @@ figure of the same direction, size and threads; ``disk/served`` is bytes read fr
 block files (headers and whole checksum chunks included) per byte served.
 
     python bench/nvme_tier.py [--sizes 256KiB,1MiB,4MiB] [--threads 1,4] [--total 256MiB]
-                              [--rounds 3] [--chunk 16KiB] [--dir DIR]
+                              [--rounds 3] [--chunk 16KiB] [--header-cache 32MiB] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def tp_ranges(size: int, layers: int = 32, heads: int = 8, tp: int = 8) -> list[
     return [((layer * 2 + kv) * per_kv, per_head * heads // tp) for layer in range(layers) for kv in range(2)]
 
 
-def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: int, direct: bool) -> dict:
+def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: int, direct: bool,
+              header_cache: int) -> dict:
     """Seconds per figure (``(seconds, bytes served per block)``) and read amplification."""
     src = filled(size)
     src_bytes = bytes(src[:size])
@@ -117,7 +118,7 @@ def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: 
     (folder / "raw").mkdir()
     paths = [str(folder / "raw" / f"{i:08d}") for i in range(count)]
     t = NVMeTier(folder / "tier", count * (size + (64 << 10)) + (64 << 20), direct=None if direct else False,
-                 chunk_bytes=chunk)
+                 chunk_bytes=chunk, header_cache_bytes=header_cache)
     lock = threading.Lock()
     workers = Workers(threads)
     slice_blocks = 8 * threads
@@ -184,14 +185,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", default="16KiB", help="the tier's checksum chunk")
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp folder)")
+    ap.add_argument("--header-cache", default="32MiB",
+                    help="the tier's header cache (0: every read also reads and checks the block's header)")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(x) for x in args.threads.split(",")]
-    total, chunk = parse_size(args.total), parse_size(args.chunk)
+    total, chunk, cache = parse_size(args.total), parse_size(args.chunk), parse_size(args.header_cache)
     base = pathlib.Path(tempfile.mkdtemp(prefix="nvme-bench-", dir=args.dir))
     direct = probe_direct(str(base))
     print(f"# folder {base} ({'O_DIRECT' if direct else 'buffered: the filesystem refuses O_DIRECT'}), "
-          f"{format_size(total)} per figure, chunk {format_size(chunk)}, median of {args.rounds} rounds, "
+          f"{format_size(total)} per figure, chunk {format_size(chunk)}, header cache {format_size(cache)}, "
+          f"median of {args.rounds} rounds, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     print(f"{'block':>10} {'thr':>3} {'what':<14} {'GB/s':>6} {'raw GB/s':>8} {'x raw':>6} {'disk/served':>11}")
     try:
@@ -202,7 +206,7 @@ def main(argv=None) -> int:
                 for _ in range(args.rounds):
                     folder = base / "run"
                     folder.mkdir()
-                    rounds.append(one_round(folder, size, count, nthreads, chunk, direct))
+                    rounds.append(one_round(folder, size, count, nthreads, chunk, direct, cache))
                     shutil.rmtree(folder)
                 report(size, count, nthreads, rounds)
     finally:

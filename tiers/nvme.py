@@ -268,7 +268,11 @@ class NVMeTier(Tier):
         """Read a block (or ``ranges`` of it, concatenated) into the start of ``out``,
         reading from the file only the chunks the ranges touch and verifying each against
         the header (see :mod:`tiers.nvme_read`). Page-aligned ``out`` under O_DIRECT is
-        filled by the kernel directly; other buffers through a pooled bounce buffer."""
+        filled by the kernel directly; other buffers through a pooled bounce buffer.
+
+        Raises BlockNotStored, InvalidAccess (a range outside the block, ``out`` too small
+        or read-only), BlockCorrupt (missing, truncated, misplaced or altered file: the
+        caller frees the block), TierIOError."""
         entry = self._entry(key)
         total = check_ranges(ranges, entry.size)
         view = output_view(out, total)
