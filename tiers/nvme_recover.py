@@ -27,8 +27,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from .nvme_format import PAGE, BlockHeader, HeaderError, IndexEntry, decode_header, header_length, key_of_name
-from .nvme_index import BlockIndex
+import lmdb
+import xxhash
+
+from .errors import TierUnavailable
+from .nvme_format import (FORMAT_KEY, PAGE, BlockHeader, HeaderError, IndexEntry, decode_header, header_length,
+                          key_of_name)
+from .nvme_index import BlockIndex, check_data_file
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -227,11 +232,6 @@ def audit_folder(path: str | os.PathLike, verify_payload: bool = True) -> dict:
     (any other file under ``blocks/``), and ``keys`` (the indexed keys, a set).
     Raises IndexDamaged for an index that fails the check.
     """
-    import lmdb
-    import xxhash
-    from .nvme_format import FORMAT_KEY
-    from .nvme_index import check_data_file
-
     folder = os.path.abspath(os.fspath(path))
     out = dict(indexed=0, files=0, temp=0, orphans=0, missing=0, bad_size=0, bad_header=0, bad_checksum=0,
                misplaced=0, other=0, keys=set())
@@ -294,8 +294,7 @@ def repair_index(path: str | os.PathLike) -> RecoveryReport:
     Returns the :class:`RecoveryReport`. Raises :class:`tiers.errors.TierUnavailable`
     (folder missing, in use, or unusable).
     """
-    from .errors import TierUnavailable
-    from .nvme import NVMeTier
+    from .nvme import NVMeTier               # nvme imports this module
 
     folder = os.path.abspath(os.fspath(path))
     if not os.path.isdir(os.path.join(folder, "blocks")):
