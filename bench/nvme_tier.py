@@ -20,9 +20,11 @@ the raw figure it is compared with run over the same blocks in alternating slice
 - ``get TP rank``: what TP rank 0 of 8 reads of a block laid out
   ``[32 layers][k|v][8 KV heads][...]``: 64 ranges, an eighth of the block.
 
-GB/s are payload bytes served per second (1e9 B/s); ``x raw`` is the ratio to the raw
-figure of the same direction, size and threads; ``disk/served`` is bytes read from the
-block files (headers and whole checksum chunks included) per byte served.
+GB/s are payload bytes served per second (1e9 B/s), medians over the rounds; ``x raw`` is
+the median over the rounds of each round's ratio to the raw figure of the same
+direction, size and threads (so it need not equal the ratio of the two medians);
+``disk/served`` is bytes read from the block files (headers and whole checksum chunks
+included) per byte served.
 
     python bench/nvme_tier.py [--sizes 256KiB,1MiB,4MiB] [--threads 1,4] [--total 256MiB]
                               [--rounds 3] [--chunk 16KiB] [--header-cache 32MiB] [--dir DIR]
