@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "kvstore.serve",          # kvstore serve
     "kvstore.replay",         # kvstore replay
     "kvstore.stats_cmd",      # kvstore stats
+    "kvstore.repair_cmd",     # kvstore repair-index
     "kvstore.simulate",       # kvstore simulate
     "kvstore.agent_trace",    # kvstore gen-agent-trace
     "engine_adapter.demo",    # kvstore agent-demo

@@ -16,6 +16,8 @@ InvalidAccess       an out-of-order chunk, a byte range outside the block, a
                     commit before every byte arrived, an output buffer too small
 BlockCorrupt        stored bytes fail their checksum or are truncated; never served
 TierIOError         the medium failed (I/O error, device gone, remote peer down)
+TierUnavailable     the medium cannot be opened: its folder cannot be created or
+                    used, another process holds it, its index cannot be rebuilt
 ==================  ===========================================================
 """
 
@@ -57,10 +59,16 @@ class TierIOError(TierError, OSError):
     """The medium failed: an I/O error, a timeout, a device or remote peer gone."""
 
 
+class TierUnavailable(TierIOError):
+    """A tier cannot be opened: its folder cannot be created or used, another process
+    (a second daemon) holds it, or its damaged index cannot be moved aside and rebuilt.
+    The message names the folder and, where one exists, the command that repairs it."""
+
+
 class DiskFull(TierIOError, TierFull):
     """The filesystem ran out of space (ENOSPC/EDQUOT) before the tier reached its
     configured capacity. It is a TierFull (evict and retry) and a TierIOError."""
 
 
 __all__ = ["TierError", "TierFull", "BlockNotStored", "BlockExists", "InvalidAccess", "BlockCorrupt",
-           "TierIOError", "DiskFull"]
+           "TierIOError", "TierUnavailable", "DiskFull"]

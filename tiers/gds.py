@@ -1,13 +1,9 @@
 """GPUDirect Storage: block files read and written straight from device memory (kvikio).
 
-Same on-disk format as the POSIX path of :mod:`tiers.nvme` (a block written by one
-path is read by the other):
-
-- the payload's ``nbytes`` bytes at file offset 0;
-- with ``pad=True`` (what an O_DIRECT writer produces) the file is extended with zeros
-  to :func:`padded_size` (a multiple of 4096 bytes); without it the file has the exact
-  payload size. Readers read ``nbytes`` (the index's real size) from offset 0 and accept
-  both.
+The helpers move a payload of ``nbytes`` bytes between device memory and a file at a
+given file offset (the NVMe tier's block files put it after a page-aligned header,
+:mod:`tiers.nvme_format`); with ``pad=True`` the file is then cut or extended with zeros
+to ``file_offset + padded_size(nbytes)``.
 
 kvikio's ``CuFile`` moves the bytes: by GDS (NVMe <-> GPU DMA, no host copy) when the
 cuFile driver and file system allow it, otherwise in its compatibility mode (POSIX
@@ -15,8 +11,8 @@ reads/writes through kvikio's own pinned bounce buffers). :func:`gds_info` says 
 Page-aligned device addresses and sizes take the direct path; the HBM tier places
 blocks on 4096-byte boundaries for that reason.
 
-These helpers do the I/O only. File naming, the ``.tmp`` + rename protocol, the index
-and checksums belong to the NVMe tier.
+These helpers do the I/O only. File naming, the header, the ``.tmp`` + rename protocol,
+the index and checksums belong to the NVMe tier (:mod:`tiers.nvme_device`).
 
 Every function here needs a CUDA GPU and kvikio; on a CPU machine they raise
 :class:`tiers.gpu.GPUUnavailable` and the NVMe tier uses POSIX I/O.
@@ -118,36 +114,40 @@ def _payload_bytes(buf: Any, nbytes: int | None) -> int:
 
 
 def write_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int | None = None, *,
-                     pad: bool = True, fsync: bool = False) -> int:
-    """Write the first ``nbytes`` bytes of device buffer ``buf`` to a new file ``path``.
+                     file_offset: int = 0, pad: bool = True, fsync: bool = False, truncate: bool = True) -> int:
+    """Write the first ``nbytes`` bytes of device buffer ``buf`` to file ``path`` at
+    ``file_offset`` (bytes).
 
     Args:
-        path: file to create (truncated if it exists). The caller picks a temporary
-            name and renames it when the block is complete.
+        path: file to write; created and truncated when ``truncate``, else it must exist
+            and its other bytes are kept. The caller picks a temporary name and renames
+            it when the block is complete.
         buf: C-contiguous device array (CuPy array, torch CUDA tensor, an HBM tier's
             ``device_array(key)``), any dtype; ``nbytes`` counts bytes.
         nbytes: payload bytes (default: the whole buffer).
-        pad: extend the file with zeros to :func:`padded_size` (the O_DIRECT format).
+        file_offset: where the payload starts in the file (bytes, a multiple of 4096 for GDS).
+        pad: make the file ``file_offset + padded_size(nbytes)`` bytes (zeros after the payload).
         fsync: flush the file to the device before returning.
+        truncate: create/truncate the file (False: write into the existing file).
     Returns:
-        the file's size in bytes.
+        the file's size in bytes when ``pad``, else ``file_offset + nbytes``.
     Raises:
         GPUUnavailable: no GPU or no kvikio.
         ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
-        TierIOError: the write failed or was short (the partial file is removed).
+        TierIOError: the write failed or was short (a file it created is removed).
     """
     kvikio = _kvikio()
     n = _payload_bytes(buf, nbytes)
-    size = padded_size(n) if pad else n
+    size = file_offset + (padded_size(n) if pad else n)
     try:
-        f = kvikio.CuFile(path, "w")
+        f = kvikio.CuFile(path, "w" if truncate else "r+")
         try:
-            written = f.write(buf, size=n, file_offset=0) if n else 0
+            written = f.write(buf, size=n, file_offset=file_offset) if n else 0
         finally:
             f.close()
         if written != n:
             raise TierIOError(f"short GDS write to {os.fspath(path)!r}: {written} of {n} bytes")
-        if size != n:
+        if pad:
             os.truncate(path, size)                  # the tail reads as zeros
         if fsync:
             fd = os.open(path, os.O_RDONLY)
@@ -156,16 +156,18 @@ def write_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int | None 
             finally:
                 os.close(fd)
     except TierIOError:
-        _remove_quietly(path)
+        if truncate:
+            _remove_quietly(path)
         raise
     except (OSError, RuntimeError) as e:             # kvikio raises RuntimeError for cuFile errors
-        _remove_quietly(path)
+        if truncate:
+            _remove_quietly(path)
         raise TierIOError(f"GDS write of {n} bytes to {os.fspath(path)!r} failed: {e}") from e
     return size
 
 
-def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int) -> None:
-    """Read a block file's ``nbytes`` payload bytes (from offset 0) into device buffer ``buf``.
+def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int, file_offset: int = 0) -> None:
+    """Read ``nbytes`` payload bytes at ``file_offset`` of a file into device buffer ``buf``.
 
     Accepts padded and unpadded files. Does not verify a checksum (the caller does).
 
@@ -173,7 +175,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int) -> None
         GPUUnavailable: no GPU or no kvikio.
         ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
         FileNotFoundError: no such file.
-        BlockCorrupt: the file holds fewer than ``nbytes`` bytes.
+        BlockCorrupt: the file ends before ``file_offset + nbytes``.
         TierIOError: the read failed.
     """
     kvikio = _kvikio()
@@ -184,14 +186,14 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int) -> None
         raise
     except OSError as e:
         raise TierIOError(f"cannot stat {os.fspath(path)!r}: {e}") from e
-    if on_disk < n:
-        raise BlockCorrupt(f"block file {os.fspath(path)!r} is truncated: {on_disk} of {n} bytes")
+    if on_disk < file_offset + n:
+        raise BlockCorrupt(f"block file {os.fspath(path)!r} is truncated: {on_disk} of {file_offset + n} bytes")
     if n == 0:
         return
     try:
         f = kvikio.CuFile(path, "r")
         try:
-            got = f.read(buf, size=n, file_offset=0)
+            got = f.read(buf, size=n, file_offset=file_offset)
         finally:
             f.close()
     except (OSError, RuntimeError) as e:

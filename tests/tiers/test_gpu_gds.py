@@ -1,4 +1,6 @@
-"""GPUDirect Storage helpers on a GPU (kvikio): the file format is the POSIX tier's."""
+"""GPUDirect Storage on a GPU (kvikio): the helpers of tiers.gds, and the NVMe tier's device
+path in the block file format of the POSIX path (tiers.nvme_format). The same tier code
+runs on CPU, with a host-memory backend, in test_nvme_device.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from kvstore.errors import CorruptBlock
+from tiers.base import read_bytes
+from tiers.errors import BlockCorrupt
 from tiers.gds import gds_available, gds_info, padded_size, read_block_file, write_block_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gds_available(), reason=gds_info().reason or "no kvikio")]
@@ -32,6 +35,11 @@ def test_gds_write_gives_the_posix_format(tmp_path):
     q = tmp_path / "blk2"
     assert write_block_file(q, to_device(data), 5_000, pad=False, fsync=True) == 5_000
     assert q.read_bytes() == data[:5_000]
+    r = tmp_path / "blk3"                                 # after a header page, into an existing file
+    r.write_bytes(b"h" * 4096)
+    assert write_block_file(r, to_device(data), file_offset=4096, truncate=False) == 4096 + 12_288
+    raw = r.read_bytes()
+    assert raw[:4096] == b"h" * 4096 and raw[4096:14_096] == data and raw[14_096:] == bytes(2_288)
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -50,8 +58,10 @@ def test_short_file_is_corrupt_and_missing_file_raises(tmp_path):
     import cupy
     p = tmp_path / "blk"
     p.write_bytes(b"x" * 100)
-    with pytest.raises(CorruptBlock, match="truncated"):
+    with pytest.raises(BlockCorrupt, match="truncated"):
         read_block_file(p, cupy.empty(200, dtype=cupy.uint8), 200)
+    with pytest.raises(BlockCorrupt, match="truncated"):
+        read_block_file(p, cupy.empty(100, dtype=cupy.uint8), 100, file_offset=4096)
     with pytest.raises(FileNotFoundError):
         read_block_file(tmp_path / "none", cupy.empty(10, dtype=cupy.uint8), 10)
     with pytest.raises(ValueError):
@@ -73,7 +83,7 @@ def test_hbm_block_to_file_and_back_without_a_host_copy(tmp_path):
         read_block_file(p, t.device_array(k2), len(data))
         t.mark_written(k2, len(data))
         t.commit(k2)
-        assert t.read(k2) == data
+        assert read_bytes(t, k2) == data
         assert os.path.getsize(p) % 4096 == 0
     finally:
         t.close()
@@ -103,21 +113,27 @@ def hbm_block(hbm, k: bytes, data: bytes):
     hbm.commit(k)
 
 
+def file_of(nvme, key: bytes) -> str:
+    h = key.hex()
+    return os.path.join(nvme.path, "blocks", h[:2], h[2:4], h)
+
+
 @pytest.mark.parametrize("direct", [None, False])
 def test_nvme_gds_write_read_by_posix_and_back(tmp_path, hbm, direct):
-    from tiers.nvme import NVMeTier, disk_bytes
+    from tiers.nvme import NVMeTier
+    from tiers.nvme_format import DEFAULT_CHUNK_BYTES, file_bytes
     path = tmp_path / "nvme"
     nvme = NVMeTier(path, 1 << 27, io="gds", direct=direct)
-    assert nvme.io == "gds" and nvme.device_io
+    assert nvme.io == "gds" and nvme.capabilities.device_files is nvme
     blocks = {K(i): payload(10 + i, n) for i, n in enumerate(SIZES)}
     try:
         for k, data in blocks.items():                    # HBM -> NVMe through GDS
             hbm_block(hbm, k, data)
             nvme.reserve(k, len(data))
-            nvme.write_device(k, hbm.device_array(k))
+            nvme.write_from_device(k, hbm.device_array(k))
             nvme.commit(k)
-            assert os.path.getsize(nvme._file_path(k)) == disk_bytes(len(data))
-            assert nvme.read(k) == data                   # POSIX read, checksum verified
+            assert os.path.getsize(file_of(nvme, k)) == file_bytes(len(data), DEFAULT_CHUNK_BYTES)
+            assert read_bytes(nvme, k) == data            # POSIX read, every chunk verified
         posix = [K(10 + i) for i in range(len(SIZES))]
         for k, data in zip(posix, blocks.values()):       # POSIX write -> HBM through GDS
             nvme.reserve(k, len(data))
@@ -127,14 +143,14 @@ def test_nvme_gds_write_read_by_posix_and_back(tmp_path, hbm, direct):
             assert nvme.read_into_device(k, hbm.device_array(k)) == len(data)
             hbm.mark_written(k, len(data))
             hbm.commit(k)
-            assert hbm.read(k) == data
+            assert read_bytes(hbm, k) == data
     finally:
         nvme.close()
     again = NVMeTier(path, 1 << 27, io="posix", direct=direct)  # a restart on the POSIX path
     try:
         assert {k for k, _ in again.recover()} == set(blocks) | set(posix)
         for k, data in blocks.items():
-            assert again.read(k) == data
+            assert read_bytes(again, k) == data
     finally:
         again.close()
 
@@ -147,22 +163,24 @@ def test_nvme_gds_read_verifies_the_checksum(tmp_path, hbm):
         nvme.reserve(K(1), len(data))
         nvme.write(K(1), 0, data)
         nvme.commit(K(1))
-        with open(nvme._file_path(K(1)), "r+b") as f:
-            f.seek(1234)
+        with open(file_of(nvme, K(1)), "r+b") as f:
+            f.seek(4096 + 1234)                           # the payload starts after the header page
             f.write(bytes([data[1234] ^ 0xFF]))
         hbm.reserve(K(1), len(data))
-        with pytest.raises(CorruptBlock, match="checksum"):
+        with pytest.raises(BlockCorrupt, match="checksum"):
             nvme.read_into_device(K(1), hbm.device_array(K(1)))
-        os.truncate(nvme._file_path(K(1)), 100)
-        with pytest.raises(CorruptBlock, match="truncated"):
+        os.truncate(file_of(nvme, K(1)), 4096 + 100)
+        with pytest.raises(BlockCorrupt, match="truncated"):
             nvme.read_into_device(K(1), hbm.device_array(K(1)))
-        os.unlink(nvme._file_path(K(1)))
-        with pytest.raises(CorruptBlock, match="missing"):
+        os.unlink(file_of(nvme, K(1)))
+        with pytest.raises(BlockCorrupt, match="missing"):
             nvme.read_into_device(K(1), hbm.device_array(K(1)))
     finally:
         nvme.close()
 
 
+# The manager test below is the lead's to port with the v2 manager (it dispatches by
+# capabilities.device_files); the tier-side names are already the v2 ones.
 def test_manager_moves_hbm_nvme_through_gds(tmp_path, monkeypatch):
     from kvstore.manager import TierManager
     from kvstore.policy import make_policy
@@ -171,9 +189,9 @@ def test_manager_moves_hbm_nvme_through_gds(tmp_path, monkeypatch):
     from tiers.nvme import NVMeTier
 
     nvme = NVMeTier(tmp_path / "nvme", 1 << 26, io="auto")
-    assert nvme.device_io
+    assert nvme.capabilities.device_files is nvme
     calls = []
-    for name in ("write_device", "read_into_device", "write"):
+    for name in ("write_from_device", "read_into_device", "write"):
         method = getattr(nvme, name)
         monkeypatch.setattr(nvme, name, lambda *a, _m=method, _n=name: (calls.append(_n), _m(*a))[1])
     small = HBMTier(3 << 20)                              # room for one 2 MiB block
@@ -184,7 +202,7 @@ def test_manager_moves_hbm_nvme_through_gds(tmp_path, monkeypatch):
         for k, data in blocks.items():
             m.put(k, data)
         m.drain()
-        assert calls.count("write_device") >= 2 and "write" not in calls
+        assert calls.count("write_from_device") >= 2 and "write" not in calls
         first = next(iter(blocks))
         assert m.promote(first) is True
         m.drain()
