@@ -51,17 +51,16 @@ capacity = "1GiB"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     assert first.corrupt_blocks == 0
-    nvme_blocks = {p.name.split(".")[0] for p in (tmp_path / "nvme").rglob("*") if p.is_file()
-                   and len(p.name.split(".")[0]) == 64}
+    nvme_blocks = {p.name for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file() and len(p.name) == 64}
     keys = {trace_key(h, 512 * BPT).hex(): trace_key(h, 512 * BPT) for r in requests for h in r.hash_ids}
     on_nvme = sorted(k for k in nvme_blocks if k in keys)
     assert len(on_nvme) > 1000, stats
 
-    # flip one byte in one NVMe block file
+    # flip one byte of the payload of one NVMe block file (it starts after the 4 KiB header)
     victim = on_nvme[len(on_nvme) // 2]
-    path = next(p for p in (tmp_path / "nvme").rglob(victim))
+    path = next(p for p in (tmp_path / "nvme" / "blocks").rglob(victim))
     raw = bytearray(path.read_bytes())
-    raw[7] ^= 0x5A
+    raw[4096 + 7] ^= 0x5A
     path.write_bytes(bytes(raw))
 
     proc = start_daemon(cfg, sock)

@@ -179,64 +179,10 @@ class DaemonProcess:
 # ---------------------------------------------------------------------------- NVMe audit
 
 def nvme_audit(path: pathlib.Path, verify_checksums: bool = True) -> dict:
-    """Compare an NVMe tier folder's LMDB index with its block files (tier closed).
-
-    Returns counts: ``indexed``, ``files``, ``temp`` (``*.tmp``), ``orphans`` (block files
-    without an index entry), ``missing`` (index entries without a file), ``bad_size``,
-    ``bad_checksum``, ``misplaced`` (not under ``ab/cd/`` of their own name), ``other``
-    (anything else under ``blocks/``), and ``keys`` (the indexed keys).
-    """
-    path = pathlib.Path(path)
-    out = dict(indexed=0, files=0, temp=0, orphans=0, missing=0, bad_size=0, bad_checksum=0,
-               misplaced=0, other=0, keys=set())
-    index: dict[bytes, tuple[int, int, float]] = {}
-    if (path / "index").exists():
-        env = lmdb.open(str(path / "index"), readonly=True, lock=False, subdir=True)
-        try:
-            with env.begin() as txn:
-                for k, v in txn.cursor():
-                    index[bytes(k)] = INDEX_VALUE.unpack(v)
-        finally:
-            env.close()
-    out["indexed"] = len(index)
-    out["keys"] = set(index)
-    seen: set[bytes] = set()
-    blocks = path / "blocks"
-    for f in (blocks.rglob("*") if blocks.exists() else ()):
-        if f.is_dir():
-            continue
-        name = f.name
-        if name.endswith(".tmp"):
-            out["temp"] += 1
-            continue
-        try:
-            k = bytes.fromhex(name)
-        except ValueError:
-            out["other"] += 1
-            continue
-        if len(k) != 32:
-            out["other"] += 1
-            continue
-        out["files"] += 1
-        rel = f.relative_to(blocks).parts
-        if rel[:2] != (name[:2], name[2:4]) or len(rel) != 3:
-            out["misplaced"] += 1
-        if k not in index:
-            out["orphans"] += 1
-            continue
-        seen.add(k)
-        size, checksum, _ = index[k]
-        st = f.stat()
-        if st.st_size not in (size, -(-max(size, 1) // PAGE) * PAGE):
-            out["bad_size"] += 1
-            continue
-        if verify_checksums:
-            with open(f, "rb") as fh:
-                data = fh.read(size)
-            if xxhash.xxh3_64_intdigest(data) != checksum:
-                out["bad_checksum"] += 1
-    out["missing"] = len(set(index) - seen)
-    return out
+    """Compare a closed NVMe tier folder's index with its block files (see
+    :func:`tiers.nvme_recover.audit_folder`: the counts, and ``keys``, the indexed keys)."""
+    from tiers.nvme_recover import audit_folder
+    return audit_folder(path, verify_payload=verify_checksums)
 
 
 # ---------------------------------------------------------------------------- in-memory tiers

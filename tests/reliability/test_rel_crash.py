@@ -142,8 +142,8 @@ def test_sigkill_at_random_points_during_concurrent_puts(tmp_path):
             assert not wrong, f"round {rnd}: blocks served with wrong bytes after restart: {wrong[:5]}"
             assert d.stop() == 0
             clean = nvme_audit(nvme)
-            problems = {k: clean[k] for k in ("temp", "orphans", "missing", "bad_size", "bad_checksum",
-                                               "misplaced", "other") if clean[k]}
+            problems = {k: clean[k] for k in ("temp", "orphans", "missing", "bad_size", "bad_header",
+                                               "bad_checksum", "misplaced", "other") if clean[k]}
             assert not problems, f"round {rnd}: index and files disagree after recovery: {problems}"
             assert clean["keys"] == found, (f"round {rnd}: {len(clean['keys'] - found)} indexed blocks not "
                                             f"served, {len(found - clean['keys'])} served blocks not indexed")
