@@ -143,12 +143,12 @@ def test_restart_serves_nvme_blocks_and_corrupt_file_misses(tmp_path):
         on_nvme = [k for k, _ in blocks if d.manager.tier_of(k) == TierKind.NVME]
     d.stop(0)
     assert len(on_nvme) >= 10
-    # flip a byte in one NVMe block file
+    # flip a payload byte in one NVMe block file (the payload starts after the 4 KiB header)
     victim = on_nvme[0]
-    files = [p for p in (tmp_path / "nvme").rglob("*") if p.is_file() and victim.hex() in p.name]
+    files = [p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file() and victim.hex() in p.name]
     assert len(files) == 1
     raw = bytearray(files[0].read_bytes())
-    raw[100] ^= 0xFF
+    raw[4096 + 100] ^= 0xFF
     files[0].write_bytes(bytes(raw))
     d = start_server(cfg)
     try:

@@ -105,16 +105,17 @@ def test_disk_smaller_than_the_configured_capacity(small_fs, layout):
 
 
 def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, monkeypatch):
-    """The same path without root: ``os.pwrite`` fails with ENOSPC while ``full`` is set."""
+    """The same path without root: ``os.pwritev`` (how the NVMe tier writes block files)
+    fails with ENOSPC while ``full`` is set."""
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme="64MiB",
                                    extra={"tiers": {"host": {"enabled": False}}}))
-    real_pwrite, real_statvfs = os.pwrite, os.statvfs
+    real_pwritev, real_statvfs = os.pwritev, os.statvfs
     full = {"on": False}
 
-    def pwrite(fd, data, offset):
+    def pwritev(fd, buffers, offset, *flags):
         if full["on"]:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
+        return real_pwritev(fd, buffers, offset, *flags)
 
     def statvfs(path):
         st = real_statvfs(path)
@@ -122,7 +123,7 @@ def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, mon
             return st
         return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0) + tuple(st)[5:])
 
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "statvfs", statvfs)
     try:
         nvme = d.manager.tiers[0]
@@ -132,11 +133,12 @@ def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, mon
             full["on"] = True
             _, failures = put_many(c, "full", 1)
             assert len(failures) == 1 and failures[0].startswith("RESOURCE_EXHAUSTED"), failures
-            assert nvme.capacity_bytes == nvme.used_bytes + nvme.spare_bytes == 6 * BLOCK
+            on_disk = 6 * (4096 + BLOCK)                                    # 6 blocks: header page + payload
+            assert nvme.capacity_bytes == nvme.used_bytes + nvme.spare_bytes == on_disk
             assert check_served(c, acked) == 6                              # nothing lost or damaged
             assert c.lookup([key(0, "full")]).hit_blocks == 0
             nvme_stats = next(t for t in c.stats()["tiers"] if t["name"] == "nvme")
-            assert nvme_stats["capacity_bytes"] == 6 * BLOCK                # the stats show the limit
+            assert nvme_stats["capacity_bytes"] == on_disk                  # the stats show the limit
             full["on"] = False                                              # room again (files deleted)
             more, failures = put_many(c, "after", 3)
             assert failures == [] and check_served(c, more) == 3
