@@ -187,3 +187,46 @@ def test_breaker_opens_fails_fast_probes_and_closes():
     assert g.breaker == "closed" and g.stats().consecutive_failures == 0
     assert g.call(counted) == 0 and len(calls) == 2
     g.close()
+
+
+# ---------------------------------------------------------------- settings and loading
+
+
+def test_mooncake_missing_names_the_missing_package(monkeypatch):
+    import builtins
+    import importlib.util
+
+    from tiers import mooncake_client
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "pip install mooncake-transfer-engine-non-cuda" in mooncake_client.mooncake_missing()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    real_import = builtins.__import__
+
+    def no_ibverbs(name, *args, **kwargs):
+        if name == "mooncake.store":
+            raise ImportError("libibverbs.so.1: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ibverbs)
+    assert "apt-get install -y libibverbs1" in mooncake_client.mooncake_missing()
+    with pytest.raises(mooncake_client.MooncakeUnavailable, match="libibverbs1"):
+        mooncake_client.store_class()
+
+
+def test_mooncake_config_validates_and_sizes_deadlines():
+    from tiers.mooncake_client import MooncakeConfig
+
+    cfg = MooncakeConfig(master="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata",
+                         capacity_bytes=1 << 30, timeout_s=2.0, min_throughput=1 << 30)
+    assert cfg.deadline_s(1 << 30) == 3.0
+    args = cfg.setup_args()
+    assert args["global_segment_size"] == 1 << 30 and args["master_server_addr"] == "127.0.0.1:50051"
+    assert MooncakeConfig(master="h:1", metadata_server="P2PHANDSHAKE", segment_bytes=0).setup_args()[
+        "global_segment_size"] == 0
+    for bad in (dict(master="nohost"), dict(protocol="udp"), dict(segment_bytes=1 << 20), dict(capacity_bytes=0),
+                dict(timeout_s=0), dict(replicas=0), dict(staging_bytes=4096)):
+        values = dict(master="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata")
+        values.update(bad)
+        with pytest.raises(ValueError, match="bad remote tier settings"):
+            MooncakeConfig(**values)
