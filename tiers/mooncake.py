@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import xxhash
@@ -32,43 +31,14 @@ import xxhash
 from .base import ByteRanges, Capabilities, Tier, TierKind, byte_view, check_chunk, check_ranges, output_view
 from .errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, TierFull, TierIOError
 from .mooncake_batch import get_many_into, put_many
-from .mooncake_client import (INVALID_PARAMS, MASTER_DOWN, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, MooncakeConfig,
-                              code_name, open_session, replicate_config, store_class)
+from .mooncake_client import (INVALID_PARAMS, MASTER_DOWN, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, Connector,
+                              MooncakeConfig, code_name, replicate_config, store_class)
 from .remote_format import HEADER_BYTES, check_key, object_bytes, object_name, pack_header, verify
-from .remote_guard import CallGuard, GuardStats, RemoteState, RemoteTimeout, RemoteUnavailable
+from .remote_guard import CallGuard, RemoteHealth, RemoteState, RemoteTimeout
 from .staging import Lease, StagingArena
 
 log = logging.getLogger("kvstore.tiers.remote")
 _KEPT: list = []            # sessions not closed because a library call may still use them
-
-
-@dataclass(frozen=True)
-class RemoteHealth:
-    """The remote tier's state for health checks and metrics.
-
-    Attributes:
-        state: connecting, healthy, open, half_open or closed.
-        master: the master's address.
-        last_error: the last connection or call failure ('' if none).
-        blocks: blocks this node put and still tracks.
-        used_bytes: their object bytes plus open reservations.
-        staging_used_bytes: bytes of the staging buffer lent now.
-        corrupt_blocks: remote copies that failed verification (since start).
-        peer_errors: reads that a peer did not serve (TRANSFER_FAIL and the like).
-        oversize_reads: batch reads whose object exceeded the caller's buffer.
-        guard: call counters and breaker state.
-    """
-
-    state: RemoteState
-    master: str
-    last_error: str
-    blocks: int
-    used_bytes: int
-    staging_used_bytes: int
-    corrupt_blocks: int
-    peer_errors: int
-    oversize_reads: int
-    guard: GuardStats
 
 
 class _Pending:
@@ -121,49 +91,20 @@ class MooncakeTier(Tier):
         self._own: dict[bytes, int] = {}            # key -> payload bytes, blocks this node put
         self._pending: dict[bytes, _Pending] = {}
         self._used = 0                              # object bytes of _own and _pending
-        self._store: Any = None
-        self._connect_error = "connecting"
-        self._connected = threading.Event()
-        self._closed = threading.Event()
         self._corrupt = self._peer_errors = self._oversize = 0
-        threading.Thread(target=self._connect_loop, name=f"{name}-connect", daemon=True).start()
+        self._conn = Connector(config, self._staging.address, self._staging.nbytes, name,
+                               on_connect=self._guard.reset)
         if wait_connected_s > 0:
             self.wait_connected(wait_connected_s)
 
     # ------------------------------------------------------------------ session
 
-    def _connect_loop(self) -> None:
-        delay = 0.25
-        while not self._closed.is_set():
-            try:
-                store = open_session(self.config, self._staging.address, self._staging.nbytes)
-            except Exception as exc:                 # TierIOError, or the library raised
-                if str(exc) != self._connect_error:
-                    log.warning("%s: cannot connect to the cluster (retrying): %s", self.name, exc)
-                self._connect_error = str(exc)
-                self._closed.wait(delay)
-                delay = min(delay * 2, self.config.reconnect_max_s)
-                continue
-            if self._closed.is_set():
-                store.close()
-                return
-            self._store = store
-            self._connect_error = ""
-            self._guard.reset()
-            self._connected.set()
-            log.info("%s: connected to Mooncake master %s", self.name, self.config.master)
-            return
-
     def wait_connected(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for the session; True once connected."""
-        return self._connected.wait(timeout_s)
+        return self._conn.connected.wait(timeout_s)
 
     def _session(self) -> Any:
-        store = self._store
-        if store is None:
-            state = "closed" if self._closed.is_set() else f"not connected to master {self.config.master}"
-            raise RemoteUnavailable(f"{self.name}: {state} ({self._connect_error})")
-        return store
+        return self._conn.require()
 
     def _name(self, key: bytes) -> str:
         return object_name(self._prefix, key)
@@ -203,7 +144,7 @@ class MooncakeTier(Tier):
 
     def fits(self, nbytes: int) -> bool:
         obj = object_bytes(nbytes)
-        if self._store is None or self._guard.breaker == "open":
+        if self._conn.store is None or self._guard.breaker == "open":
             return False
         return self._used + obj <= self.config.capacity_bytes and self._staging.can_lease(obj)
 
@@ -426,13 +367,13 @@ class MooncakeTier(Tier):
     def health(self) -> RemoteHealth:
         """Connection and breaker state plus counters, for health checks and metrics."""
         stats = self._guard.stats()
-        if self._closed.is_set():
+        if self._conn.closed:
             state = RemoteState.CLOSED
-        elif self._store is None:
+        elif self._conn.store is None:
             state = RemoteState.CONNECTING
         else:
             state = {"closed": RemoteState.HEALTHY, "open": RemoteState.OPEN}.get(stats.breaker, RemoteState.HALF_OPEN)
-        return RemoteHealth(state, self.config.master, self._connect_error or stats.last_error, len(self._own),
+        return RemoteHealth(state, self.config.master, self._conn.error or stats.last_error, len(self._own),
                             self._used, self._staging.used_bytes, self._corrupt, self._peer_errors, self._oversize,
                             stats)
 
@@ -441,12 +382,11 @@ class MooncakeTier(Tier):
         are waited for first (up to ``4 * timeout_s``, at least 5 s): closing the library's
         client under a running call can crash the process, so if one is still running the
         session and the buffer are kept alive instead (leaked) and a warning is logged."""
-        if self._closed.is_set():
+        if self._conn.closed:
             return
-        self._closed.set()
+        store = self._conn.detach()
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
-            store, self._store = self._store, None
         for p in pending:
             p.lease.release()
         idle = self._guard.wait_idle(max(5.0, 4 * self.config.timeout_s))

@@ -10,14 +10,19 @@ TCP. What we measured of its behaviour is in ``docs/remote_tier.md``.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import socket
+import threading
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .errors import TierIOError
+from .remote_guard import RemoteUnavailable
+
+log = logging.getLogger("kvstore.tiers.remote")
 
 # Mooncake Store error codes we act on (mooncake-store/include/types.h, ErrorCode).
 NO_AVAILABLE_HANDLE = -200        # no space in any segment of the cluster
@@ -245,6 +250,72 @@ def open_session(config: MooncakeConfig, staging_address: int, staging_bytes: in
     return store
 
 
+class Connector:
+    """The client session with the cluster, made on a background thread (``setup`` can
+    block ~90 s) and retried with exponential backoff up to ``reconnect_max_s`` until it
+    succeeds or :meth:`detach` is called. Once made, the library itself reconnects to
+    a restarted master, so one session serves the tier's life.
+
+    Attributes:
+        store: the library's store object, None until connected and after detach.
+        error: why the last attempt failed ('' once connected).
+        connected: set once connected.
+    """
+
+    def __init__(self, config: MooncakeConfig, staging_address: int, staging_bytes: int, name: str,
+                 on_connect: Callable[[], None] | None = None):
+        self.config = config
+        self.name = name
+        self.store: Any = None
+        self.error = "connecting"
+        self.connected = threading.Event()
+        self._closed = threading.Event()
+        self._on_connect = on_connect
+        self._staging = (staging_address, staging_bytes)
+        threading.Thread(target=self._run, name=f"{name}-connect", daemon=True).start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _run(self) -> None:
+        delay = 0.25
+        while not self._closed.is_set():
+            try:
+                store = open_session(self.config, *self._staging)
+            except Exception as exc:                 # TierIOError, or the library raised
+                if str(exc) != self.error:
+                    log.warning("%s: cannot connect to the cluster (retrying): %s", self.name, exc)
+                self.error = str(exc)
+                self._closed.wait(delay)
+                delay = min(delay * 2, self.config.reconnect_max_s)
+                continue
+            if self._closed.is_set():
+                _close_quietly(store)
+                return
+            self.store = store
+            self.error = ""
+            if self._on_connect is not None:
+                self._on_connect()
+            self.connected.set()
+            log.info("%s: connected to Mooncake master %s", self.name, self.config.master)
+            return
+
+    def require(self) -> Any:
+        """The store object. Raises RemoteUnavailable when not connected or detached."""
+        store = self.store
+        if store is None:
+            state = "closed" if self._closed.is_set() else f"not connected to master {self.config.master}"
+            raise RemoteUnavailable(f"{self.name}: {state} ({self.error})")
+        return store
+
+    def detach(self) -> Any:
+        """Stop connecting and hand over the store object (None if never connected)."""
+        self._closed.set()
+        store, self.store = self.store, None
+        return store
+
+
 def replicate_config(config: MooncakeConfig) -> Any:
     """The library's ``ReplicateConfig`` for our puts."""
     from mooncake.store import ReplicateConfig
@@ -262,5 +333,5 @@ def _close_quietly(store: Any) -> None:
         pass
 
 
-__all__ = ["MASTER_DOWN", "MooncakeConfig", "MooncakeUnavailable", "WHEEL", "WHEEL_VERSION", "apply_library_timeouts",
+__all__ = ["MASTER_DOWN", "Connector", "MooncakeConfig", "MooncakeUnavailable", "WHEEL", "WHEEL_VERSION", "apply_library_timeouts",
            "code_name", "mooncake_missing", "open_session", "reachable", "replicate_config", "store_class"]

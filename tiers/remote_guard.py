@@ -85,6 +85,35 @@ class GuardStats:
     breaker: str
 
 
+@dataclass(frozen=True)
+class RemoteHealth:
+    """The remote tier's state for health checks and metrics.
+
+    Attributes:
+        state: connecting, healthy, open, half_open or closed.
+        master: the master's address.
+        last_error: the last connection or call failure ('' if none).
+        blocks: blocks this node put and still tracks.
+        used_bytes: their object bytes plus open reservations.
+        staging_used_bytes: bytes of the staging buffer lent now.
+        corrupt_blocks: remote copies that failed verification (since start).
+        peer_errors: reads that a peer did not serve (TRANSFER_FAIL and the like).
+        oversize_reads: batch reads whose object exceeded the caller's buffer.
+        guard: call counters and breaker state.
+    """
+
+    state: RemoteState
+    master: str
+    last_error: str
+    blocks: int
+    used_bytes: int
+    staging_used_bytes: int
+    corrupt_blocks: int
+    peer_errors: int
+    oversize_reads: int
+    guard: GuardStats
+
+
 class _Workers:
     """A fixed set of daemon threads running submitted calls (daemon, unlike
     ThreadPoolExecutor's, so a call stuck in the library never holds up exit)."""
@@ -315,4 +344,4 @@ class CallGuard:
         self._workers.shutdown()
 
 
-__all__ = ["CallGuard", "GuardStats", "RemoteState", "RemoteTimeout", "RemoteUnavailable"]
+__all__ = ["CallGuard", "GuardStats", "RemoteHealth", "RemoteState", "RemoteTimeout", "RemoteUnavailable"]
