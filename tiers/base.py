@@ -35,6 +35,8 @@ capability            who has it, what it gives
                       (:class:`DeviceResident`)
 ``device_files``      NVMe with GPUDirect Storage: file <-> device memory without a host
                       copy (:class:`DeviceFileIO`)
+``remote``            a cluster store (Mooncake): batched existence checks, gets and puts
+                      of blocks other nodes may hold (:class:`RemoteStore`)
 ====================  ================================================================
 
 Thread safety: the manager serialises calls that change allocation state
@@ -208,6 +210,35 @@ class DeviceFileIO(Protocol):
         its size. Raises BlockNotStored, BlockCorrupt, TierIOError, InvalidAccess."""
 
 
+@runtime_checkable
+class RemoteStore(Protocol):
+    """A cluster-wide block store shared by many nodes (the remote tier).
+
+    The tier's own bookkeeping (``in``, ``len``, ``used_bytes``) covers the blocks this
+    node put; these calls ask the cluster, one round trip per batch, so a local miss
+    costs one call however many blocks it covers. Every call is bounded by the tier's
+    deadline; when the cluster cannot be reached it raises TierIOError quickly (a
+    circuit breaker refuses calls for a while after repeated failures), never hangs.
+    """
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each 32-byte key, whether the cluster holds a block under it now.
+        Raises TierIOError, InvalidAccess (a malformed key)."""
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
+        """Fetch whole blocks into the start of writable buffers ``outs`` (one per key,
+        each at least the block's size) and verify each; per key the payload bytes
+        copied, or None for a miss: not in the cluster, a corrupt or truncated copy (then
+        dropped from the cluster), a block larger than its buffer, or a peer that did not
+        answer. Wrong bytes are never reported as a block.
+        Raises TierIOError (the cluster is unreachable), InvalidAccess."""
+
+    def put_many(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
+        """Store ``(key, payload)`` blocks in the cluster in one batch; per item True
+        when the cluster holds it afterwards (already there counts). Raises TierFull
+        (beyond this node's capacity), TierIOError, InvalidAccess."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a tier can do beyond :class:`Tier`; None where it cannot."""
@@ -216,6 +247,7 @@ class Capabilities:
     shared: SharedSegment | None = None
     device: DeviceResident | None = None
     device_files: DeviceFileIO | None = None
+    remote: RemoteStore | None = None
 
 
 NO_CAPABILITIES = Capabilities()
@@ -349,5 +381,5 @@ def read_bytes(tier: Tier, key: bytes, ranges: ByteRanges | None = None) -> byte
 
 
 __all__ = ["ByteRanges", "Capabilities", "DeviceFileIO", "DeviceResident", "HostAddressable", "IpcHandle",
-           "NO_CAPABILITIES", "SegmentInfo", "SharedSegment", "Tier", "TierKind", "byte_view", "check_chunk",
+           "NO_CAPABILITIES", "RemoteStore", "SegmentInfo", "SharedSegment", "Tier", "TierKind", "byte_view", "check_chunk",
            "check_ranges", "output_view", "read_bytes"]
