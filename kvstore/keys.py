@@ -211,8 +211,8 @@ class BlockKeyer:
     """Computes the chained keys of a prompt's full blocks in one namespace.
 
     Bulk hashing: the token ids are encoded once (one numpy conversion), every block's
-    message tail (``len(tokens) | tokens | extra``) is laid out in one buffer, and the
-    chain hashes memoryview slices of it: one SHA-256 per block, no Python work per token.
+    message tail (``len(tokens) | tokens | extra``) is laid out in one buffer by numpy,
+    and the chain hashes slices of it: one SHA-256 per block, no Python work per token.
 
     >>> ns = Namespace("tiny", "float32", "layer.kv.head.token.dim/v1", block_tokens=4)
     >>> keys = BlockKeyer(ns).keys(list(range(10)))   # 2 full blocks; 2 tokens left over
@@ -253,8 +253,10 @@ class BlockKeyer:
         ``parent`` (None: the namespace root), e.g. the blocks a decode step completed.
 
         ``tokens`` starts at a block boundary; a trailing partial block has no key.
-        Raises ValueError as :meth:`keys`.
+        Raises ValueError as :meth:`keys`, or for a ``parent`` that is not 32 bytes.
         """
+        if parent is not None:
+            validate_key(parent)
         arr = token_array(tokens)
         n = self.num_full_blocks(len(arr))
         return self.chain(self.root if parent is None else parent, arr[:n * self.block_tokens],
@@ -275,7 +277,7 @@ class BlockKeyer:
         n = len(arr) // bt
         if n == 0:
             return []
-        words = arr.view(np.uint8).reshape(n, 4 * bt)
+        words = arr[:n * bt].view(np.uint8).reshape(n, 4 * bt)
         if isinstance(codes, (bytes, bytearray)):
             width = 8 + 4 * bt + len(codes)
             rows = np.empty((n, width), dtype=np.uint8)

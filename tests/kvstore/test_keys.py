@@ -191,3 +191,11 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 4], 2) == (1, 2)
     assert first_divergence([], [5], 2) is None
     assert first_divergence([7], [5], 2) == (0, 0)
+
+
+def test_extend_checks_parent_and_chain_ignores_a_partial_block():
+    keyer = BlockKeyer(ns())
+    with pytest.raises(ValueError):
+        keyer.extend(b"short", [1, 2, 3, 4])
+    arr = np.arange(10, dtype="<u4")
+    assert keyer.chain(keyer.root, arr, encode_extra(None)) == keyer.keys(list(range(10)))
