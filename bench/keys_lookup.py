@@ -290,19 +290,25 @@ def bench_get(c: KVStoreClient, c2: KVStoreClient, daemon, label: str, reps: int
         "copy": arena_copy,
         "memcpy": lambda: np.copyto(hot, src),
         "deferred": lambda: lookup_get(c2),
+        "deferred_get": lambda: c2.get_into(keys, out),
     }
+    setup = None
     if daemon is not None:
         m, service = daemon.manager, daemon.service
         request = pb.LeaseRequest(keys=keys, ttl_seconds=30.0, prefix=True)
         fns["handler"] = lambda: m.release(service.Lease(request, None).lease_id, "")
         fns["manager"] = lambda: m.release(m.lease(keys, 30.0, "").lease_id, "")
-    t = interleaved(fns, reps)
-    if daemon is not None:              # what-if: no per-block counting (restored below)
-        inc, m.counters.inc = m.counters.inc, lambda name, n=1: None
-        try:
-            t["uncounted"] = interleaved({"m": fns["manager"]}, reps)["m"]
-        finally:
-            m.counters.inc = inc
+        fns["uncounted"] = fns["manager"]
+        fns["uncounted_get"] = fns["deferred_get"]
+        counting = m.counters.inc
+
+        def setup(name: str) -> None:   # what-if rows run with the daemon's counters off
+            m.counters.inc = (lambda name, n=1: None) if name.startswith("uncounted") else counting
+    try:
+        t = interleaved(fns, reps, setup)
+    finally:
+        if daemon is not None:
+            vars(m.counters).pop("inc", None)
     futures_s = []
     for _ in range(min(reps, 200)):
         lease_id = c.lease(keys).lease_id
@@ -325,6 +331,9 @@ def bench_get(c: KVStoreClient, c2: KVStoreClient, daemon, label: str, reps: int
     row("  issuing the background Release (a gRPC future)", futures_s)
     row("  memcpy of the same 4 MiB (np.copyto, the floor)", t["memcpy"], t["memcpy"])
     row("what-if: lookup + get_into, releases by one thread", t["deferred"], t["memcpy"])
+    row("what-if: get_into alone, releases by one thread", t["deferred_get"], t["memcpy"])
+    if "uncounted_get" in t:
+        row("what-if: get_into alone, one release thread, counters off", t["uncounted_get"], t["memcpy"])
 
 
 def main(argv: list[str] | None = None) -> None:
