@@ -43,7 +43,7 @@ _NAMESPACE_DOMAIN = b"kvstore.namespace.v1"
 
 ExtraValue = str | int | bytes
 _LITTLE_ENDIAN = sys.byteorder == "little"
-_U32 = next(code for code in "ILH" if array.array(code).itemsize == 4)   # the C type of 4 bytes
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)   # the C type of 4 bytes
 
 
 def _field(data: bytes) -> bytes:
