@@ -18,8 +18,8 @@ store. This module imports only types, errors, the wire format and the generated
 
 from __future__ import annotations
 
-import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -110,17 +110,12 @@ class KVStoreClient:
         self._arena = None
         self._arena_checked = False
         self._info: NodeInfo | None = None
-        self._releases: collections.deque = collections.deque()
+        self._releaser = _Releaser(self)
 
     # -------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        for fut in list(self._releases):
-            try:
-                fut.result(timeout=self.timeout)
-            except Exception:  # noqa: BLE001 - leases end by their TTL anyway
-                pass
-        self._releases.clear()
+        self._releaser.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -368,7 +363,8 @@ class KVStoreClient:
         try:
             while start < len(keys):
                 reply = self._call(self._stub.Lease, pb.LeaseRequest(
-                    keys=keys[start:], ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss, release=release), timeout)
+                    keys=keys[start:], ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
+                    release=release + self._releaser.take()), timeout)
                 release = [reply.lease_id]
                 for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
                     if not code:
@@ -415,14 +411,9 @@ class KVStoreClient:
                 i += 1
 
     def _release(self, lease_id: str) -> None:
-        """End a lease without waiting for the answer (its TTL ends it anyway)."""
-        while self._releases and self._releases[0].done():
-            self._releases.popleft()
-        try:
-            self._releases.append(self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease_id]),
-                                                            timeout=self.timeout, metadata=self._metadata))
-        except grpc.RpcError as e:      # pragma: no cover - the lease expires by its TTL
-            log.debug("release of lease %s failed: %s", lease_id, e)
+        """End a lease without waiting: it rides on the next Lease call, or a background
+        thread sends it (its TTL ends it anyway)."""
+        self._releaser.add(lease_id)
 
     # -------------------------------------------------------------- leases (low level)
 
@@ -462,6 +453,60 @@ class KVStoreClient:
         req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
         reply = self._call(self._stub.Resume, req, timeout)
         return reply.known, reply.observed_seconds
+
+
+class _Releaser:
+    """Ends leases in the background: ids wait here until the next Lease call carries them
+    (``LeaseRequest.release``) or, after ``delay_s`` without one, a thread sends them in
+    one Release call. No gRPC future per lease, no wait on the data path."""
+
+    def __init__(self, client: KVStoreClient, delay_s: float = 0.002):
+        self.client = client
+        self.delay_s = delay_s
+        self._ids: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease_id: str) -> None:
+        with self._lock:
+            self._ids.append(lease_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def take(self) -> list[str]:
+        with self._lock:
+            ids, self._ids = self._ids, []
+            return ids
+
+    def _send(self) -> None:
+        ids = self.take()
+        if not ids:
+            return
+        c = self.client
+        try:
+            c._stub.Release(pb.ReleaseRequest(lease_ids=ids), timeout=c.timeout, metadata=c._metadata)
+        except grpc.RpcError as e:      # the leases end by their TTL
+            log.debug("release of %d leases failed: %s", len(ids), e)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                break
+            time.sleep(self.delay_s)        # a Lease call coming right after carries them
+            self._send()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.timeout)
+        self._send()
 
 
 def _put_result(reply: pb.PutReply) -> PutResult:

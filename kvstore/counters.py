@@ -55,7 +55,8 @@ COUNTERS: dict[str, str] = {
     "blocks_persisted": "blocks copied from memory to NVMe on a graceful stop",
     # leases
     "leases_granted": "leases granted",
-    "leased_blocks": "blocks pinned by leases",
+    "leased_blocks": "blocks pinned by leases (clients read them in place)",
+    "leased_bytes": "payload bytes of the blocks pinned by leases",
     "leases_expired": "leases that ended by their TTL (not released)",
 }
 
@@ -74,35 +75,49 @@ def declared(name: str) -> str | None:
 
 
 class Counters:
-    """Thread-safe monotonic counters restricted to :data:`COUNTERS` (plus any names
-    registered with :meth:`declare`). Reading is lock-free (a snapshot copy)."""
+    """Monotonic counters restricted to :data:`COUNTERS`.
+
+    Increments are cheap and lock-free: each thread adds into its own dict (registered
+    once), and a read sums the threads' dicts. A counter name is checked against the
+    declarations on its first use; an undeclared name raises KeyError.
+    """
 
     def __init__(self) -> None:
-        self._values: dict[str, int] = {}
+        self._local = threading.local()
+        self._shards: list[dict[str, int]] = []
         self._lock = threading.Lock()
         self._known: dict[str, bool] = {}
 
-    def _check(self, name: str) -> None:
-        ok = self._known.get(name)
-        if ok is None:
-            ok = self._known[name] = declared(name) is not None
-        if not ok:
-            raise KeyError(f"counter {name!r} is not declared in kvstore/counters.py")
+    def _shard(self) -> dict[str, int]:
+        shard = self._local.__dict__.get("d")
+        if shard is None:
+            shard = self._local.d = {}
+            with self._lock:
+                self._shards.append(shard)
+        return shard
 
     def inc(self, name: str, n: int = 1) -> None:
-        self._check(name)
-        with self._lock:
-            self._values[name] = self._values.get(name, 0) + n
-
-    def __getitem__(self, name: str) -> int:
-        return self._values.get(name, 0)
-
-    def get(self, name: str, default: int = 0) -> int:
-        return self._values.get(name, default)
+        if name not in self._known:
+            if declared(name) is None:
+                raise KeyError(f"counter {name!r} is not declared in kvstore/counters.py")
+            self._known[name] = True
+        shard = self._local.__dict__.get("d") or self._shard()
+        shard[name] = shard.get(name, 0) + n
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._values)
+            shards = list(self._shards)
+        total: dict[str, int] = {}
+        for shard in shards:
+            for name, v in list(shard.items()):
+                total[name] = total.get(name, 0) + v
+        return total
+
+    def __getitem__(self, name: str) -> int:
+        return self.snapshot().get(name, 0)
+
+    def get(self, name: str, default: int = 0) -> int:
+        return self.snapshot().get(name, default)
 
     def items(self) -> Iterator[tuple[str, int]]:
         return iter(self.snapshot().items())

@@ -101,28 +101,27 @@ class Leases:
             max_bytes = self.tiers[self._shared].capacity_bytes // 4 if self._shared is not None else 1 << 62
         blocks: list[LeasedBlock] = []
         held: list[Entry] = []
-        leased = 0
-        resume_at = None
+        state = {"leased": 0, "resume_at": None}
         try:
-            for n, key in enumerate(keys):
-                size = self.manager.locate(key)
-                if size is not None and held and leased + size[0] > max_bytes:
-                    resume_at = n
+            n = 0
+            while n < len(keys):
+                n = self._grant_run(keys, n, device, prefix, max_bytes, blocks, held, state)
+                if n >= len(keys) or state["resume_at"] is not None or (prefix and blocks and not blocks[-1].found):
                     break
-                got = self._lease_one(key, device)
+                got = self._lease_promoted(keys[n], state, max_bytes, bool(held))   # needs a promotion first
                 if got is _NO_ROOM:
-                    resume_at = n
+                    state["resume_at"] = n
                     break
                 if got is None:
-                    blocks.append(LeasedBlock(key, False))
+                    blocks.append(LeasedBlock(keys[n], False))
                     self.counters.inc("get_misses")
                     if prefix:
                         break
-                    continue
-                entry, block = got
-                held.append(entry)
-                blocks.append(block)
-                leased += block.size
+                else:
+                    held.append(got[0])
+                    blocks.append(got[1])
+                    state["leased"] += got[1].size
+                n += 1
             with cat.lock:
                 lease = cat.lease(held, ttl_s, owner)
         except BaseException:
@@ -131,36 +130,71 @@ class Leases:
             raise
         self.counters.inc("leases_granted")
         self.counters.inc("leased_blocks", len(held))
-        return LeaseGrant(lease.lease_id, tuple(blocks), ttl_s, resume_at)
+        self.counters.inc("leased_bytes", state["leased"])
+        return LeaseGrant(lease.lease_id, tuple(blocks), ttl_s, state["resume_at"])
 
-    def _lease_one(self, key: bytes, device: bool):
-        """``(entry, LeasedBlock)`` pinned, None (a miss) or ``_NO_ROOM``."""
+    def _grant_run(self, keys, n, device, prefix, max_bytes, blocks, held, state) -> int:
+        """Grant keys from index ``n`` on while they are already where the client reads them
+        (one catalogue lock for the run); returns the index of the first key that needs a
+        promotion (or ``len(keys)``, or where the grant stopped)."""
+        cat, placement = self.catalogue, self._placement
+        shared, dev = self._shared, self._device if device else None
+        extent = self.tiers[shared].capabilities.shared.extent if shared is not None else None
+        kind = self.tiers[shared].kind if shared is not None else None
+        with cat.lock:
+            while n < len(keys):
+                key = keys[n]
+                e = cat.get(key)
+                if e is None:
+                    blocks.append(LeasedBlock(key, False))
+                    self.counters.inc("get_misses")
+                    n += 1
+                    if prefix:
+                        return n
+                    continue
+                if held and state["leased"] + e.size > max_bytes:
+                    state["resume_at"] = n
+                    return n
+                if dev is not None and dev in e.tiers:
+                    tier = self.tiers[dev]
+                    block = LeasedBlock(key, True, tier.kind, 0, e.size, tier.capabilities.device.ipc_handle(key))
+                elif shared is not None and shared in e.tiers:
+                    offset, size = extent(key)
+                    block = LeasedBlock(key, True, kind, offset, size)
+                else:
+                    return n
+                e.pins += 1
+                placement.touch(e)
+                held.append(e)
+                blocks.append(block)
+                state["leased"] += e.size
+                n += 1
+        return n
+
+    def _lease_promoted(self, key: bytes, state: dict, max_bytes: int, holding: bool):
+        """Promote ``key`` into the shared arena and pin it: ``(entry, LeasedBlock)``, None
+        (a miss) or ``_NO_ROOM`` (no room without evicting pinned blocks, or over budget)."""
         cat = self.catalogue
         entry = cat.pin(key)
         if entry is None:
             return None
         try:
-            with cat.lock:
-                self._placement.touch(entry)
-            if device and self._device is not None and self._device in entry.tiers:
-                tier = self.tiers[self._device]
-                ipc = tier.capabilities.device.ipc_handle(key)
-                self._placement.count_read(tier, entry.size)
-                return entry, LeasedBlock(key, True, tier.kind, 0, entry.size, ipc)
+            if holding and state["leased"] + entry.size > max_bytes:
+                cat.unpin(entry)
+                return _NO_ROOM
             s = self._shared
             if s is None:
                 raise terr.BlockNotStored("no shared arena")
-            if s not in entry.tiers:
-                t = self._placement.promote(entry, s, wait=True)
-                if t is None:                   # no room without evicting pinned blocks
-                    cat.unpin(entry)
-                    return _NO_ROOM
-                if not t.ok or s not in entry.tiers:
-                    raise terr.BlockNotStored("promotion into the shared arena failed")
-            tier = self.tiers[s]
-            offset, size = tier.capabilities.shared.extent(key)
-            self._placement.count_read(tier, size)
-            return entry, LeasedBlock(key, True, tier.kind, offset, size)
+            with cat.lock:
+                self._placement.touch(entry)
+            t = self._placement.promote(entry, s, wait=True)
+            if t is None:                   # no room without evicting pinned blocks
+                cat.unpin(entry)
+                return _NO_ROOM
+            if not t.ok or s not in entry.tiers:
+                raise terr.BlockNotStored("promotion into the shared arena failed")
+            offset, size = self.tiers[s].capabilities.shared.extent(key)
+            return entry, LeasedBlock(key, True, self.tiers[s].kind, offset, size)
         except terr.TierError as e:
             log.debug("lease of %s: %s", key.hex()[:16], e)
             cat.unpin(entry)
