@@ -80,8 +80,9 @@ class BlockBuffers:
         target: a sequence of ``n`` buffers (one per block), or one buffer.
         n: number of blocks.
         writable: filled by the store (``get_into``).
-        offsets: with one buffer, the byte offset of each block; None: back to back in
-            the order of the keys (each block taking its size).
+        offsets: with one buffer, the byte offset of each block; None: for ``get_into``,
+            ``n`` equal slots of ``len(buffer) // n`` bytes in the order of the keys (a
+            buffer shaped ``(n, block_bytes)``); for ``put_from``, back to back by ``sizes``.
         sizes: with one buffer for ``put_from``, each block's bytes (an int: all equal).
     """
 
@@ -106,11 +107,14 @@ class BlockBuffers:
         self.sizes = list(sizes) if sizes is not None else None
         if self.sizes is not None and len(self.sizes) != n:
             raise InvalidRequest(f"{len(self.sizes)} sizes for {n} keys")
-        if self._one is not None and self.offsets is None and self.sizes is not None:
-            self.offsets = [0] * n
-            for i in range(1, n):
-                self.offsets[i] = self.offsets[i - 1] + self.sizes[i - 1]
-        self._cursor = 0
+        self.stride = 0
+        if self._one is not None and self.offsets is None:
+            if self.sizes is not None:
+                self.offsets = [0] * n
+                for i in range(1, n):
+                    self.offsets[i] = self.offsets[i - 1] + self.sizes[i - 1]
+            elif n:
+                self.stride = self._one.array.size // n
 
     def block_sizes(self) -> list[int]:
         """Each block's bytes for ``put_from``: the per-block buffers' lengths, or ``sizes``."""
@@ -121,19 +125,20 @@ class BlockBuffers:
         return self.sizes
 
     def slot(self, i: int, nbytes: int) -> np.ndarray:
-        """The ``nbytes`` bytes of block ``i`` (call in key order when blocks are back to
-        back). Raises InvalidRequest when the buffer is too small."""
+        """The ``nbytes`` bytes of block ``i``. Raises InvalidRequest when they do not fit."""
         if self._per_block is not None:
             arr = self._per_block[i].array
             if arr.size < nbytes:
                 raise InvalidRequest(f"buffer {i} has {arr.size} bytes, block {i} needs {nbytes}")
             return arr[:nbytes]
         arr = self._one.array
-        start = self.offsets[i] if self.offsets is not None else self._cursor
-        if start < 0 or start + nbytes > arr.size:
-            raise InvalidRequest(f"block {i} ({nbytes} bytes at offset {start}) does not fit the "
-                                 f"{arr.size}-byte buffer")
-        self._cursor = start + nbytes
+        if self.offsets is not None:
+            start, end = self.offsets[i], arr.size
+        else:
+            start, end = i * self.stride, (i + 1) * self.stride
+        if start < 0 or start + nbytes > end:
+            raise InvalidRequest(f"block {i} ({nbytes} bytes at offset {start}) does not fit its "
+                                 f"{end - start}-byte slot of the {arr.size}-byte buffer")
         return arr[start:start + nbytes]
 
     def finish(self) -> None:

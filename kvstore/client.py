@@ -330,7 +330,8 @@ class KVStoreClient:
                  offsets: Sequence[int] | None = None, stop_at_miss: bool = True,
                  timeout: float | None = None) -> GetIntoResult:
         """Copy blocks (or ``ranges`` of each, concatenated) straight into ``out``: one
-        buffer per key, or one buffer holding the blocks back to back (or at ``offsets``).
+        buffer per key, or one buffer of ``len(keys)`` equal slots (e.g. shaped
+        ``(len(keys), block_bytes)``), or one buffer with the blocks at ``offsets``.
         Buffers: numpy arrays, torch tensors (CPU, pinned or CUDA), any writable buffer.
 
         With ``stop_at_miss`` (the default: a prefix) copying stops at the first miss.
@@ -418,12 +419,14 @@ class KVStoreClient:
     # -------------------------------------------------------------- leases (low level)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, *, prefix: bool = True,
-              device: bool = False, timeout: float | None = None) -> pb.LeaseReply:
+              device: bool = False, max_bytes: int = 0, timeout: float | None = None) -> pb.LeaseReply:
         """Pin blocks for reading in place (the shared arena, or HBM with ``device``).
-        Returns the raw reply (offsets, sizes, tier codes, IPC blocks); call
+        Returns the raw reply (offsets, sizes, tier codes, IPC blocks, ``resume_at``: the
+        grant stopped early past ``max_bytes``, default a quarter of the arena); call
         :meth:`release` with its ``lease_id`` when done."""
         return self._call(self._stub.Lease, pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s,
-                                                            prefix=prefix, device=device), timeout)
+                                                            prefix=prefix, device=device, max_bytes=max_bytes),
+                          timeout)
 
     def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
         """End leases; returns how many were live."""

@@ -1,0 +1,97 @@
+"""Background cleaning at watermarks: demotions run off the put path, so a put into a full
+host tier frees a clean block instead of waiting for its victim's NVMe write."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from support.fake_tiers import MemTier
+
+from kvstore.manager import TierManager
+from kvstore.policy import make_policy
+from tiers.base import TierKind
+
+BLOCK = 100
+DEADLINE = 30.0
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def payload(i: int) -> bytes:
+    return bytes([i % 251]) * BLOCK
+
+
+def wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def make(host_blocks: int = 10, nvme_blocks: int = 100, watermarks=(0.5, 0.8)):
+    host = MemTier(TierKind.HOST, host_blocks * BLOCK)
+    nvme = MemTier(TierKind.NVME, nvme_blocks * BLOCK)
+    nvme.gate_timeout = 60.0
+    m = TierManager([host, nvme], [make_policy("lru", t.capacity_bytes) for t in (host, nvme)],
+                    async_moves=True, watermarks=watermarks)
+    return m, host, nvme
+
+
+def test_cleaner_copies_the_coldest_blocks_down_past_the_high_watermark():
+    m, host, nvme = make()
+    try:
+        for i in range(9):                                  # 90% > high watermark 80%
+            m.put(K(i), payload(i))
+        # free (10%) + clean must reach 1 - low = 50%: the 4 coldest blocks get a lower copy
+        wait_for(lambda: m.counters["precleaned"] >= 4, "pre-cleaning")
+        m.drain(DEADLINE)
+        assert set(nvme.data) == {K(0), K(1), K(2), K(3)}
+        assert all(m.tier_of(K(i)) == TierKind.HOST for i in range(9))   # still served from host
+        assert m.placement.dirty_bytes(0) == 5 * BLOCK
+    finally:
+        m.close()
+
+
+def test_put_into_a_full_host_tier_does_not_wait_for_the_disk():
+    m, host, nvme = make()
+    try:
+        for i in range(10):                                 # fill the host tier
+            m.put(K(i), payload(i))
+        wait_for(lambda: m.counters["precleaned"] >= 5, "pre-cleaning of the full tier")
+        m.drain(DEADLINE)
+        nvme.write_gate = threading.Event()                 # from now on every NVMe write hangs
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (m.put(K(10), payload(10)), done.set()), daemon=True)
+        t.start()
+        # It returns well before the hung write would (60 s): it evicted a clean block.
+        assert done.wait(DEADLINE), "the put waited for an NVMe write"
+        assert m.tier_of(K(10)) == TierKind.HOST and m.tier_of(K(0)) == TierKind.NVME
+        assert bytes(m.get(K(0)).data) == payload(0)        # the evicted block is on NVMe, intact
+        assert m.counters["demotions"] == 0                 # no demotion was on the put path
+    finally:
+        if nvme.write_gate is not None:
+            nvme.write_gate.set()
+        m.close()
+
+
+def test_without_a_clean_block_a_put_waits_for_the_demotion_then_succeeds():
+    m, host, nvme = make(watermarks=(1.0, 1.0))             # no background cleaning
+    try:
+        for i in range(10):
+            m.put(K(i), payload(i))
+        nvme.write_gate = threading.Event()
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("stored", m.put(K(10), payload(10))), daemon=True)
+        t.start()
+        wait_for(lambda: nvme.waiting_writes == 1, "the put's demotion to reach the disk")
+        assert "stored" not in box                          # back-pressure: the put waits
+        nvme.write_gate.set()
+        t.join(DEADLINE)
+        assert box.get("stored") is True and m.tier_of(K(0)) == TierKind.NVME
+    finally:
+        if nvme.write_gate is not None:
+            nvme.write_gate.set()
+        m.close()
