@@ -1,26 +1,33 @@
 #!/usr/bin/env python3
 """Put/Get throughput through the daemon, next to the limits measured in the same run.
 
-For each block size (default 256 KiB, 1 MiB, 4 MiB) it measures, in this order:
+Per block size (default 256 KiB, 1 MiB, 4 MiB, and 128 blocks of 32 KiB), over ``--total``
+bytes, best of ``--rounds`` rounds (rounds of every path interleaved, so load on the
+machine hits them alike):
 
-- ``memcpy``: numpy copy between two preallocated buffers of the block size;
-- ``file O_DIRECT``: raw write and read of the same number of blocks to a file with
-  O_DIRECT and an aligned buffer (plain buffered I/O if the filesystem refuses it);
-- ``grpc echo``: a bare grpcio server in a separate process, streaming the same
-  bytes the way our Put (client stream) and Get (server stream) do;
-- ``kvstore``: our daemon in a separate process (``kvstore serve``), once with a host
-  tier large enough for everything (host) and once with a tiny host tier so every
-  block lives on NVMe (nvme: puts demote through host to NVMe, gets read NVMe and
-  promote back);
+limits
+  - ``memcpy``: streaming copy of ``--total`` bytes between two buffers that large (the
+    physical limit of one copy; a cache-resident copy is several times faster);
+  - ``file``: raw O_DIRECT write and read of the same blocks (aligned buffer);
+  - ``raw gRPC``: a bare grpcio server in a separate process streaming the same bytes as
+    generic byte messages (a client stream for put, a server stream for get);
+kvstore, daemon in a separate process (``kvstore serve``):
+  - ``zero-copy``: same node, ``put_from`` / ``get_into`` through the shared host arena;
+  - ``gRPC unix`` and ``gRPC TCP``: the same calls with ``shared_memory=False`` (raw
+    frames over gRPC) on the unix socket and on 127.0.0.1;
+  - ``NVMe``: a host tier of a few blocks, so puts demote to NVMe and gets read NVMe
+    (zero-copy: promoted into the arena, then copied; gRPC: read straight into frames).
 
-and prints each of our figures as a ratio of each limit. Figures are GB/s (1e9 B/s).
+Figures are GB/s (1e9 B/s); ratios compare with the limits of the same run. For the
+128 x 32 KiB batch the p50/p99 latency of one ``get_into`` (lookup included) is printed too.
 
-    python bench/throughput.py [--sizes 256KiB,1MiB,4MiB] [--total 256MiB] [--dir DIR]
+    python bench/throughput.py [--sizes 256KiB,1MiB,4MiB] [--total 256MiB] [--rounds 3] [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import mmap
 import os
 import pathlib
@@ -73,190 +80,243 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def best_of(fn, repeats: int = 3) -> float:
-    """Shortest wall time of ``repeats`` runs of ``fn`` (seconds)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def bench_memcpy(size: int, count: int) -> float:
-    src = np.ones(size, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    np.copyto(dst, src)  # first touch outside the timing
-
-    def run():
-        for _ in range(count):
-            np.copyto(dst, src)
-    return gbps(size * count, best_of(run))
+def memcpy_stream(total: int):
+    src = np.ones(total, dtype=np.uint8)
+    dst = np.zeros(total, dtype=np.uint8)
+    np.copyto(dst, src)                                   # pages touched outside the timing
+    return lambda: np.copyto(dst, src)
 
 
-def bench_file(folder: pathlib.Path, size: int, count: int) -> tuple[float, float, str]:
-    """Raw write and read GB/s of ``count`` blocks of ``size`` bytes, and the mode used."""
-    path = folder / "raw.bin"
-    aligned = (size + 4095) // 4096 * 4096
-    buf = mmap.mmap(-1, aligned)
-    buf.write(b"\x02" * aligned)
-    mode = "O_DIRECT"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
-        os.pwrite(fd, buf, 0)
-    except OSError:
-        mode = "buffered"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    view = memoryview(buf)
+class RawFile:
+    """Raw O_DIRECT (or buffered, if refused) block writes and reads in ``folder``."""
 
-    def write():
-        for i in range(count):
-            os.pwrite(fd, view, i * aligned)
-        os.fsync(fd)
+    def __init__(self, folder: pathlib.Path, size: int, count: int):
+        self.path = folder / "raw.bin"
+        self.size, self.count = size, count
+        self.aligned = (size + 4095) // 4096 * 4096
+        self.buf = mmap.mmap(-1, self.aligned)
+        self.buf.write(b"\x02" * self.aligned)
+        self.mode = "O_DIRECT"
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+            os.pwrite(self.fd, self.buf, 0)
+        except OSError:
+            self.mode = "buffered"
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.view = memoryview(self.buf)
 
-    def read():
-        for i in range(count):
-            os.preadv(fd, [view], i * aligned)
-    w = gbps(size * count, best_of(write))
-    r = gbps(size * count, best_of(read))
-    os.close(fd)
-    view.release()
-    buf.close()
-    path.unlink()
-    return w, r, mode
+    def write(self) -> None:
+        for i in range(self.count):
+            os.pwrite(self.fd, self.view, i * self.aligned)
+        os.fsync(self.fd)
 
+    def read(self) -> None:
+        for i in range(self.count):
+            os.preadv(self.fd, [self.view], i * self.aligned)
 
-def start(cmd: list[str], ready_line: str | None = None, env=None) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    if ready_line:
-        for line in proc.stdout:
-            if ready_line in line:
-                break
-        else:
-            raise RuntimeError(f"{cmd} exited before it was ready")
-    return proc
+    def close(self) -> None:
+        os.close(self.fd)
+        self.view.release()
+        self.buf.close()
+        self.path.unlink()
 
 
-def bench_grpc_echo(address: str, size: int, count: int) -> tuple[float, float]:
+def start(cmd: list[str], ready_line: str) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd``; returns the process and its first output line containing ``ready_line``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if ready_line in line:
+            return proc, line.strip()
+    raise RuntimeError(f"{cmd} exited before it was ready")
+
+
+def echo_calls(address: str, size: int, count: int):
     import grpc
 
     opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    with grpc.insecure_channel(address, options=opts) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        sink = ch.stream_unary("/bench.Echo/Sink")
-        source = ch.unary_stream("/bench.Echo/Source")
-        payload = b"\x03" * size
+    ch = grpc.insecure_channel(address, options=opts)
+    grpc.channel_ready_future(ch).result(timeout=30)
+    sink, source = ch.stream_unary("/bench.Echo/Sink"), ch.unary_stream("/bench.Echo/Source")
+    payload = b"\x03" * size
 
-        def put():
-            assert int.from_bytes(sink(payload for _ in range(count)), "little") == size * count
+    def put():
+        assert int.from_bytes(sink(payload for _ in range(count)), "little") == size * count
 
-        def get():
-            n = sum(len(c) for c in source(size.to_bytes(8, "little") + count.to_bytes(8, "little")))
-            assert n == size * count
-        return gbps(size * count, best_of(put)), gbps(size * count, best_of(get))
+    def get():
+        assert sum(len(c) for c in source(size.to_bytes(8, "little") + count.to_bytes(8, "little"))) == size * count
+    return put, get, ch
 
 
-def bench_kvstore(folder: pathlib.Path, tier: str, size: int, count: int) -> tuple[float, float]:
+class Daemon:
+    """``kvstore serve`` in its own process with a config for this measurement."""
+
+    def __init__(self, folder: pathlib.Path, name: str, host_bytes: int, nvme_bytes: int, listen: str):
+        self.sock_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvsb-"))
+        self.listen = listen.replace("SOCK", str(self.sock_dir / "kvstore.sock"))
+        self.data = folder / f"nvme-{name}"
+        cfg = folder / f"{name}.toml"
+        cfg.write_text(f"""
+[server]
+listen = "{self.listen}"
+max_message_bytes = "64MiB"
+[tiers.host]
+capacity = {host_bytes}
+[tiers.nvme]
+enabled = {"true" if nvme_bytes else "false"}
+path = "{self.data}"
+capacity = {max(nvme_bytes, 1 << 20)}
+""")
+        self.proc, banner = start([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
+                                  "kvstore serving on")
+        self.address = banner.rsplit(" ", 1)[1]        # "kvstore serving on ADDRESS"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.data, ignore_errors=True)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def kv_calls(address: str, size: int, count: int, shm: bool, tag: str, nvme: bool):
+    """put and get closures moving ``count`` blocks of ``size`` bytes; each put stores new keys."""
     from kvstore.client import KVStoreClient
 
-    sock = pathlib.Path(tempfile.mkdtemp(prefix="kvsb-")) / "kvstore.sock"
-    total = size * count
-    host = total * 2 + (64 << 20) if tier == "host" else 2 * size + (1 << 20)
-    cfg = folder / f"{tier}.toml"
-    data_dir = folder / f"nvme-{tier}"
-    cfg.write_text(f"""
-[server]
-listen = "unix:{sock}"
-[tiers.host]
-capacity = {host}
-[tiers.nvme]
-enabled = {"true" if tier == "nvme" else "false"}
-path = "{data_dir}"
-capacity = {total * 4 + (64 << 20)}
-""")
-    proc = start([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)], "kvstore serving on")
-    try:
-        with KVStoreClient(f"unix:{sock}", timeout=300) as c:
-            c.wait_ready()
-            rounds = iter(range(1000))
-            payload = os.urandom(size)
+    c = KVStoreClient(address, timeout=600, shared_memory=shm)
+    c.wait_ready(30)
+    if shm:
+        assert c.shared_memory, f"{address}: the shared arena is not available"
+    src = np.random.default_rng(1).integers(0, 256, (count, size), dtype=np.uint8)
+    out = np.empty((count, size), dtype=np.uint8)
+    state = {"round": 0, "keys": []}
 
-            def put():
-                r = next(rounds)
-                keys = [(r * 100000 + i).to_bytes(32, "big") for i in range(count)]
-                put.keys = keys
-                res = c.put((k, payload) for k in keys)
-                assert res.stored == count, res
+    def new_keys():
+        state["round"] += 1
+        return [hashlib.sha256(f"{tag}-{size}-{state['round']}-{i}".encode()).digest() for i in range(count)]
 
-            def get():
-                got = c.get(put.keys)
-                assert len(got) == count and all(g.found for g in got)
-                expect = "HOST" if tier == "host" else "NVME"
-                if tier == "host":
-                    assert all(g.tier.name == expect for g in got)
-            p = gbps(total, best_of(put))
-            if tier == "nvme":
-                # every get must come from NVMe: measure each round on blocks not yet promoted
-                times = []
-                for _ in range(3):
-                    put()
-                    t0 = time.perf_counter()
-                    got = c.get(put.keys)
-                    times.append(time.perf_counter() - t0)
-                    assert sum(g.tier.name == "NVME" for g in got) >= count - 2
-                g = gbps(total, min(times))
-            else:
-                g = gbps(total, best_of(get))
-            return p, g
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(data_dir, ignore_errors=True)
-        shutil.rmtree(sock.parent, ignore_errors=True)
+    def put():
+        keys = new_keys()
+        r = c.put_from(keys, src)
+        assert r.stored == count, r
+        state["keys"] = keys
+
+    def get():
+        g = c.get_into(state["keys"], out)
+        assert g.found == count, g.found
+
+    def fresh_get():                     # NVMe: blocks written this round, not yet promoted
+        put()
+        return timed(get)
+
+    def lookup():
+        assert c.lookup(state["keys"]).hit_blocks == count
+    get.lookup = lookup
+    return put, get, (fresh_get if nvme else None), c
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="256KiB,1MiB,4MiB")
     ap.add_argument("--total", default="256MiB", help="bytes moved per measurement")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch-latency", type=int, default=200, help="get_into calls timed for the 32 KiB batch")
     ap.add_argument("--dir", default="kvstore-data/bench", help="scratch folder (on the NVMe to measure)")
     args = ap.parse_args()
-    sizes = [parse_size(s.strip()) for s in args.sizes.split(",")]
+    sizes = [(parse_size(s.strip()), None) for s in args.sizes.split(",")] + [(32 << 10, 128)]
     total = parse_size(args.total)
     folder = pathlib.Path(args.dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-
     echo_sock = pathlib.Path(tempfile.mkdtemp(prefix="kvse-")) / "echo.sock"
-    echo = start([sys.executable, "-c", _ECHO_SERVER, f"unix:{echo_sock}"], "ready")
+    echo, _ = start([sys.executable, "-c", _ECHO_SERVER, f"unix:{echo_sock}"], "ready")
+    arena = total * 2 + (64 << 20)
+    daemons = {
+        "unix": Daemon(folder, "host", arena, 0, "unix:SOCK"),
+        "tcp": Daemon(folder, "tcp", arena, 0, "127.0.0.1:0"),
+        "nvme": Daemon(folder, "nvme", 16 << 20, total * 8 + (256 << 20), "unix:SOCK"),
+    }
     rows = []
     try:
-        for size in sizes:
-            count = max(4, total // size)
-            print(f"measuring {format_size(size)} blocks x {count} ...", file=sys.stderr, flush=True)
-            mc = bench_memcpy(size, count)
-            fw, fr, mode = bench_file(folder, size, count)
-            ep, eg = bench_grpc_echo(f"unix:{echo_sock}", size, count)
-            hp, hg = bench_kvstore(folder, "host", size, count)
-            np_, ng = bench_kvstore(folder, "nvme", size, count)
-            rows.append((size, mc, fw, fr, mode, ep, eg, hp, hg, np_, ng))
+        for size, batch in sizes:
+            count = batch or max(4, total // size)
+            label = f"{batch}x{format_size(size)}" if batch else format_size(size)
+            print(f"measuring {label} blocks x {count} ...", file=sys.stderr, flush=True)
+            raw = RawFile(folder, size, count)
+            e_put, e_get, ch = echo_calls(f"unix:{echo_sock}", size, count)
+            copy = memcpy_stream(size * count)
+            paths = {
+                "zero-copy": kv_calls(daemons["unix"].address, size, count, True, "z", False),
+                "gRPC unix": kv_calls(daemons["unix"].address, size, count, False, "u", False),
+                "gRPC TCP": kv_calls(daemons["tcp"].address, size, count, False, "t", False),
+                "NVMe zero-copy": kv_calls(daemons["nvme"].address, size, count, True, "nz", True),
+                "NVMe gRPC": kv_calls(daemons["nvme"].address, size, count, False, "ng", True),
+            }
+            best: dict[str, float] = {}
+
+            def note(name: str, seconds: float) -> None:
+                best[name] = min(best.get(name, float("inf")), seconds)
+            for _ in range(args.rounds):
+                note("memcpy", timed(copy))
+                note("file write", timed(raw.write))
+                note("file read", timed(raw.read))
+                note("raw gRPC put", timed(e_put))
+                note("raw gRPC get", timed(e_get))
+                for name, (put, get, fresh, _) in paths.items():
+                    note(f"{name} put", timed(put))
+                    note(f"{name} get", fresh() if fresh else timed(get))
+            nbytes = size * count
+            rates = {k: gbps(nbytes, v) for k, v in best.items()}
+            lat = None
+            if batch:
+                put, get, _, c = paths["zero-copy"]
+                put()
+                times = []
+                for _ in range(args.batch_latency):
+                    t0 = time.perf_counter()
+                    get.lookup()
+                    get()
+                    times.append(time.perf_counter() - t0)
+                times.sort()
+                lat = (times[len(times) // 2] * 1e3, times[int(len(times) * 0.99)] * 1e3)
+            rows.append((label, raw.mode, rates, lat))
+            raw.close()
+            ch.close()
+            for *_, c in paths.values():
+                c.close()
     finally:
+        for d in daemons.values():
+            d.stop()
         echo.terminate()
         echo.wait(timeout=30)
         shutil.rmtree(echo_sock.parent, ignore_errors=True)
-
-    print("\nLimits measured in this run (GB/s):")
-    print(f"{'block':>9} {'memcpy':>8} {'file wr':>8} {'file rd':>8} {'(mode)':>9} {'grpc put':>9} {'grpc get':>9}")
-    for size, mc, fw, fr, mode, ep, eg, *_ in rows:
-        print(f"{format_size(size):>9} {mc:8.2f} {fw:8.2f} {fr:8.2f} {mode:>9} {ep:9.2f} {eg:9.2f}")
-    print("\nkvstore through the daemon (GB/s) and as a ratio of each limit:")
-    print(f"{'block':>9} {'op':>9} {'GB/s':>7} {'/memcpy':>8} {'/file':>7} {'/grpc':>7}")
-    for size, mc, fw, fr, mode, ep, eg, hp, hg, np_, ng in rows:
-        for name, value, file_ref, grpc_ref in (("host put", hp, fw, ep), ("host get", hg, fr, eg),
-                                                ("nvme put", np_, fw, ep), ("nvme get", ng, fr, eg)):
-            print(f"{format_size(size):>9} {name:>9} {value:7.2f} {value / mc:8.3f} {value / file_ref:7.3f} "
-                  f"{value / grpc_ref:7.3f}")
-    shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    report(rows)
     return 0
+
+
+def report(rows) -> None:
+    print("\nLimits measured in this run (GB/s):")
+    print(f"{'block':>14} {'memcpy':>8} {'file wr':>8} {'file rd':>8} {'(mode)':>9} {'gRPC put':>9} {'gRPC get':>9}")
+    for label, mode, r, _ in rows:
+        print(f"{label:>14} {r['memcpy']:8.2f} {r['file write']:8.2f} {r['file read']:8.2f} {mode:>9} "
+              f"{r['raw gRPC put']:9.2f} {r['raw gRPC get']:9.2f}")
+    print("\nkvstore, daemon in its own process (GB/s, and the ratio to the limit it is held to):")
+    print(f"{'block':>14} {'path':>16} {'put':>7} {'get':>7}   {'put ratio':>18} {'get ratio':>18}")
+    for label, _, r, lat in rows:
+        for name, ref, ref_name in (("zero-copy", ("memcpy", "memcpy"), "memcpy"),
+                                    ("gRPC unix", ("raw gRPC put", "raw gRPC get"), "raw gRPC"),
+                                    ("gRPC TCP", ("raw gRPC put", "raw gRPC get"), "raw gRPC"),
+                                    ("NVMe zero-copy", ("file write", "file read"), "file"),
+                                    ("NVMe gRPC", ("file write", "file read"), "file")):
+            p, g = r[f"{name} put"], r[f"{name} get"]
+            print(f"{label:>14} {name:>16} {p:7.2f} {g:7.2f}   {p / r[ref[0]]:7.2f}x {ref_name:>9} "
+                  f"{g / r[ref[1]]:7.2f}x {ref_name:>9}")
+        if lat:
+            print(f"{label:>14} {'lookup+get_into':>16} p50 {lat[0]:.2f} ms, p99 {lat[1]:.2f} ms (one batch)")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,9 @@ class BlockBuffers:
         if self._per_block is not None:
             return [v.array.size for v in self._per_block]
         if self.sizes is None:
-            raise InvalidRequest("put_from with one buffer needs sizes (or one buffer per block)")
+            if self.offsets is not None or not self.n or self._one.array.size % self.n:
+                raise InvalidRequest("put_from with one buffer needs sizes unless it splits into equal blocks")
+            return [self.stride] * self.n
         return self.sizes
 
     def slot(self, i: int, nbytes: int) -> np.ndarray:

@@ -222,7 +222,7 @@ class KVStoreClient:
         TierFull, MessageTooLarge, StoreUnavailable.
         """
         items = ((k, FOUND, 0, len(memoryview(d).cast("B")), d) for k, d in blocks)
-        limit = self.max_message_bytes - FRAMING_BYTES
+        limit = min(self.max_message_bytes, self.chunk_bytes + FRAMING_BYTES)   # ~1 MiB messages: faster than big ones
         try:
             reply = self._put_raw(frames(items, limit, self.chunk_bytes), timeout=timeout or self.timeout,
                                   metadata=self._metadata)
@@ -233,8 +233,9 @@ class KVStoreClient:
     def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
                  offsets: Sequence[int] | None = None, timeout: float | None = None) -> PutResult:
         """Store ``keys`` from ``src``: one buffer per key (numpy arrays, torch tensors on
-        CPU or CUDA, any buffer), or one buffer holding every block (``sizes`` bytes
-        each, back to back or at ``offsets``).
+        CPU or CUDA, any buffer), or one buffer holding every block: in ``len(keys)``
+        equal parts (e.g. shaped ``(len(keys), block_bytes)``), or ``sizes`` bytes each,
+        back to back or at ``offsets``.
 
         Same node: Reserve, one copy into the shared arena, Commit; blocks the arena
         cannot take now go by gRPC. Raises as :meth:`put`.

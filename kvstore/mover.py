@@ -20,8 +20,9 @@ anything else                                  through one bounded bounce buffer
                                                :data:`BOUNCE_BYTES` pieces
 =============================================  =========================================
 
-With ``async_moves`` each pair has a worker thread (:class:`TransferQueues`), so a slow
-NVMe write never delays a host-to-HBM promotion. Without it (the simulator) copies run
+With ``async_moves`` each pair has its own worker threads (several into a persistent
+tier: a disk takes several writes at once), so a slow NVMe write never delays a
+host-to-HBM promotion. Without it (the simulator) copies run
 inline, deterministically.
 """
 
@@ -110,23 +111,25 @@ def copy_plan(src: Tier, dst: Tier) -> tuple[str, CopyFn]:
 
 
 class _Queue:
-    """A FIFO of jobs run by one daemon thread."""
+    """A FIFO of jobs run by ``workers`` daemon threads."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, workers: int = 1):
         self.name = name
         self._jobs: collections.deque[Callable[[], None]] = collections.deque()
         self._cond = threading.Condition()
-        self._busy = False
+        self._busy = 0
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"kvstore-transfer-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"kvstore-transfer-{name}-{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._cond:
             if self._stopping:
                 raise RuntimeError(f"transfer queue {self.name} is stopped")
             self._jobs.append(job)
-            self._cond.notify_all()
+            self._cond.notify()
 
     def __len__(self) -> int:
         return len(self._jobs) + self._busy
@@ -139,14 +142,14 @@ class _Queue:
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
-                self._busy = True
+                self._busy += 1
             try:
                 job()
             except Exception:  # noqa: BLE001 - a failed job must not kill the queue
                 log.exception("transfer job on %s failed", self.name)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy -= 1
                     self._cond.notify_all()
 
     def drain(self, deadline: float) -> bool:
@@ -162,7 +165,8 @@ class _Queue:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class Mover:
@@ -170,12 +174,16 @@ class Mover:
 
     Args:
         tiers: the store's tiers, fastest first.
-        async_moves: run copies on a worker thread per (source, destination) pair.
+        async_moves: run copies on worker threads per (source, destination) pair.
+        disk_workers: copies in flight per pair whose destination is persistent (NVMe,
+            remote: the medium serves several writes at once, and file I/O and checksums
+            release the GIL); pairs into memory get one worker.
     """
 
-    def __init__(self, tiers: Sequence[Tier], async_moves: bool):
+    def __init__(self, tiers: Sequence[Tier], async_moves: bool, disk_workers: int = 4):
         self.tiers = list(tiers)
         self.async_moves = async_moves
+        self.disk_workers = disk_workers
         self._plans: dict[tuple[int, int], tuple[str, CopyFn]] = {}
         self._queues: dict[tuple[int, int], _Queue] = {}
         self._lock = threading.Lock()
@@ -207,7 +215,8 @@ class Mover:
                 raise RuntimeError("the mover is stopped")
             q = self._queues.get((src, dst))
             if q is None:
-                q = self._queues[(src, dst)] = _Queue(f"{self.tiers[src].name}-to-{self.tiers[dst].name}")
+                workers = 1 if self.tiers[dst].volatile else self.disk_workers
+                q = self._queues[(src, dst)] = _Queue(f"{self.tiers[src].name}-to-{self.tiers[dst].name}", workers)
         q.submit(job)
 
     def backlog(self, src: int, dst: int) -> int:

@@ -40,6 +40,10 @@ from .policy import EvictionPolicy, NoVictim
 
 log = logging.getLogger("kvstore.placement")
 
+CLEAN_WAIT_S = 5.0
+"""How long a put that found no clean victim waits for the cleaner's demotions before it
+demotes a block itself (seconds)."""
+
 
 class Placement:
     """Moves blocks between ``tiers`` under their ``policies``.
@@ -185,14 +189,22 @@ class Placement:
                            f"can hold ({tier.max_block_bytes} bytes)")
         now = self.clock()
         clean = self._clean_in(i) if self.clean_first and i < self.last else None
+        waited_until = None
         while not tier.fits(nbytes):
             victim = None
             if clean is not None:
                 try:
                     victim = policy.victim(clean, incoming=incoming, now=now)
                 except NoVictim:
-                    if self.cleaner is not None:
-                        self.cleaner.kick()
+                    if self.cleaner is not None and tier.used_bytes > self.high * tier.capacity_bytes:
+                        # the cleaner demotes several blocks at once: wait for one to be
+                        # clean rather than demoting a single block here, for a while
+                        if waited_until is None:
+                            self.cleaner.kick()
+                            waited_until = time.monotonic() + min(self.transfer_timeout_s, CLEAN_WAIT_S)
+                        if time.monotonic() < waited_until and self.cleaner.busy:
+                            self.cat.changed.wait(0.05)
+                            continue
             if victim is None:
                 victim = policy.victim(self.evictable, incoming=incoming, now=now)
             self.evict_locked(i, victim)
@@ -413,6 +425,7 @@ class Cleaner:
         self.on_tick = on_tick
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.busy = False                 # a cleaning pass is copying blocks down
         self._thread = threading.Thread(target=self._run, name="kvstore-cleaner", daemon=True)
         placement.cleaner = self
 
@@ -421,6 +434,8 @@ class Cleaner:
         return self
 
     def kick(self) -> None:
+        """Wake the cleaner; :attr:`busy` until its pass ends."""
+        self.busy = True
         self._wake.set()
 
     def stop(self) -> None:
@@ -438,6 +453,10 @@ class Cleaner:
                 self.pass_once()
             except Exception:  # noqa: BLE001 - keep cleaning; the error is logged loudly
                 log.exception("background cleaning failed")
+            finally:
+                self.busy = False
+                with self.p.cat.lock:
+                    self.p.cat.changed.notify_all()
 
     def pass_once(self) -> int:
         """One pass over every tier but the last; returns blocks cleaned."""
@@ -452,35 +471,52 @@ class Cleaner:
         return done
 
     def _clean(self, i: int, cap: int) -> int:
+        """Copy tier ``i``'s coldest dirty blocks down, several copies in flight, until its
+        free and clean bytes reach ``1 - low`` of ``cap``. Returns blocks cleaned."""
         p = self.p
         tier, policy = p.tiers[i], p.policies[i]
+        raw = p.cat.raw
         chosen: set[bytes] = set()
-        cleaned = 0
-        with p.cat.lock:
-            while not self._stop.is_set():
-                free = cap - tier.used_bytes
-                clean = p.resident_bytes(i) - p.dirty_bytes(i)
-                if free + clean >= (1.0 - p.low) * cap:
-                    break
-                raw = p.cat.raw
+        inflight: list = []
+        width = 1 if p.tiers[i + 1].volatile else max(1, p.mover.disk_workers)
+        done = {"cleaned": 0, "moving": 0}               # blocks cleaned, bytes being copied
 
-                def dirty(key: bytes) -> bool:
-                    e = raw(key)
-                    return (e is not None and e.pins == 0 and not e.deleted and e.tiers[-1] == i
-                            and key not in chosen)
-                try:
-                    victim = policy.victim(dirty, incoming=None, now=p.clock())
-                except NoVictim:
-                    break
-                chosen.add(victim)
-                entry = raw(victim)
-                try:
-                    t = p.start_transfer_locked(entry, i, i + 1, "demoted")
-                except (TierFull, NoVictim, TierIOError) as e:
-                    log.debug("pre-cleaning %s skipped: %s", victim.hex()[:16], e)
-                    break
-                p.run_transfer(t, wait=True)
-                if t.ok:
-                    cleaned += 1
-                    p.counters.inc("precleaned")
-        return cleaned
+        def dirty(key: bytes) -> bool:
+            e = raw(key)
+            return e is not None and e.pins == 0 and not e.deleted and e.tiers[-1] == i and key not in chosen
+
+        def settle(t) -> None:
+            p.run_transfer(t, wait=True)
+            done["moving"] -= t.entry.size
+            if t.ok:
+                done["cleaned"] += 1
+                p.counters.inc("precleaned")
+        with p.cat.lock:
+            self.busy = True
+            try:
+                while not self._stop.is_set():
+                    free = cap - tier.used_bytes
+                    clean = p.resident_bytes(i) - p.dirty_bytes(i) + done["moving"]
+                    if free + clean >= (1.0 - p.low) * cap:
+                        break
+                    try:
+                        victim = policy.victim(dirty, incoming=None, now=p.clock())
+                    except NoVictim:
+                        break
+                    chosen.add(victim)
+                    try:
+                        t = p.start_transfer_locked(raw(victim), i, i + 1, "demoted")
+                    except (TierFull, NoVictim, TierIOError) as e:
+                        log.debug("pre-cleaning %s skipped: %s", victim.hex()[:16], e)
+                        break
+                    p.run_transfer(t, wait=False)
+                    inflight.append(t)
+                    done["moving"] += t.entry.size
+                    if len(inflight) >= width:
+                        settle(inflight.pop(0))
+                while inflight:
+                    settle(inflight.pop(0))
+            finally:
+                self.busy = False
+                p.cat.changed.notify_all()
+        return done["cleaned"]

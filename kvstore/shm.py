@@ -139,7 +139,10 @@ class ArenaMapping:
         fd = fds[0]
         try:
             size = int(msg[3:].strip())
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE maps every page now: a first touch per page later costs a fault
+            # on the data path (16k faults per 64 MiB, measured as a third of a put's time)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.size = size
