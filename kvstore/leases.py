@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 from tiers import errors as terr
 from tiers.base import IpcHandle, TierKind
 
 from .catalogue import Claim, Entry
 from .errors import BlockNotFound, InvalidRequest, KVStoreError, SizeConflict, TierFull, TierIOError, WriteConflict
+from .placement import Placement
 from .types import ReserveStatus
-from .writes import check_key
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .manager import TierManager
+from .writes import PutOutcome, check_key
 
 log = logging.getLogger("kvstore.leases")
 
@@ -69,13 +67,14 @@ class LeaseGrant:
 class Leases:
     """Leases and shared-arena reservations of one :class:`~kvstore.manager.TierManager`."""
 
-    def __init__(self, manager: "TierManager"):
-        self.manager = manager
-        self.catalogue = manager.catalogue
-        self.tiers = manager.tiers
-        self.counters = manager.counters
-        self._placement = manager.placement
-        self._shared = manager.shared_tier
+    def __init__(self, placement: Placement, shared_tier: int | None,
+                 begin_put: Callable[..., PutOutcome]):
+        self.catalogue = placement.cat
+        self.tiers = placement.tiers
+        self.counters = placement.counters
+        self._placement = placement
+        self._shared = shared_tier
+        self._begin_put = begin_put
         self._device = next((i for i, t in enumerate(self.tiers) if t.capabilities.device is not None), None)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
@@ -239,7 +238,7 @@ class Leases:
             if self.catalogue.claim(key) is not None:
                 return 0, ReserveStatus.BUSY, "another client is writing it"
         try:
-            outcome = self.manager.begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared)
+            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared)
         except SizeConflict as e:
             return 0, ReserveStatus.SIZE_CONFLICT, str(e)
         except (TierFull, TierIOError) as e:

@@ -108,9 +108,9 @@ class TierManager:
                                    clock, transfer_timeout_s, watermarks, promote_on_get=promote_on_get)
         self.shared_tier = next((i for i, t in enumerate(self.tiers) if t.capabilities.shared is not None), None)
         """Index of the tier whose memory same-node clients map (the host arena), if any."""
-        self.writes = Writes(self, write_policy, writer_wait_s)
-        self.reads = Reads(self)
-        self.leases = Leases(self)
+        self.writes = Writes(self.placement, write_policy, writer_wait_s)
+        self.reads = Reads(self.placement)
+        self.leases = Leases(self.placement, self.shared_tier, self.writes.begin_put)
         # the parts' public methods, on the manager itself
         self.begin_put, self.write_chunk, self.commit_put = (self.writes.begin_put, self.writes.write_chunk,
                                                              self.writes.commit_put)

@@ -11,7 +11,7 @@ for a promotion (:meth:`kvstore.placement.Placement.promote`) when it ends.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -20,11 +20,9 @@ from tiers.base import ByteRanges, TierKind, check_ranges
 
 from .catalogue import Entry
 from .errors import CorruptBlock, InvalidRequest
+from .placement import Placement
 from .types import KEY_BYTES, GetResult
 from .writes import check_key
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .manager import TierManager
 
 log = logging.getLogger("kvstore.reads")
 
@@ -32,12 +30,11 @@ log = logging.getLogger("kvstore.reads")
 class Reads:
     """The read path of one :class:`~kvstore.manager.TierManager`."""
 
-    def __init__(self, manager: "TierManager"):
-        self.manager = manager
-        self.catalogue = manager.catalogue
-        self.counters = manager.counters
-        self.tiers = manager.tiers
-        self.placement = self._placement = manager.placement
+    def __init__(self, placement: Placement):
+        self.catalogue = placement.cat
+        self.counters = placement.counters
+        self.tiers = placement.tiers
+        self.placement = self._placement = placement
 
     def locate(self, key: bytes) -> tuple[int, int] | None:
         """``(payload bytes, index of the fastest tier holding it)``, or None."""

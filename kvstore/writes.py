@@ -16,17 +16,15 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiers import errors as terr
 
 from .catalogue import Claim
 from .errors import BlockNotFound, InvalidRequest, SizeConflict, TierFull, TierIOError, WriteConflict
+from .placement import Placement
 from .policy import NoVictim
 from .types import KEY_BYTES
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .manager import TierManager
 
 log = logging.getLogger("kvstore.writes")
 
@@ -63,16 +61,15 @@ class Writes:
             whose medium failed, cleared by the next successful commit (health).
     """
 
-    def __init__(self, manager: "TierManager", write_policy: str, writer_wait_s: float):
+    def __init__(self, placement: Placement, write_policy: str, writer_wait_s: float):
         if write_policy not in (WRITE_BACK, WRITE_THROUGH):
             raise ValueError(f"unknown write policy {write_policy!r}")
-        self.manager = manager
-        self.catalogue = manager.catalogue
-        self.tiers = manager.tiers
-        self.policies = manager.policies
-        self.counters = manager.counters
-        self.clock = manager.clock
-        self._placement = manager.placement
+        self.catalogue = placement.cat
+        self.tiers = placement.tiers
+        self.policies = placement.policies
+        self.counters = placement.counters
+        self.clock = placement.clock
+        self._placement = placement
         self.write_policy = write_policy
         self.writer_wait_s = writer_wait_s
         self.put_failure: tuple[float, str] | None = None
