@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from tiers.base import TierKind
 
@@ -47,6 +47,8 @@ class Entry:
         tiers: indices of the tiers holding a committed copy, ascending (fastest first).
         pins: reads, copies and lease holdings in progress.
         deleted: hidden by a delete while pinned; freed when the last pin goes.
+        meta: the engine's hash of the block and of its parent (:class:`kvstore.types.BlockMeta`
+            without token ids), when the put carried them.
     """
 
     key: bytes
@@ -54,6 +56,7 @@ class Entry:
     tiers: list[int]
     pins: int = 0
     deleted: bool = False
+    meta: Any = None          # BlockMeta (engine hash and parent only) for KV events
 
     @property
     def fastest(self) -> int:
@@ -74,6 +77,7 @@ class Claim:
     written: int = 0
     owner: str = ""
     deadline: float | None = None
+    meta: Any = None
 
 
 @dataclass(eq=False)
@@ -99,6 +103,8 @@ class BlockEvent:
             ``recovered``; removed: ``evicted``, ``deleted``, ``corrupt``, ``failed``.
         policy: the eviction policy that chose the victim (evictions only).
         last_copy: removed: the block is gone from the whole store.
+        meta: what routers index the block by (:class:`kvstore.types.BlockMeta`), when known;
+            token ids only on the event of the put itself.
         time_unix: wall-clock seconds, for display.
     """
 
@@ -110,6 +116,7 @@ class BlockEvent:
     reason: str
     policy: str = ""
     last_copy: bool = False
+    meta: Any = None
     time_unix: float = field(default_factory=time.time)
 
 

@@ -33,8 +33,8 @@ from ._proto import kvstore_pb2_grpc as pb_grpc
 from .buffers import BlockBuffers, host_view
 from .status import error_for
 from .transport import DEFAULT_CHUNK_BYTES, DEFAULT_MESSAGE_BYTES, FRAMING_BYTES, channel_options
-from .types import GetResult, LookupResult, PutResult, ReserveStatus, TierKind
-from .wire import FAILED, FOUND, decode, frames
+from .types import BlockMeta, GetResult, LookupResult, PutResult, ReserveStatus, TierKind
+from .wire import FAILED, FOUND, META, decode, frames
 
 log = logging.getLogger("kvstore.client")
 
@@ -213,15 +213,26 @@ class KVStoreClient:
 
     # -------------------------------------------------------------- put
 
-    def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None) -> PutResult:
+    def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None, *,
+            meta: Sequence[BlockMeta | None] | None = None) -> PutResult:
         """Store blocks given as ``(key, payload)`` pairs (payload: any buffer).
 
         A block becomes visible only when all its bytes arrived. Re-putting a stored block
-        is a no-op counted in ``already_present``. Raises InvalidRequest (bad key/size),
-        SizeConflict (a key stored with another size; the others are stored: ``.result``),
-        TierFull, MessageTooLarge, StoreUnavailable.
+        is a no-op counted in ``already_present``. ``meta``: per block, what cache-aware
+        routers index it by (published with its KV events), or None.
+        Raises InvalidRequest (bad key/size), SizeConflict (a key stored with another
+        size; the others are stored: ``.result``), TierFull, MessageTooLarge,
+        StoreUnavailable.
         """
-        items = ((k, FOUND, 0, len(memoryview(d).cast("B")), d) for k, d in blocks)
+        def items():
+            metas = iter(meta) if meta is not None else None
+            for k, d in blocks:
+                m = next(metas, None) if metas is not None else None
+                if m is not None:
+                    encoded = _meta_message(m).SerializeToString()
+                    yield k, META, 0, len(encoded), encoded
+                yield k, FOUND, 0, len(memoryview(d).cast("B")), d
+        items = items()
         limit = min(self.max_message_bytes, self.chunk_bytes + FRAMING_BYTES)   # ~1 MiB messages: faster than big ones
         try:
             reply = self._put_raw(frames(items, limit, self.chunk_bytes), timeout=timeout or self.timeout,
@@ -231,23 +242,27 @@ class KVStoreClient:
         return _put_result(reply)
 
     def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
-                 offsets: Sequence[int] | None = None, timeout: float | None = None) -> PutResult:
+                 offsets: Sequence[int] | None = None, meta: Sequence[BlockMeta | None] | None = None,
+                 timeout: float | None = None) -> PutResult:
         """Store ``keys`` from ``src``: one buffer per key (numpy arrays, torch tensors on
         CPU or CUDA, any buffer), or one buffer holding every block: in ``len(keys)``
         equal parts (e.g. shaped ``(len(keys), block_bytes)``), or ``sizes`` bytes each,
         back to back or at ``offsets``.
 
         Same node: Reserve, one copy into the shared arena, Commit; blocks the arena
-        cannot take now go by gRPC. Raises as :meth:`put`.
+        cannot take now go by gRPC. ``meta`` as in :meth:`put`. Raises as :meth:`put`.
         """
         keys = list(keys)
         if not keys:
             return PutResult(0, 0, 0)
+        if meta is not None and len(meta) != len(keys):
+            raise errors.InvalidRequest(f"{len(meta)} block metas for {len(keys)} keys")
         bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
         lengths = bufs.block_sizes()
         arena = self._shm()
         if arena is None:
-            return self.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))], timeout)
+            return self.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))], timeout,
+                            meta=meta)
         budget = max(arena.size // 4, 1)
         reserved_total = stored = nbytes = present = refused = conflicts = 0
         rest: list[int] = []
@@ -258,9 +273,10 @@ class KVStoreClient:
                 batch.append(i)
                 reserved_total += lengths[i]
                 continue
+            metas = [_meta_message(meta[j]) for j in batch] if meta is not None else []
             reply = self._call(self._stub.Reserve, pb.ReserveRequest(
-                keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s),
-                timeout)
+                keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
+                meta=metas), timeout)
             detail = detail or reply.detail
             written = []
             for j, status, offset in zip(batch, reply.status, reply.offsets):
@@ -284,7 +300,8 @@ class KVStoreClient:
             batch, reserved_total = [i], lengths[i]
         result = PutResult(stored, present, nbytes, refused, conflicts)
         if rest:
-            more = self.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout)
+            more = self.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout,
+                            meta=[meta[i] for i in rest] if meta is not None else None)
             result = PutResult(stored + more.stored, present + more.already_present, nbytes + more.bytes_stored,
                                refused + more.not_admitted, conflicts + more.size_conflicts)
         if result.size_conflicts:
@@ -511,6 +528,13 @@ class _Releaser:
         if self._thread is not None:
             self._thread.join(timeout=self.client.timeout)
         self._send()
+
+
+def _meta_message(m: BlockMeta | None) -> pb.BlockMeta:
+    if m is None:
+        return pb.BlockMeta()
+    return pb.BlockMeta(engine_hash=m.engine_hash, parent_engine_hash=m.parent_engine_hash,
+                        token_ids=list(m.token_ids), block_tokens=m.block_tokens, lora_name=m.lora_name)
 
 
 def _put_result(reply: pb.PutReply) -> PutResult:

@@ -48,6 +48,16 @@ Example (every key optional; these are the defaults unless noted)::
     [tiers.host.policy]           # optional per-tier override of the eviction policy
     eviction = "arc"              # (eviction and params only; write and watermarks are global)
 
+    [events]                      # KV events for cache-aware routers (vLLM format, ZMQ PUB)
+    enabled = false
+    endpoint = "tcp://127.0.0.1:5557"
+    replay_endpoint = ""          # e.g. "tcp://127.0.0.1:5558": subscribers ask for missed batches
+    topic = "kvstore"
+    batch_ms = 10.0               # events sent together within this many milliseconds
+
+    [metrics]
+    listen = ""                   # e.g. "127.0.0.1:9400": Prometheus /metrics; empty: off
+
     [prefetch]
     enabled = false
     predictor = "quantile"
@@ -165,12 +175,35 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    """``[events]``: KV events for cache-aware routers (kvstore/events.py)."""
+
+    enabled: bool = False
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str = ""
+    topic: str = "kvstore"
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue: int = 100_000
+    batch_ms: float = 10.0
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``[metrics]``: the Prometheus endpoint (kvstore/metrics.py); empty ``listen``: off."""
+
+    listen: str = ""
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     blocks: BlocksConfig = field(default_factory=BlocksConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def tier_policy(self, tier: str) -> TierPolicyConfig:
         """The eviction policy of ``tier`` (its override, else ``[policy]``'s)."""
@@ -353,6 +386,18 @@ def validate(cfg: Config) -> Config:
         override = getattr(t, n).policy
         if override is not None:
             _validate_policy(override, f"tiers.{n}.policy")
+    ev = cfg.events
+    for name in ("buffer_steps", "hwm", "max_queue"):
+        if getattr(ev, name) < 1:
+            raise ConfigError(f"events.{name}: must be >= 1, got {getattr(ev, name)}")
+    if not 0 <= ev.batch_ms <= 10_000:
+        raise ConfigError(f"events.batch_ms: must be in [0, 10000] ms, got {ev.batch_ms}")
+    if ev.enabled and not ev.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"events.endpoint: {ev.endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
+    if cfg.metrics.listen:
+        host, sep, port = cfg.metrics.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"metrics.listen: {cfg.metrics.listen!r} is not HOST:PORT")
     p = cfg.prefetch
     if not 0.0 < p.quantile < 1.0:
         raise ConfigError(f"prefetch.quantile: must be in (0, 1), got {p.quantile}")

@@ -36,6 +36,7 @@ COUNTERS: dict[str, str] = {
     "reservations_expired": "zero-copy reservations reclaimed after their TTL",
     # movement between tiers
     "evictions_{tier}": "blocks removed from this tier to make room",
+    "stored_bytes_{tier}": "payload bytes written into this tier (puts, demotions, promotions)",
     "demotions": "blocks copied to the next tier to make room",
     "demotions_failed": "demotions that failed (the block stayed or was dropped)",
     "precleaned": "blocks copied to the next tier ahead of need (background, write-back)",
@@ -56,6 +57,9 @@ COUNTERS: dict[str, str] = {
     # leases
     "leases_granted": "leases granted",
     "leased_blocks": "blocks pinned by leases (clients read them in place)",
+    # KV events for routers
+    "events_published": "KV events sent to subscribers ([events])",
+    "events_dropped": "KV events dropped because the publisher's queue was full",
     "leased_bytes": "payload bytes of the blocks pinned by leases",
     "leases_expired": "leases that ended by their TTL (not released)",
 }

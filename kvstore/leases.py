@@ -224,7 +224,8 @@ class Leases:
                              claim.key.hex()[:16])
 
 
-    def reserve_shared(self, key: bytes, nbytes: int, owner: str, ttl_s: float) -> tuple[int, ReserveStatus, str]:
+    def reserve_shared(self, key: bytes, nbytes: int, owner: str, ttl_s: float,
+                       meta=None) -> tuple[int, ReserveStatus, str]:
         """A zero-copy put's reservation in the shared arena: ``(offset, status, detail)``.
 
         The client writes ``nbytes`` at ``offset`` of its mapping, then commits
@@ -238,7 +239,7 @@ class Leases:
             if self.catalogue.claim(key) is not None:
                 return 0, ReserveStatus.BUSY, "another client is writing it"
         try:
-            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared)
+            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared, meta=meta)
         except SizeConflict as e:
             return 0, ReserveStatus.SIZE_CONFLICT, str(e)
         except (TierFull, TierIOError) as e:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from tiers import errors as terr
@@ -96,19 +97,23 @@ class Placement:
                 self._dirty[after] += entry.size
         return result
 
-    def added(self, entry: Entry, i: int, reason: str) -> None:
+    def added(self, entry: Entry, i: int, reason: str, meta=None) -> None:
         """Record a new committed copy of ``entry`` in tier ``i`` (lock held)."""
         self._resident[i] += entry.size
+        self.counters.inc(f"stored_bytes_{self.tiers[i].name}", entry.size)
         if self.cat.events.active:
             self.cat.events.emit(BlockEvent("stored", entry.key, self.tiers[i].name, self.tiers[i].kind,
-                                            entry.size, reason))
+                                            entry.size, reason, meta=meta or entry.meta))
 
-    def new_entry(self, key: bytes, size: int, i: int, reason: str) -> Entry:
-        """A new block with its first copy in tier ``i`` (lock held)."""
+    def new_entry(self, key: bytes, size: int, i: int, reason: str, meta=None) -> Entry:
+        """A new block with its first copy in tier ``i`` (lock held). ``meta``: the put's
+        :class:`kvstore.types.BlockMeta` (kept without its token ids)."""
         entry = self.cat.add(key, size, i)
+        if meta is not None:
+            entry.meta = replace(meta, token_ids=()) if meta.token_ids else meta
         if i < self.last:
             self._dirty[i] += size
-        self.added(entry, i, reason)
+        self.added(entry, i, reason, meta)
         return entry
 
     def add_copy(self, entry: Entry, i: int, reason: str) -> None:
@@ -132,7 +137,8 @@ class Placement:
         last = self._retier(entry, lambda: self.cat.drop_copy(entry, i))
         if self.cat.events.active:
             self.cat.events.emit(BlockEvent("removed", entry.key, self.tiers[i].name, self.tiers[i].kind,
-                                            entry.size, reason, policy=policy, last_copy=bool(last)))
+                                            entry.size, reason, policy=policy, last_copy=bool(last),
+                                            meta=entry.meta))
         return bool(last)
 
     def free_entry(self, entry: Entry, reason: str) -> None:

@@ -44,6 +44,7 @@ class PutAssembler:
         self._open: _Open | None = None
         self._skip_key: bytes | None = None
         self._skip_left = 0
+        self._meta: tuple[bytes, object] | None = None   # (client key, BlockMeta) for the next block
 
     def __enter__(self) -> "PutAssembler":
         return self
@@ -52,6 +53,10 @@ class PutAssembler:
         if self._open is not None:
             self.m.abort_put(self._open.pending)
             self._open = None
+
+    def meta(self, client_key: bytes, meta) -> None:
+        """The next block's :class:`kvstore.types.BlockMeta` (for its KV events)."""
+        self._meta = (client_key, meta)
 
     def chunk(self, client_key: bytes, total: int, offset: int, data: Any) -> None:
         """One chunk of the stream (``data`` any buffer). Raises InvalidRequest for a
@@ -77,8 +82,10 @@ class PutAssembler:
                 raise InvalidRequest(f"block {name} has total_size {total} (must be in (0, {MAX_BLOCK_BYTES}])")
             if n > total:
                 raise InvalidRequest(f"block {name}: {n} bytes of data for total_size {total}")
+            meta = self._meta[1] if self._meta is not None and self._meta[0] == client_key else None
+            self._meta = None
             try:
-                outcome = self.m.begin_put(key, total)
+                outcome = self.m.begin_put(key, total, meta=meta)
             except SizeConflict as e:
                 self.conflicts += 1
                 self.detail = self.detail or f"block {name}: {e}"

@@ -130,6 +130,8 @@ class Daemon:
     monitor: HealthMonitor | None = None
     background: list = dataclasses.field(default_factory=list)
     socket: _UnixSocket | None = None
+    metrics: object = None
+    events: object = None
     _stopped: bool = False
 
     def __iter__(self):
@@ -328,6 +330,41 @@ def _start_prefetch(cfg: Config, manager: TierManager):
     return scheduler
 
 
+def _start_metrics(cfg: Config, manager: TierManager, monitor: HealthMonitor, hints):
+    """The Prometheus endpoint (``[metrics] listen``), or None when off."""
+    if not cfg.metrics.listen:
+        return None
+    from .metrics import Metrics
+    try:
+        return Metrics(manager, cfg.blocks.block_tokens, cfg.metrics.listen,
+                       serving=lambda: monitor.serving, prefetch=hints)
+    except OSError as e:
+        raise ConfigError(f"metrics.listen: cannot serve on {cfg.metrics.listen} ({e})") from None
+
+
+def _start_events(cfg: Config, manager: TierManager):
+    """The KV event publisher (``[events] enabled``), or None when off. It starts with the
+    blocks held now (recovered from NVMe) and then follows the catalogue's events."""
+    if not cfg.events.enabled:
+        return None
+    import zmq
+
+    from .catalogue import BlockEvent
+    from .events import KVEventPublisher
+    try:
+        pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"events.endpoint: cannot bind {cfg.events.endpoint} or "
+                          f"{cfg.events.replay_endpoint or 'the replay endpoint'} ({e})") from None
+    with manager.lock:
+        held = [BlockEvent("stored", e.key, manager.tier_name(i), manager.tier_kind(i), e.size, "recovered",
+                           meta=e.meta)
+                for e in manager.catalogue.entries() for i in e.tiers]
+        manager.events.subscribe(pub.on_event)
+        pub.start(held)
+    return pub
+
+
 def _start_arena(cfg: Config, manager: TierManager, sock: "_UnixSocket | None", auth: Authenticator | None):
     """The shared-arena hand-out socket, or None and the reason the path is off."""
     from .shm import ArenaServer
@@ -368,12 +405,20 @@ def start_server(cfg: Config) -> Daemon:
             background.append(hints)
         health_servicer = health.HealthServicer()
         monitor = HealthMonitor(manager, health_servicer)
+        metrics = _start_metrics(cfg, manager, monitor, hints)
+        if metrics is not None:
+            background.append(metrics)
+        events = _start_events(cfg, manager)
+        if events is not None:
+            background.append(events)
         info = pb.InfoReply(version=__version__, block_tokens=cfg.blocks.block_tokens, key_hash=cfg.blocks.hash,
                             max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=MAX_LEASE_TTL_S)
         service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes,
                                  max_message_bytes=cfg.server.max_message_bytes, hints=hints, auth=auth,
                                  stream_idle_timeout_s=cfg.server.stream_idle_timeout_s, health=monitor, info=info,
-                                 default_lease_ttl_s=cfg.server.lease_ttl_s)
+                                 default_lease_ttl_s=cfg.server.lease_ttl_s,
+                                 observe=metrics.observe if metrics is not None else None,
+                                 tally=metrics.tally if metrics is not None else None)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         server.add_generic_rpc_handlers((data_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -397,7 +442,7 @@ def start_server(cfg: Config) -> Daemon:
         raise
     monitor.start()
     return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
-                  background=background, socket=sock)
+                  background=background, socket=sock, metrics=metrics, events=events)
 
 
 def _describe(daemon: Daemon) -> str:
@@ -408,6 +453,11 @@ def _describe(daemon: Daemon) -> str:
     recovered = daemon.manager.counters.get("blocks_recovered", 0)
     if recovered:
         lines.append(f"  recovered {recovered} blocks from NVMe")
+    if daemon.metrics is not None:
+        lines.append(f"  Prometheus metrics on http://{daemon.metrics.address}/metrics")
+    if daemon.events is not None:
+        lines.append(f"  KV events published on {daemon.events.endpoint}"
+                     + (f" (replay {daemon.events.replay_endpoint})" if daemon.events.replay_endpoint else ""))
     info = daemon.service.info
     if info.shm_socket:
         lines.append(f"  same-node clients map the host arena through {info.shm_socket}")

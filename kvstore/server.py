@@ -36,9 +36,9 @@ from .interceptors import StreamWatchdog, well_formed
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .put_assembly import PutAssembler
 from .status import code_for
-from .types import PutResult
+from .types import BlockMeta, PutResult
 from .validate import check_keys, check_number, check_ranges, check_size, check_ttl, to_monotonic, to_unix
-from .wire import FrameError, decode
+from .wire import META, FrameError, decode
 
 log = logging.getLogger("kvstore.server")
 
@@ -64,7 +64,7 @@ def _unary(method: Callable) -> Callable:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
             _abort(context, exc, method.__name__)
         finally:
-            self.observe(method.__name__, time.perf_counter() - t0)
+            self.observe(method.__name__, time.perf_counter() - t0, context)
     return wrapper
 
 
@@ -77,7 +77,7 @@ def _streaming(method: Callable) -> Callable:
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, method.__name__)
         finally:
-            self.observe(method.__name__, time.perf_counter() - t0)
+            self.observe(method.__name__, time.perf_counter() - t0, context)
     return wrapper
 
 
@@ -99,13 +99,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         auth: maps each call's bearer token to its tenant; None: one shared key space.
         health: :class:`kvstore.health.Health` (Stats reports it), or None.
         info: the :class:`~kvstore._proto.kvstore_pb2.InfoReply` to answer Info with.
-        observe: called with (method name, seconds) after every call (metrics).
+        observe: called with (method name, seconds, tenant) after every call (metrics).
+        tally: counts Lookups per tenant (metrics), or None.
     """
 
     def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
                  stream_idle_timeout_s: float = 30.0, health=None, info: pb.InfoReply | None = None,
-                 observe: Callable[[str, float], None] | None = None, default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
+                 observe: Callable[[str, float, str], None] | None = None, tally=None,
+                 default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -116,10 +118,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.idle = StreamWatchdog(stream_idle_timeout_s)
         self.default_lease_ttl_s = default_lease_ttl_s
         self._observe = observe
+        self.tally = tally
 
-    def observe(self, method: str, seconds: float) -> None:
+    def observe(self, method: str, seconds: float, context=None) -> None:
+        """Report one call's latency (seconds) to the metrics, with the caller's tenant."""
         if self._observe is not None:
-            self._observe(method, seconds)
+            tenant = ""
+            if self.auth is not None and context is not None:
+                tenant = self.auth.tenant_for(context.invocation_metadata()) or ""
+            self._observe(method, seconds, tenant)
 
     def _space(self, context) -> KeySpace:
         """The caller's key space. Raises Unauthenticated (defence in depth: the
@@ -139,6 +146,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
             for batch in touch(request_iterator):
                 for c in well_formed(batch).chunks:
+                    if c.HasField("meta"):
+                        asm.meta(c.key, meta_of(c.meta))
                     asm.chunk(c.key, c.total_size, c.offset, c.data)
             return _put_reply(asm.finish(), asm.detail)
 
@@ -147,6 +156,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         space = self._space(context)
         with PutAssembler(self.manager, space.internal) as asm:
             for c in request.chunks:
+                if c.HasField("meta"):
+                    asm.meta(c.key, meta_of(c.meta))
                 asm.chunk(c.key, c.total_size, c.offset, c.data)
             return _put_reply(asm.finish(), asm.detail)
 
@@ -162,12 +173,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     except FrameError as e:
                         raise errors.InvalidRequest(f"PutRaw: {e}") from None
                     for r in records:
+                        if r.flags & META:
+                            asm.meta(r.key, meta_of(_decode_meta(r.data)))
+                            continue
                         asm.chunk(r.key, r.total, r.offset, r.data)
                 return _put_reply(asm.finish(), asm.detail).SerializeToString()
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "PutRaw")
         finally:
-            self.observe("PutRaw", time.perf_counter() - t0)
+            self.observe("PutRaw", time.perf_counter() - t0, context)
 
     # ------------------------------------------------------------------ get
 
@@ -197,7 +211,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "GetRaw")
         finally:
-            self.observe("GetRaw", time.perf_counter() - t0)
+            self.observe("GetRaw", time.perf_counter() - t0, context)
 
     # ------------------------------------------------------------------ lookup, delete, stats
 
@@ -208,6 +222,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if self.hints is not None:
             self.hints.observe_request(keys)   # reuse statistics for next_use and prefetch
         res = self.manager.lookup(keys)
+        if self.tally is not None:
+            self.tally.lookup(space.tenant, len(keys), res.hit_blocks)
         return pb.LookupReply(hit_blocks=res.hit_blocks, tier_codes=res.tier_codes)
 
     @_unary
@@ -304,11 +320,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         keys = check_keys(request.keys)
         if len(request.sizes) != len(keys):
             raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.sizes)} sizes")
+        if request.meta and len(request.meta) != len(keys):
+            raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.meta)} block metas")
+        metas = [meta_of(m) for m in request.meta] if request.meta else [None] * len(keys)
         sizes = [check_size(s, f"sizes[{i}]") for i, s in enumerate(request.sizes)]
         ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
         reply = pb.ReserveReply()
-        for key, size in zip(keys, sizes):
-            offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl)
+        for key, size, meta in zip(keys, sizes, metas):
+            offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl, meta)
             reply.offsets.append(offset)
             reply.status.append(status)
             if detail and not reply.detail:
@@ -329,6 +348,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             committed += 1
             nbytes += claim.size
         return pb.CommitReply(committed=committed, bytes_committed=nbytes)
+
+
+def meta_of(m: pb.BlockMeta) -> BlockMeta | None:
+    """A ``BlockMeta`` message as :class:`kvstore.types.BlockMeta` (None when empty).
+    Raises InvalidRequest for oversized fields."""
+    if not (m.engine_hash or m.token_ids or m.parent_engine_hash):
+        return None
+    if len(m.engine_hash) > 64 or len(m.parent_engine_hash) > 64 or len(m.token_ids) > 1 << 16 \
+            or len(m.lora_name) > 256:
+        raise errors.InvalidRequest("BlockMeta: hashes are limited to 64 bytes, token_ids to 65536, "
+                                    "lora_name to 256 characters")
+    return BlockMeta(bytes(m.engine_hash), bytes(m.parent_engine_hash), tuple(m.token_ids), m.block_tokens,
+                     m.lora_name)
+
+
+def _decode_meta(data) -> pb.BlockMeta:
+    try:
+        return pb.BlockMeta.FromString(bytes(data))
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
+        raise errors.InvalidRequest(f"PutRaw: a BlockMeta record does not decode: {e}") from None
 
 
 def data_handler(service: KVStoreService) -> grpc.GenericRpcHandler:

@@ -75,6 +75,25 @@ class PutResult:
     size_conflicts: int = 0
 
 
+@dataclass(frozen=True)
+class BlockMeta:
+    """What cache-aware routers index a block by, published with its KV events.
+
+    Attributes:
+        engine_hash: the engine's own hash of the block (e.g. vLLM's block hash).
+        parent_engine_hash: the engine's hash of the block before it (empty: the first).
+        token_ids: the block's token ids.
+        block_tokens: tokens per block.
+        lora_name: the LoRA adapter, if any.
+    """
+
+    engine_hash: bytes = b""
+    parent_engine_hash: bytes = b""
+    token_ids: tuple[int, ...] = ()
+    block_tokens: int = 0
+    lora_name: str = ""
+
+
 class ReserveStatus(enum.IntEnum):
     """Outcome of one key of a zero-copy Reserve (``proto/kvstore.proto`` ``ReserveStatus``)."""
 
@@ -86,4 +105,4 @@ class ReserveStatus(enum.IntEnum):
     BUSY = 5              # another client is writing it now
 
 
-__all__ = ["ReserveStatus", "KEY_BYTES", "GetResult", "LookupResult", "PutResult", "TierKind", "tier_kinds"]
+__all__ = ["BlockMeta", "ReserveStatus", "KEY_BYTES", "GetResult", "LookupResult", "PutResult", "TierKind", "tier_kinds"]

@@ -13,7 +13,8 @@ A frame is one gRPC message::
     the payloads of the records, back to back, in record order
 
 - ``flags``: bit 0 ``FOUND`` (Get: the block is stored), bit 1 ``FAILED`` (Get: the
-  block failed while it was being sent; drop what arrived of it).
+  block failed while it was being sent; drop what arrived of it), bit 2 ``META`` (Put:
+  the payload is the key's ``BlockMeta`` message, for KV events; it precedes the block).
 - ``total_size``: bytes of the whole block (or of its requested ranges); ``offset``:
   where this record's payload starts in it; ``length``: payload bytes in this frame.
 
@@ -40,6 +41,8 @@ assert RECORD_DTYPE.itemsize == RECORD.size == 64
 
 FOUND = 1
 FAILED = 2
+META = 4
+"""Put: the record's payload is the next block's ``BlockMeta`` (protobuf), not block data."""
 
 
 class FrameError(ValueError):
@@ -103,7 +106,7 @@ def decode(frame: bytes | memoryview) -> list[Record]:
         key, flags, tier, _, _, total, offset, _ = rec
         if len(key) < 32:                       # numpy strips trailing NUL bytes of S32
             key = key.ljust(32, b"\0")
-        if offset + n > total:
+        if offset + n > total and not flags & META:
             raise FrameError(f"record [{offset}, {offset + n}) overruns its block of {total} bytes")
         out.append(Record(key, flags, tier, total, offset, view[pos:pos + n]))
         pos += n

@@ -76,7 +76,7 @@ class Writes:
         self._size_conflicts_logged: OrderedDict[bytes, None] = OrderedDict()
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
-                  tier: int | None = None) -> PutOutcome:
+                  tier: int | None = None, meta=None) -> PutOutcome:
         """Phase one of a put: claim ``key`` and reserve room for ``nbytes`` bytes.
 
         Args:
@@ -85,6 +85,8 @@ class Writes:
             ttl_s: a zero-copy reservation's lifetime (the client writes into the shared
                 arena); it is reclaimed after this many seconds if not committed.
             tier: reserve in this tier only (the shared arena for zero-copy puts).
+            meta: what routers index the block by (:class:`kvstore.types.BlockMeta`),
+                published with its KV events.
         Returns already_present (and touches the block) when it is stored with the same
         size; waits for another client's in-flight write of the same key.
         Raises:
@@ -116,7 +118,7 @@ class Writes:
             # Claim the key before making room: making room may release the lock while it
             # waits on a demotion, and a second put of the same key must wait, not reserve.
             claim = Claim(key, nbytes, owner=owner,
-                          deadline=None if ttl_s is None else cat.clock() + ttl_s)
+                          deadline=None if ttl_s is None else cat.clock() + ttl_s, meta=meta)
             cat.add_claim(claim)
             try:
                 claim.tier = self._reserve_somewhere(key, nbytes, tier)
@@ -223,7 +225,7 @@ class Writes:
                 raise
             cat.end_claim(pending)
             self.put_failure = None
-            entry = self._placement.new_entry(pending.key, pending.size, pending.tier, "put")
+            entry = self._placement.new_entry(pending.key, pending.size, pending.tier, "put", pending.meta)
             self.policies[pending.tier].insert(pending.key, pending.size, self.clock())
             self.counters.inc("blocks_put")
             self.counters.inc("bytes_put", pending.size)
