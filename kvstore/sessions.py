@@ -1,0 +1,286 @@
+"""Session hints: what an agent framework knows about a session's future, fed to eviction.
+
+A worker, or the agent framework behind it, may say per session (an agent trajectory
+or a conversation) after a request:
+
+- **continues**: the session will send another request, expected back in about
+  ``expected_back_s`` seconds and/or within ``ttl_s`` seconds (a retention TTL, as
+  vLLM's ``cache_control.ttl``);
+- **finished**: it is done; its blocks will not be used again;
+- **abandoned**: it was dropped (a user left, an agent branch was cut); same effect.
+
+:class:`SessionTable` turns these into eviction hints for every tier's policy:
+
+- a continuing session's *private* blocks (used by no other session) get its
+  expected-back time as their next use (``set_next_use``, one hint group per session,
+  evicted tail first, so a partly evicted prefix keeps its head); policies without
+  next-use support (LRU, ARC, S3-FIFO) ignore this;
+- a finished or abandoned session's private blocks are *released*: the first victims
+  of every policy, refused by a full tier (:meth:`EvictionPolicy.release`);
+- blocks a second session also uses (system prompts, shared documents) get no session
+  hint: the learned reuse model (``next_use``) or the policy's own order decides;
+- a new prefix that drops some of the session's earlier private blocks (context
+  compaction, an edited history) releases those blocks;
+- a TTL that runs out without the session returning drops its hint (the blocks go back
+  to the policy's own order; they are not released).
+
+Without ``expected_back_s`` the expected gap is learned: the median of the gaps observed
+between a session's "continues" and its next hint (sliding window), capped by the TTL.
+Tool calls (:mod:`kvstore.prefetch`) refine the time through :meth:`SessionTable.expect`.
+Hints are optional: without any, nothing here runs.
+
+Everything is plain Python with explicit times (seconds), for the daemon (wall clock)
+and ``kvstore simulate`` (virtual clock). Not thread-safe on its own: the daemon calls
+it under one lock (the prefetch scheduler's).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import InvalidRequest
+from .policy import AcceptsNextUse, EvictionPolicy
+
+_SHARED = object()     # owner marker of a key used by two or more sessions
+
+
+class SessionState(str, enum.Enum):
+    """What a session hint says about the session's future."""
+
+    CONTINUES = "continues"
+    FINISHED = "finished"
+    ABANDONED = "abandoned"
+
+
+@dataclass(frozen=True)
+class SessionHint:
+    """One hint about one session.
+
+    Attributes:
+        session_id: the session (trajectory, conversation); non-empty.
+        state: :class:`SessionState`.
+        keys: the session's stored prefix blocks in prefix order (32-byte keys); empty:
+            the keys of its previous hint.
+        expected_back_s: seconds from ``time`` until its next request (continues only;
+            None: unknown, learned).
+        ttl_s: keep its blocks near for at most this many seconds (continues only;
+            None: no limit).
+        time: when the hint applies (seconds, the table's clock; None: now).
+    Raises:
+        InvalidRequest: empty id, negative or non-finite times, bad keys.
+    """
+
+    session_id: str
+    state: SessionState
+    keys: tuple[bytes, ...] = ()
+    expected_back_s: float | None = None
+    ttl_s: float | None = None
+    time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.session_id, str) or not self.session_id:
+            raise InvalidRequest("session hint: session_id must be a non-empty string")
+        try:
+            object.__setattr__(self, "state", SessionState(self.state))
+        except ValueError:
+            raise InvalidRequest(f"session hint: state must be one of "
+                                 f"{[s.value for s in SessionState]}, got {self.state!r}") from None
+        for name in ("expected_back_s", "ttl_s", "time"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v < 0):
+                raise InvalidRequest(f"session hint: {name} must be a finite number >= 0, got {v!r}")
+        keys = tuple(self.keys)
+        if any(not isinstance(k, (bytes, bytearray)) or len(k) != 32 for k in keys):
+            raise InvalidRequest("session hint: keys must be 32-byte block keys")
+        object.__setattr__(self, "keys", tuple(bytes(k) for k in keys))
+
+
+@dataclass
+class _Session:
+    sid: str
+    state: SessionState
+    keys: tuple[bytes, ...]
+    hinted_at: float
+    expected: float          # absolute seconds; inf when not continuing
+    deadline: float          # absolute seconds (TTL); inf: none
+
+
+@dataclass
+class SessionStats:
+    """Counts of hints and of their effect (blocks)."""
+
+    hints: int = 0
+    continues: int = 0
+    finished: int = 0
+    abandoned: int = 0
+    released_blocks: int = 0
+    lapsed: int = 0
+    returns: int = 0
+
+
+class SessionTable:
+    """Session hints -> next-use hints and released blocks for ``policies``.
+
+    Args:
+        policies: every tier's eviction policy (fastest first).
+        default_gap_s: expected gap before any was observed (seconds).
+        window: observed gaps kept for the learned median.
+        max_sessions: sessions remembered; the least recently hinted are forgotten
+            (their hints dropped, nothing released).
+        max_keys: keys whose owner is remembered (to tell private from shared).
+    """
+
+    def __init__(self, policies: Sequence[EvictionPolicy], *, default_gap_s: float = 60.0,
+                 window: int = 256, max_sessions: int = 100_000, max_keys: int = 4_000_000):
+        self.policies = list(policies)
+        self._next_use = [p for p in self.policies if isinstance(p, AcceptsNextUse)]
+        self.default_gap_s = default_gap_s
+        self.max_sessions = max_sessions
+        self.max_keys = max_keys
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._owner: OrderedDict[bytes, object] = OrderedDict()    # key -> sid or _SHARED
+        self._gaps: deque[float] = deque(maxlen=window)
+        self._deadlines: list[tuple[float, str]] = []
+        self.stats = SessionStats()
+
+    # ------------------------------------------------------------------ queries
+
+    def get(self, session_id: str) -> _Session | None:
+        return self._sessions.get(session_id)
+
+    def expected_gap(self) -> float:
+        """The learned median gap between a "continues" and the session's return (seconds)."""
+        return float(np.median(self._gaps)) if self._gaps else self.default_gap_s
+
+    def private_keys(self, session_id: str) -> list[bytes]:
+        """The session's keys no other session uses, in prefix order."""
+        s = self._sessions.get(session_id)
+        return [] if s is None else [k for k in s.keys if self._owner.get(k) == session_id]
+
+    # ------------------------------------------------------------------ hints
+
+    def apply(self, hint: SessionHint, now: float) -> float:
+        """Apply one hint at ``now`` (seconds). Returns the session's expected-back time
+        (absolute seconds; ``inf`` for finished / abandoned)."""
+        t = now if hint.time is None else hint.time
+        self.stats.hints += 1
+        old = self._sessions.get(hint.session_id)
+        if old is not None and hint.state != SessionState.ABANDONED:   # it came back
+            self._gaps.append(max(t - old.hinted_at, 0.0))
+            self.stats.returns += 1
+        keys = hint.keys or (old.keys if old is not None else ())
+        if hint.state != SessionState.CONTINUES:
+            self._end(hint.session_id, hint.state, keys, t)
+            return math.inf
+        self.stats.continues += 1
+        gap = hint.expected_back_s
+        if gap is None:
+            gap = self.expected_gap()
+            if hint.ttl_s is not None:
+                gap = min(gap, hint.ttl_s)
+        deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
+        s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline)
+        self._store(s, old, now)
+        if deadline < math.inf:
+            heapq.heappush(self._deadlines, (deadline, s.sid))
+        return s.expected
+
+    def expect(self, session_id: str, keys: Sequence[bytes], expected_at: float, now: float,
+               hinted_at: float | None = None) -> None:
+        """Refine a session's expected-back time (a tool call's prediction): the session
+        continues with prefix ``keys`` (empty: as before) and is expected at
+        ``expected_at`` (absolute seconds). Does not count as the session's return."""
+        old = self._sessions.get(session_id)
+        keys = tuple(keys) or (old.keys if old is not None else ())
+        deadline = old.deadline if old is not None else math.inf
+        t = old.hinted_at if (old is not None and hinted_at is None) else (now if hinted_at is None else hinted_at)
+        self._store(_Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline), old, now)
+
+    def tick(self, now: float) -> None:
+        """Drop the hints of sessions whose TTL ran out (seconds)."""
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            deadline, sid = heapq.heappop(dl)
+            s = self._sessions.get(sid)
+            if s is None or s.deadline != deadline or s.state != SessionState.CONTINUES:
+                continue
+            self.stats.lapsed += 1
+            self._forget(sid, now)
+
+    # ------------------------------------------------------------------ internals
+
+    def _claim(self, sid: str, keys: Iterable[bytes], now: float) -> list[bytes]:
+        """Record ``sid`` as a user of ``keys``; returns those private to it. A key
+        another session uses becomes shared: its hints are cleared."""
+        private, became_shared = [], []
+        owner = self._owner
+        for k in keys:
+            o = owner.get(k)
+            if o is None or o == sid:
+                owner[k] = sid
+                owner.move_to_end(k)
+                private.append(k)
+            elif o is not _SHARED:
+                owner[k] = _SHARED
+                became_shared.append(k)
+        while len(owner) > self.max_keys:
+            owner.popitem(last=False)
+        if became_shared:
+            for p in self.policies:
+                p.revive(became_shared)
+            for p in self._next_use:
+                p.clear_hints(became_shared, now)
+        return private
+
+    def _store(self, s: _Session, old: _Session | None, now: float) -> None:
+        private = self._claim(s.sid, s.keys, now)
+        if old is not None and old.keys != s.keys:
+            now_keys = set(s.keys)
+            dropped = [k for k in old.keys if k not in now_keys and self._owner.get(k) == s.sid]
+            if dropped:
+                self._release(dropped)
+        self._sessions[s.sid] = s
+        self._sessions.move_to_end(s.sid)
+        for p in self.policies:
+            p.revive(private)
+        for p in self._next_use:
+            p.set_next_use(private, s.expected, now)
+        while len(self._sessions) > self.max_sessions:
+            sid = next(iter(self._sessions))
+            self._forget(sid, now)
+
+    def _end(self, sid: str, state: SessionState, keys: Sequence[bytes], now: float) -> None:
+        if state == SessionState.FINISHED:
+            self.stats.finished += 1
+        else:
+            self.stats.abandoned += 1
+        private = self._claim(sid, keys, now)
+        old = self._sessions.pop(sid, None)
+        if old is not None:
+            seen = set(private)
+            private += [k for k in old.keys if self._owner.get(k) == sid and k not in seen]
+        self._release(private)
+        for k in private:
+            self._owner.pop(k, None)
+
+    def _release(self, keys: list[bytes]) -> None:
+        self.stats.released_blocks += len(keys)
+        for p in self.policies:
+            p.release(keys)
+
+    def _forget(self, sid: str, now: float) -> None:
+        """Forget a session without releasing its blocks: its hints are dropped."""
+        s = self._sessions.pop(sid, None)
+        if s is None:
+            return
+        private = [k for k in s.keys if self._owner.get(k) == sid]
+        for p in self._next_use:
+            p.clear_hints(private, now)
