@@ -44,6 +44,11 @@ class DurationEstimator(abc.ABC):
     def conditional_quantile(self, q: float, elapsed: float) -> float:
         """The ``q``-quantile of the duration given that it exceeds ``elapsed`` seconds."""
 
+    @abc.abstractmethod
+    def prob_within(self, elapsed: float, horizon: float) -> float:
+        """A conservative estimate of P(duration <= elapsed + horizon | duration > elapsed):
+        shrunk towards 0 when few observations lie beyond ``elapsed``."""
+
     @property
     @abc.abstractmethod
     def count(self) -> int:
@@ -85,6 +90,11 @@ class WindowQuantile(DurationEstimator):
         if not tail:  # beyond everything seen: assume it ends about now (plus a 50% margin)
             return elapsed * 1.5
         return self._q(tail, q)
+
+    def prob_within(self, elapsed: float, horizon: float) -> float:
+        tail = [d for d in self._window if d > elapsed]
+        hits = sum(1 for d in tail if d <= elapsed + horizon)
+        return hits / (len(tail) + 2.0)      # two pseudo-observations of "later"
 
     @property
     def count(self) -> int:
@@ -130,6 +140,13 @@ class LogNormalFit(DurationEstimator):
         if not self._n:
             raise ValueError("no observations yet")
         return math.exp(self._mu + self.sigma * statistics.NormalDist().inv_cdf(q))
+
+    def prob_within(self, elapsed: float, horizon: float) -> float:
+        nd = statistics.NormalDist(self._mu, self.sigma)
+        lo = nd.cdf(math.log(max(elapsed, 1e-9)))
+        hi = nd.cdf(math.log(max(elapsed + horizon, 1e-9)))
+        p = (hi - lo) / (1.0 - lo) if lo < 1.0 - 1e-12 else 0.0
+        return p * self._n / (self._n + 2.0)
 
     def conditional_quantile(self, q: float, elapsed: float) -> float:
         nd = statistics.NormalDist(self._mu, self.sigma)
@@ -205,9 +222,38 @@ class ToolPredictor:
             return max(self.default_s - elapsed, self.default_s * 0.5)
         return max(est.conditional_quantile(q, elapsed) - elapsed, 0.0)
 
+    def prob_within(self, tool: str, elapsed: float, horizon: float) -> float:
+        """Conservative P(a call of ``tool`` running ``elapsed`` seconds ends within
+        ``horizon`` more seconds); 0 before any observation."""
+        est = self._estimator(tool)
+        return 0.0 if est is None else est.prob_within(elapsed, horizon)
+
     def tools(self) -> dict[str, int]:
         """Observation count per tool."""
         return {t: e.count for t, e in self._tools.items()}
+
+
+def best_hit_density(lam: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Best hit density from each age bin on, maximised over the wait horizon.
+
+    ``lam[b]`` is the probability of the reuse in bin ``b`` given none before; ``widths``
+    the bins' widths (seconds, or any unit of time). Returns, per bin ``b``,
+    ``max_e P(reuse by the end of bin e | none before b) / E[time resident until then]``
+    (reuses per unit of time; cf. Beckmann et al., LHD, NSDI'18). Its inverse is the
+    expected residence per reuse: the time to the next use when that use is certain.
+    """
+    nb = len(lam)
+    surv = np.concatenate([[1.0], np.cumprod(1.0 - lam)])
+    resid = widths * (surv[:-1] + surv[1:]) / 2.0        # expected time resident per bin
+    cum_res = np.concatenate([[0.0], np.cumsum(resid)])
+    out = np.zeros(nb)
+    for b in range(nb):
+        if surv[b] <= 1e-12:
+            continue
+        p = (surv[b] - surv[b + 1:]) / surv[b]                   # P(reuse by end of e), e >= b
+        e = (cum_res[b + 1:] - cum_res[b]) / surv[b]
+        out[b] = float(np.max(p / np.maximum(e, 1e-9)))
+    return out
 
 
 # --------------------------------------------------------------------------- reuse
@@ -275,12 +321,13 @@ class ReuseModel:
     def __init__(self, turn_buckets: int = 4, horizon_s: float = 3600.0, window: int = 4096,
                  refresh_every: int = 64, max_records: int = 200_000, bins: int = 28,
                  min_age_s: float = 0.25, prior_beta: float = 0.5, smoothing: float = 4.0,
-                 growth_buckets: Sequence[int] = (4, 16)):
+                 growth_buckets: Sequence[int] = (4, 16), gap_buckets: Sequence[float] = ()):
         if turn_buckets < 1:
             raise ValueError("turn_buckets must be >= 1")
         self.turn_buckets = turn_buckets
         self.growth_buckets = tuple(growth_buckets)
-        nconv = turn_buckets * (len(self.growth_buckets) + 1)
+        self.gap_buckets = tuple(gap_buckets)
+        nconv = turn_buckets * (len(self.growth_buckets) + 1) * (len(self.gap_buckets) + 1)
         self.num_conv = nconv
         self.TAIL = nconv
         self.SHARED = nconv + 1
@@ -343,6 +390,7 @@ class ReuseModel:
         while k < n and keys[k] in rec_map:
             k += 1
         turn = 0
+        gap = math.inf
         shared: list[bytes] = []
         conv: list[bytes] = []
         i = 0
@@ -359,6 +407,7 @@ class ReuseModel:
             elif whole:           # a conversation (or its tail) continued
                 self._reused(rec, now)
                 turn = max(turn, rec.turn + 1)
+                gap = min(gap, now - rec.t0)
                 conv.extend(run)
             else:                 # diverged inside it: the common part is a shared prefix
                 shared.extend(run)
@@ -374,7 +423,7 @@ class ReuseModel:
             tail = []
         body = conv + rest
         if body:
-            self._new_record(self.conv_class(turn, n - k), now, turn, body)
+            self._new_record(self.conv_class(turn, n - k, gap), now, turn, body)
         if tail:
             self._new_record(self.TAIL, now, turn, tail)
         self._prune(now)
@@ -382,10 +431,13 @@ class ReuseModel:
         if self._since_refresh >= self.refresh_every:
             self.refresh(now)
 
-    def conv_class(self, turn: int, new_blocks: int) -> int:
-        """Class of a conversation record: by turn and by how many blocks the request added."""
+    def conv_class(self, turn: int, new_blocks: int, gap: float = math.inf) -> int:
+        """Class of a conversation record: by turn, by how many blocks the request added
+        and (continued records) by the gap since the turn before (seconds)."""
         g = bisect.bisect_right(self.growth_buckets, new_blocks)
-        return min(turn, self.turn_buckets - 1) * (len(self.growth_buckets) + 1) + g
+        p = bisect.bisect_right(self.gap_buckets, gap) if turn and gap < math.inf else 0
+        cls = min(turn, self.turn_buckets - 1) * (len(self.growth_buckets) + 1) + g
+        return cls * (len(self.gap_buckets) + 1) + p
 
     def _prune(self, now: float) -> None:
         recs = self._records
@@ -410,20 +462,7 @@ class ReuseModel:
         return self._index_from_hazard(self._prior_hazard())
 
     def _index_from_hazard(self, lam: np.ndarray) -> np.ndarray:
-        """Best hit density (reuses per second) from each age bin on, maximised over the
-        wait horizon: ``max_e P(reuse by end of bin e) / E[seconds resident until then]``."""
-        nb = len(lam)
-        surv = np.concatenate([[1.0], np.cumprod(1.0 - lam)])
-        resid = self._widths * (surv[:-1] + surv[1:]) / 2.0        # expected seconds per bin
-        cum_res = np.concatenate([[0.0], np.cumsum(resid)])
-        out = np.zeros(nb)
-        for b in range(nb):
-            if surv[b] <= 1e-12:
-                continue
-            p = (surv[b] - surv[b + 1:]) / surv[b]                   # P(reuse by end of e), e >= b
-            e = (cum_res[b + 1:] - cum_res[b]) / surv[b]
-            out[b] = float(np.max(p / np.maximum(e, 1e-9)))
-        return out
+        return best_hit_density(lam, self._widths)
 
     def _hazard(self, samples: Sequence[list[float]], now: float) -> tuple[np.ndarray, np.ndarray]:
         """(events, at-risk) per age bin, Kaplan-Meier style, from ``[t0, gap]`` samples."""
@@ -477,10 +516,12 @@ class ReuseModel:
 
     def class_names(self) -> list[str]:
         edges = (0,) + self.growth_buckets
+        gaps = ("",) + tuple(f">={g:g}s" for g in self.gap_buckets)
         names = []
         for t in range(self.turn_buckets):
             plus = "+" if t == self.turn_buckets - 1 else ""
             for g, lo in enumerate(edges):
                 hi = f"-{edges[g + 1] - 1}" if g + 1 < len(edges) else "+"
-                names.append(f"turn{t}{plus}/new{lo}{hi}")
+                for gp in gaps:
+                    names.append(f"turn{t}{plus}/new{lo}{hi}" + (f"/gap{gp}" if gp else ""))
         return names + ["tail", "shared", "unknown"]

@@ -46,6 +46,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .errors import InvalidRequest
+from .hint_model import HintCalibration
 from .policy import AcceptsNextUse, EvictionPolicy
 
 _SHARED = object()     # owner marker of a key used by two or more sessions
@@ -111,6 +112,9 @@ class _Session:
     hinted_at: float
     expected: float          # absolute seconds; inf when not continuing
     deadline: float          # absolute seconds (TTL); inf: none
+    outcome: list | None = None    # HintCalibration record of this hint
+    raw_gap: float | None = None   # the gap the hint gave (before the session's correction)
+    exact: bool = False            # a commitment (kept until used), not a prediction
 
 
 @dataclass
@@ -129,8 +133,15 @@ class SessionStats:
 class SessionTable:
     """Session hints -> next-use hints and released blocks for ``policies``.
 
+    Hinted times are scaled by the session's learned correction and their outcomes feed
+    a :class:`~kvstore.hint_model.HintCalibration` that ``next_use`` policies use for
+    distances (set on them here).
+
     Args:
         policies: every tier's eviction policy (fastest first).
+        calibration: the hint calibration (default: a new one); None-like behaviour
+            (fixed overdue rule, no correction) with ``calibrate=False``.
+        calibrate: learn from hint outcomes and correct per session.
         default_gap_s: expected gap before any was observed (seconds).
         window: observed gaps kept for the learned median.
         max_sessions: sessions remembered; the least recently hinted are forgotten
@@ -138,10 +149,15 @@ class SessionTable:
         max_keys: keys whose owner is remembered (to tell private from shared).
     """
 
-    def __init__(self, policies: Sequence[EvictionPolicy], *, default_gap_s: float = 60.0,
+    def __init__(self, policies: Sequence[EvictionPolicy], *, calibration: HintCalibration | None = None,
+                 calibrate: bool = True, default_gap_s: float = 60.0,
                  window: int = 256, max_sessions: int = 100_000, max_keys: int = 4_000_000):
         self.policies = list(policies)
         self._next_use = [p for p in self.policies if isinstance(p, AcceptsNextUse)]
+        self.calibration = (calibration or HintCalibration()) if calibrate else None
+        for p in self._next_use:
+            if hasattr(p, "calibration"):
+                p.calibration = self.calibration
         self.default_gap_s = default_gap_s
         self.max_sessions = max_sessions
         self.max_keys = max_keys
@@ -174,35 +190,68 @@ class SessionTable:
         self.stats.hints += 1
         old = self._sessions.get(hint.session_id)
         if old is not None and hint.state != SessionState.ABANDONED:   # it came back
-            self._gaps.append(max(t - old.hinted_at, 0.0))
-            self.stats.returns += 1
+            self._returned(old, t)
         keys = hint.keys or (old.keys if old is not None else ())
         if hint.state != SessionState.CONTINUES:
             self._end(hint.session_id, hint.state, keys, t)
             return math.inf
         self.stats.continues += 1
-        gap = hint.expected_back_s
-        if gap is None:
-            gap = self.expected_gap()
+        raw = hint.expected_back_s
+        if raw is None:
+            raw = self.expected_gap()
+            if hint.ttl_s is not None:
+                raw = min(raw, hint.ttl_s)
+        gap = raw
+        cal = self.calibration
+        if cal is not None and hint.expected_back_s is not None:
+            gap = raw * cal.correction(hint.session_id)
             if hint.ttl_s is not None:
                 gap = min(gap, hint.ttl_s)
         deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
-        s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline)
+        s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline,
+                     cal.hinted(t, gap) if cal is not None else None,
+                     hint.expected_back_s)
         self._store(s, old, now)
         if deadline < math.inf:
             heapq.heappush(self._deadlines, (deadline, s.sid))
         return s.expected
 
     def expect(self, session_id: str, keys: Sequence[bytes], expected_at: float, now: float,
-               hinted_at: float | None = None) -> None:
+               hinted_at: float | None = None, calibrate: bool = False, exact: bool = False) -> None:
         """Refine a session's expected-back time (a tool call's prediction): the session
         continues with prefix ``keys`` (empty: as before) and is expected at
-        ``expected_at`` (absolute seconds). Does not count as the session's return."""
+        ``expected_at`` (absolute seconds), as predicted at ``hinted_at`` (default: the
+        session's last hint, or now). Does not count as the session's return; with
+        ``calibrate`` the prediction's outcome is learned (call :meth:`returned`);
+        ``exact``: the time is a commitment (promoted blocks to keep until used)."""
         old = self._sessions.get(session_id)
         keys = tuple(keys) or (old.keys if old is not None else ())
         deadline = old.deadline if old is not None else math.inf
         t = old.hinted_at if (old is not None and hinted_at is None) else (now if hinted_at is None else hinted_at)
-        self._store(_Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline), old, now)
+        outcome = old.outcome if old is not None else None
+        if calibrate and self.calibration is not None:
+            outcome = self.calibration.hinted(t, expected_at - t)
+        s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
+                     old.raw_gap if old is not None else None, exact)
+        self._store(s, old, now)
+
+    def returned(self, session_id: str, t: float) -> None:
+        """The session's next request arrived at ``t`` (a tool call's resume): learn from
+        the hint's outcome and drop it (the blocks are in use; the policy's own order
+        takes over until the next hint)."""
+        s = self._sessions.get(session_id)
+        if s is not None:
+            self._returned(s, t)
+            private = [k for k in s.keys if self._owner.get(k) == session_id]
+            for p in self._next_use:
+                p.clear_hints(private, t)
+
+    def _returned(self, s: _Session, t: float) -> None:
+        self._gaps.append(max(t - s.hinted_at, 0.0))
+        self.stats.returns += 1
+        if self.calibration is not None and s.outcome is not None:
+            self.calibration.returned(s.outcome, s.sid, t, s.raw_gap)
+            s.outcome = None
 
     def tick(self, now: float) -> None:
         """Drop the hints of sessions whose TTL ran out (seconds)."""
@@ -252,7 +301,7 @@ class SessionTable:
         for p in self.policies:
             p.revive(private)
         for p in self._next_use:
-            p.set_next_use(private, s.expected, now)
+            p.set_next_use(private, s.expected, now, since=s.hinted_at, exact=s.exact)
         while len(self._sessions) > self.max_sessions:
             sid = next(iter(self._sessions))
             self._forget(sid, now)

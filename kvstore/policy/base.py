@@ -18,8 +18,9 @@ Protocol, as seen from the manager::
 On top of that every policy honours *released* blocks (:meth:`EvictionPolicy.release`):
 blocks whose session finished or was abandoned (session hints, :mod:`kvstore.sessions`)
 are the first victims, in the order released (within one call: last block first, so a
-prefix shrinks from its tail), and a full tier refuses to admit them. A hit on a
-released block revives it. Subclasses implement the policy proper in ``_insert``,
+prefix shrinks from its tail), and a full tier refuses to admit them. A hit does not
+revive a released block (the finished session's own last request reads it after its
+hint); a new session that uses it does (:meth:`EvictionPolicy.revive`). Subclasses implement the policy proper in ``_insert``,
 ``_access``, ``_remove``, ``_victim`` (and optionally ``_evicted``, ``_admit``,
 ``victim_reason``); the public methods here wrap them.
 
@@ -151,10 +152,7 @@ class EvictionPolicy(abc.ABC):
         self._insert(key, nbytes, now)
 
     def access(self, key: bytes, now: float) -> None:
-        """A hit on resident ``key`` (revives it if it was released)."""
-        if key in self._released:
-            del self._released[key]
-            self._released_resident.pop(key, None)
+        """A hit on resident ``key``."""
         self._access(key, now)
 
     def remove(self, key: bytes) -> None:

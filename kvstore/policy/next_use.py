@@ -65,14 +65,17 @@ class _Group:
 
 
 class _Hint:
-    """One explicit hint: keys (position -> order) expected to be used at ``t``."""
+    """One explicit hint: keys expected to be used at ``t``, hinted at ``t_set``."""
 
-    __slots__ = ("hid", "t", "t_set", "pos", "resident", "queued")
+    __slots__ = ("hid", "t", "t_set", "gap", "cls", "pos", "resident", "queued", "exact")
 
-    def __init__(self, hid: int, t: float, t_set: float):
+    def __init__(self, hid: int, t: float, t_set: float, exact: bool = False):
         self.hid = hid
+        self.exact = exact
         self.t = t
         self.t_set = t_set
+        self.gap = max(t - t_set, 1e-3)
+        self.cls = max(0, min(int(math.log(self.gap / _GAP0) / _GAP_STEP), _GAP_BINS - 1))
         self.pos: dict[bytes, int] = {}
         self.resident: dict[bytes, None] = {}      # in position order
         self.queued = False                        # in the candidate heaps
@@ -84,6 +87,9 @@ class _Hint:
             self.resident = dict.fromkeys(sorted(res, key=self.pos.__getitem__))
         else:
             res[key] = None
+
+
+_GAP0, _GAP_STEP, _GAP_BINS = 0.25, math.log(1.25), 56   # hint classes: gap bins 0.25 s .. ~4 h
 
 
 def _number(name: str, value, lo: float = 0.0) -> float:
@@ -131,9 +137,10 @@ class NextUsePolicy(EvictionPolicy):
         self._young: dict[int, list[tuple[float, int]]] = {}   # per class: min-heap (-t0, -rid)
         self._hint_of: dict[bytes, _Hint] = {}
         self._hints: dict[int, _Hint] = {}
-        self._pending: list[tuple[float, int]] = []   # (-t, hid): due last first
-        self._overdue: list[tuple[float, int]] = []   # (t, hid): most overdue first
+        self._hold: dict[int, list[tuple[float, int]]] = {}     # per gap class: (t_set, hid)
+        self._hyoung: dict[int, list[tuple[float, int]]] = {}   # per gap class: (-t_set, -hid)
         self._expiry: list[tuple[float, int]] = []    # (t, hid): every hint, for expiry
+        self.calibration = None            # a kvstore.hint_model.HintCalibration, set by the session table
         self._hid = itertools.count()
         self._unknown_rid = itertools.count(-1, -1)
         self._last_unknown: _Group | None = None
@@ -146,21 +153,24 @@ class NextUsePolicy(EvictionPolicy):
         with self._lock:
             self.model = model
 
-    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
+    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float,
+                     since: float | None = None, exact: bool = False) -> None:
         """Explicit predicted next use of ``keys`` (seconds, same clock as ``now``), in
-        prefix order. One time for all keys makes one hint group (evicted tail first);
-        per-key times make one group per run of equal times. ``math.inf`` = never:
-        the keys are released (first victims)."""
+        prefix order, hinted at ``since`` (default ``now``). One time for all keys makes
+        one hint group (evicted tail first); per-key times make one group per run of
+        equal times. ``math.inf`` = never: the keys are released (first victims).
+        ``exact``: the time is a commitment (a prefetch that must be kept until used),
+        not a prediction to calibrate: the fixed rule applies."""
         with self._lock:
             seq = [times] * len(keys) if isinstance(times, (int, float)) else list(times)
             run: list[bytes] = []
             for i, key in enumerate(keys):
                 run.append(key)
                 if i + 1 == len(keys) or seq[i + 1] != seq[i]:
-                    self._hint_group(run, float(seq[i]), now)
+                    self._hint_group(run, float(seq[i]), now, now if since is None else min(since, now), exact)
                     run = []
 
-    def _hint_group(self, keys: list[bytes], t: float, now: float) -> None:
+    def _hint_group(self, keys: list[bytes], t: float, now: float, since: float, exact: bool = False) -> None:
         if t == math.inf:
             self.clear_hints(keys, now)
             self.release(keys)
@@ -168,7 +178,7 @@ class NextUsePolicy(EvictionPolicy):
         if t + self.hint_grace_s < now:
             return
         self.revive(keys)
-        h = _Hint(next(self._hid), t, now)
+        h = _Hint(next(self._hid), t, since, exact)
         self._hints[h.hid] = h
         heapq.heappush(self._expiry, (t, h.hid))
         for i, key in enumerate(keys):
@@ -185,8 +195,8 @@ class NextUsePolicy(EvictionPolicy):
         h.add_resident(key)
         if not h.queued:
             h.queued = True
-            heapq.heappush(self._pending, (-h.t, h.hid))
-            heapq.heappush(self._overdue, (h.t, h.hid))
+            heapq.heappush(self._hold.setdefault(h.cls, []), (h.t_set, h.hid))
+            heapq.heappush(self._hyoung.setdefault(h.cls, []), (-h.t_set, -h.hid))
 
     def clear_hints(self, keys: Sequence[bytes], now: float) -> None:
         """Drop explicit hints of ``keys``: they fall back to the learned model."""
@@ -206,6 +216,9 @@ class NextUsePolicy(EvictionPolicy):
         return True
 
     def _hint_distance(self, h: _Hint, now: float) -> float:
+        cal = self.calibration
+        if cal is not None and cal.ready and not h.exact:
+            return cal.distance(h.gap, now - h.t_set)
         if now <= h.t:
             return h.t - now
         return self.overdue_ratio * (now - h.t)
@@ -275,12 +288,8 @@ class NextUsePolicy(EvictionPolicy):
 
     def _access(self, key: bytes, now: float) -> None:
         with self._lock:
-            if key not in self._sizes:
-                return
-            h = self._hint_of.get(key)
-            if h is not None and 2 * now >= h.t + h.t_set and now > h.t_set:
-                self._unhint(key)          # the predicted use happened
-            self._place(key, now)
+            if key in self._sizes and key not in self._hint_of:
+                self._place(key, now)      # a hint stays until replaced, cleared or expired
 
     def _remove(self, key: bytes) -> None:
         with self._lock:
@@ -336,17 +345,14 @@ class NextUsePolicy(EvictionPolicy):
                 return self._distance_new(key, now)
             return self.model.distance(g.cls, now - g.t0)
 
-    def _hint_candidate(self, heap: list, sign: int, now: float, evictable) -> tuple | None:
-        """The evictable tail block of the first live hint group of ``heap``."""
+    def _hint_candidate(self, heap: list, sign: int, evictable, now: float) -> tuple | None:
+        """The evictable tail block of the hint group at the top of ``heap``."""
         skipped, found = [], None
         while heap:
-            t, hid = heap[0]
-            h = self._hints.get(hid)
-            if h is None or (sign < 0 and -t < now):   # gone, or (pending heap) now overdue
+            h = self._hints.get(sign * heap[0][1])
+            if h is None:
                 heapq.heappop(heap)
                 continue
-            if sign > 0 and t >= now:                  # overdue heap: nothing overdue yet
-                break
             if not h.resident:                         # re-queued when a block arrives
                 heapq.heappop(heap)
                 h.queued = False
@@ -364,10 +370,11 @@ class NextUsePolicy(EvictionPolicy):
     def _best(self, evictable: Callable[[bytes], bool], now: float) -> tuple[float, float, bytes] | None:
         """The farthest candidate as ``(distance, -t0, key)``; None if no candidate is evictable."""
         best: tuple[float, float, bytes] | None = None
-        for heap, sign in ((self._pending, -1), (self._overdue, 1)):
-            cand = self._hint_candidate(heap, sign, now, evictable)
-            if cand is not None and (best is None or cand[:2] > best[:2]):
-                best = cand
+        for cls, heap in self._hold.items():
+            for h, sign in ((heap, 1), (self._hyoung[cls], -1)):
+                cand = self._hint_candidate(h, sign, evictable, now)
+                if cand is not None and (best is None or cand[:2] > best[:2]):
+                    best = cand
         groups = self._groups
         dist = self.model.distance
         for cls, heap in self._old.items():

@@ -40,7 +40,8 @@ class BeladyPolicy(EvictionPolicy):
         self._next: dict[bytes, tuple[float, int]] = {}    # key -> (next use time, position)
         self._heap: list[tuple[float, int, bytes]] = []      # (-time, -position, key)
 
-    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
+    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float,
+                     since: float | None = None, exact: bool = True) -> None:
         """Next use of each key (seconds; ``math.inf``: never). ``keys`` in prefix order."""
         seq = [times] * len(keys) if isinstance(times, (int, float)) else times
         for pos, (key, t) in enumerate(zip(keys, seq)):

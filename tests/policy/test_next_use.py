@@ -58,9 +58,9 @@ def test_a_hint_is_consumed_by_its_use_and_expires_after_the_grace():
     assert p.victim(lambda x: True, now=100.0) == k("b")          # expired: back to recency, b is the tail
     assert p.distance(k("a"), 100.0) <= p.distance(k("b"), 100.0)
     p.set_next_use([k("b")], 110.0, now=100.0)
-    p.access(k("b"), 101.0)                                       # early touch: the hint stays
+    p.access(k("b"), 101.0)                                       # a hit does not consume it
     assert p.distance(k("b"), 101.0) == pytest.approx(9.0)
-    p.access(k("b"), 108.0)                                       # the predicted use: consumed
+    p.clear_hints([k("b")], 108.0)                                # the session table drops it
     assert p.distance(k("b"), 108.0) != pytest.approx(2.0)
 
 

@@ -34,10 +34,12 @@ def test_released_blocks_are_the_first_victims_tail_first(name):
 
 
 @pytest.mark.parametrize("name", DAEMON_POLICIES)
-def test_a_hit_revives_a_released_block_and_pinned_ones_are_skipped(name):
+def test_only_revive_undoes_a_release_and_pinned_ones_are_skipped(name):
     p = filled(name, "abcd")
     p.release([k("b"), k("c")])
-    p.access(k("c"), 5.0)
+    p.access(k("c"), 5.0)                               # the session's own last read
+    assert p.is_released(k("c"))
+    p.revive([k("c")])                                  # a new session uses it
     assert not p.is_released(k("c"))
     assert p.victim(lambda x: True, now=6.0) == k("b")
     v = p.victim(lambda x: x != k("b"), now=6.0)
