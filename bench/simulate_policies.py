@@ -26,7 +26,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore import simulate  # noqa: E402
+from kvstore import simulate, simulate_cli  # noqa: E402
 from kvstore.agent_trace import AgentWorkload, generate  # noqa: E402
 from kvstore.config import PrefetchConfig  # noqa: E402
 from kvstore.trace import Request, read_mooncake_trace  # noqa: E402
@@ -130,7 +130,7 @@ def main() -> int:
                 print(f"{p:<10}" + "".join(f"{cell:>24}" for cell in cells) + f"{u['hit_rate']:>12.4f}")
             print(f"(wall time {time.perf_counter() - started:.0f} s with {args.jobs} job(s))")
             if args.plot:
-                simulate.plot_points([(r["policy"], r["blocks"], r["hit_rate"], opt[r["blocks"]]) for r in rows
+                simulate_cli.plot_points([(r["policy"], r["blocks"], r["hit_rate"], opt[r["blocks"]]) for r in rows
                                       if r["blocks"] is not None and r["policy"] != "opt"], args.plot)
 
     if not args.skip_agents:

@@ -16,7 +16,7 @@ COMMAND_MODULES = (
     "kvstore.serve",          # kvstore serve
     "kvstore.replay",         # kvstore replay
     "kvstore.stats_cmd",      # kvstore stats
-    "kvstore.simulate",       # kvstore simulate
+    "kvstore.simulate_cli",   # kvstore simulate
     "kvstore.agent_trace",    # kvstore gen-agent-trace
     "engine_adapter.demo",    # kvstore agent-demo
 )

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvstore import simulate
+from kvstore import simulate, simulate_cli
 from kvstore.trace import Request, read_mooncake_trace
 
 CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
@@ -111,7 +111,7 @@ def test_tiers_from_config_and_overrides():
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore")
-    simulate.register(p.add_subparsers())
+    simulate_cli.register(p.add_subparsers())
     return p
 
 
@@ -156,5 +156,5 @@ def test_plot_writes_a_png(tmp_path):
         r = simulate.run(reqs, one_tier("lru", blocks), block_bytes=1024)
         r.opt_hit_rate = simulate.opt_hit_rate(reqs, blocks * 1024, block_bytes=1024).hit_rate
         rs.append(r)
-    simulate.plot(rs, str(tmp_path / "p.png"))
+    simulate_cli.plot(rs, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
