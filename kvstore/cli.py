@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "kvstore.stats_cmd",      # kvstore stats
     "kvstore.simulate_cli",   # kvstore simulate
     "kvstore.agent_trace",    # kvstore gen-agent-trace
+    "kvstore.explain_cli",    # kvstore explain
     "engine_adapter.demo",    # kvstore agent-demo
 )
 
