@@ -39,10 +39,13 @@ class HintCalibration:
         max_ratio: largest ratio reasoned about; beyond it a hint is worthless.
         bins: log-spaced ratio bins between ``1 / max_ratio`` and ``max_ratio``.
         max_sessions: sessions whose correction is remembered.
+        prior_weight: pseudo observations of ratio 1 in a session's correction (more:
+            trust a session's own history less).
     """
 
     def __init__(self, window: int = 4096, min_samples: int = 32, refresh_every: int = 64,
-                 max_ratio: float = 50.0, bins: int = 48, max_sessions: int = 200_000):
+                 max_ratio: float = 50.0, bins: int = 48, max_sessions: int = 200_000,
+                 prior_weight: float = 1.0):
         self.min_samples = min_samples
         self.refresh_every = refresh_every
         self.max_ratio = max_ratio
@@ -56,6 +59,7 @@ class HintCalibration:
         self._dist: list[float] | None = None
         self._log_ratio: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self.max_sessions = max_sessions
+        self.prior_weight = prior_weight
 
     @property
     def ready(self) -> bool:
@@ -87,9 +91,9 @@ class HintCalibration:
 
     def correction(self, session_id: str) -> float:
         """Factor for the session's next hinted gap: its past observed / hinted ratio
-        (geometric mean), shrunk towards 1 by one pseudo observation."""
+        (geometric mean), shrunk towards 1 by ``prior_weight`` pseudo observations."""
         s, n = self._log_ratio.get(session_id, (0.0, 0))
-        return math.exp(s / (n + 1)) if n else 1.0
+        return math.exp(s / (n + self.prior_weight)) if n else 1.0
 
     def forget(self, session_id: str) -> None:
         self._log_ratio.pop(session_id, None)

@@ -38,11 +38,13 @@ from .trace import TRACE_BLOCK_TOKENS, Request
 @dataclass(frozen=True)
 class NoisyHints:
     """``noisy:P,F``: misjudged-continuation rate ``misjudge`` in [0, 1] and return-time
-    error factor ``factor`` >= 1 (per conversation); ``seed`` for the draws."""
+    error factor ``factor`` >= 1 (per conversation, or per request with
+    ``per_conversation`` false); ``seed`` for the draws."""
 
     misjudge: float
     factor: float
     seed: int = 0
+    per_conversation: bool = True    # False: a fresh error factor for every request
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.misjudge <= 1.0:
@@ -123,7 +125,7 @@ def derive(requests: Sequence[Request], times: Sequence[float], spec: NoisyHints
         nfull = r.input_length // block_tokens
         flip = rng.random() < spec.misjudge
         u = rng.uniform(-1.0, 1.0)
-        f = factor.setdefault(conv[j], spec.factor ** u)
+        f = factor.setdefault(conv[j], spec.factor ** u) if spec.per_conversation else spec.factor ** u
         if nfull < 1:
             out.append(None)
             continue

@@ -52,7 +52,8 @@ from tiers.base import ByteRanges, TierKind
 from tiers.null import NullTier
 
 from . import config as config_mod
-from .errors import ConfigError, TierFull
+from .errors import TierFull
+from .hint_model import HintCalibration
 from .manager import TierManager
 from .policy import AcceptsNextUse, EvictionEvent, UsesReuseModel, make_policy
 from .predictor import ReuseModel
@@ -203,7 +204,7 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         session_hints: Sequence[SessionHint | None] | None = None,
         measure: tuple[float, float] | None = None,
         on_eviction: Callable[[EvictionEvent], None] | None = None,
-        scheduler_options: dict | None = None) -> SimResult:
+        scheduler_options: dict | None = None, calibration: dict | None = None) -> SimResult:
     """Simulate ``requests`` through a :class:`TierManager` over ``tiers``.
 
     Args:
@@ -224,6 +225,8 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         on_eviction: called with every pressure eviction of every tier.
         scheduler_options: more keyword arguments of the
             :class:`~kvstore.prefetch.PrefetchScheduler` (e.g. ``victim_margin``).
+        calibration: keyword arguments of the session table's
+            :class:`~kvstore.hint_model.HintCalibration`; ``{"off": True}``: no calibration.
     Returns:
         the hit rates and counters (:class:`SimResult`).
     """
@@ -235,7 +238,9 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         p.listener = on_eviction
     manager = TierManager(sim_tiers, policies, write_policy=write_policy, clock=lambda: clock[0])
     needs_model = any(isinstance(p, UsesReuseModel) for p in policies)
-    sessions = SessionTable(policies)
+    cal = dict(calibration or {})
+    off = cal.pop("off", False)
+    sessions = SessionTable(policies, calibration=HintCalibration(**cal), calibrate=not off)
     scheduler = None
     if needs_model or events is not None:
         scheduler = PrefetchScheduler(manager, prefetch or config_mod.PrefetchConfig(),
