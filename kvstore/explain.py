@@ -22,6 +22,7 @@ explain`` (:mod:`kvstore.explain_cli`) prints the answer.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -149,6 +150,7 @@ class EvictionLog:
     Keeps, for up to ``capacity`` blocks (the least recently recorded forgotten first),
     the last eviction from each tier and the time of the last refusal. Call it with an
     :class:`EvictionEvent` (it is a valid policy ``listener``), or :meth:`record`.
+    Thread-safe (the manager records while an Explain RPC reads).
     """
 
     def __init__(self, capacity: int = 100_000):
@@ -157,33 +159,38 @@ class EvictionLog:
         self._refused: OrderedDict[bytes, float] = OrderedDict()
         self.recorded = 0
         self.forgotten = 0
+        self._lock = threading.Lock()
 
     def __call__(self, event: EvictionEvent) -> None:
         self.record(event)
 
     def record(self, event: EvictionEvent) -> None:
         """One block left one tier because of pressure."""
-        per_tier = self._events.pop(event.key, None) or {}
-        per_tier[event.tier] = event
-        self._events[event.key] = per_tier
-        self.recorded += 1
-        while len(self._events) > self.capacity:
-            self._events.popitem(last=False)
-            self.forgotten += 1
+        with self._lock:
+            per_tier = self._events.pop(event.key, None) or {}
+            per_tier[event.tier] = event
+            self._events[event.key] = per_tier
+            self.recorded += 1
+            while len(self._events) > self.capacity:
+                self._events.popitem(last=False)
+                self.forgotten += 1
 
     def record_refusal(self, key: bytes, time: float) -> None:
         """A put of ``key`` that no tier admitted (seconds)."""
-        self._refused.pop(key, None)
-        self._refused[key] = time
-        while len(self._refused) > self.capacity:
-            self._refused.popitem(last=False)
+        with self._lock:
+            self._refused.pop(key, None)
+            self._refused[key] = time
+            while len(self._refused) > self.capacity:
+                self._refused.popitem(last=False)
 
     def evictions(self, key: bytes) -> list[EvictionEvent]:
         """The recorded evictions of ``key``, oldest first (one per tier at most)."""
-        return sorted((self._events.get(key) or {}).values(), key=lambda e: e.time)
+        with self._lock:
+            return sorted((self._events.get(key) or {}).values(), key=lambda e: e.time)
 
     def refused_at(self, key: bytes) -> float | None:
-        return self._refused.get(key)
+        with self._lock:
+            return self._refused.get(key)
 
 
 class StoreView(Protocol):

@@ -30,15 +30,17 @@ Tool calls (:mod:`kvstore.prefetch`) refine the time through :meth:`SessionTable
 Hints are optional: without any, nothing here runs.
 
 Everything is plain Python with explicit times (seconds), for the daemon (wall clock)
-and ``kvstore simulate`` (virtual clock). Not thread-safe on its own: the daemon calls
-it under one lock (the prefetch scheduler's).
+and ``kvstore simulate`` (virtual clock). Thread-safe: one lock per table; it never takes
+the tier manager's lock (the policies guard their own state).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import math
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -50,6 +52,14 @@ from .hint_model import HintCalibration
 from .policy import AcceptsNextUse, EvictionPolicy
 
 _SHARED = object()     # owner marker of a key used by two or more sessions
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class SessionState(str, enum.Enum):
@@ -166,9 +176,11 @@ class SessionTable:
         self._gaps: deque[float] = deque(maxlen=window)
         self._deadlines: list[tuple[float, str]] = []
         self.stats = SessionStats()
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ queries
 
+    @_locked
     def get(self, session_id: str) -> _Session | None:
         return self._sessions.get(session_id)
 
@@ -176,6 +188,7 @@ class SessionTable:
         """The learned median gap between a "continues" and the session's return (seconds)."""
         return float(np.median(self._gaps)) if self._gaps else self.default_gap_s
 
+    @_locked
     def private_keys(self, session_id: str) -> list[bytes]:
         """The session's keys no other session uses, in prefix order."""
         s = self._sessions.get(session_id)
@@ -183,6 +196,7 @@ class SessionTable:
 
     # ------------------------------------------------------------------ hints
 
+    @_locked
     def apply(self, hint: SessionHint, now: float) -> float:
         """Apply one hint at ``now`` (seconds). Returns the session's expected-back time
         (absolute seconds; ``inf`` for finished / abandoned)."""
@@ -216,6 +230,7 @@ class SessionTable:
             heapq.heappush(self._deadlines, (deadline, s.sid))
         return s.expected
 
+    @_locked
     def expect(self, session_id: str, keys: Sequence[bytes], expected_at: float, now: float,
                hinted_at: float | None = None, calibrate: bool = False, exact: bool = False) -> None:
         """Refine a session's expected-back time (a tool call's prediction): the session
@@ -235,6 +250,7 @@ class SessionTable:
                      old.raw_gap if old is not None else None, exact)
         self._store(s, old, now)
 
+    @_locked
     def returned(self, session_id: str, t: float) -> None:
         """The session's next request arrived at ``t`` (a tool call's resume): learn from
         the hint's outcome and drop it (the blocks are in use; the policy's own order
@@ -253,6 +269,7 @@ class SessionTable:
             self.calibration.returned(s.outcome, s.sid, t, s.raw_gap)
             s.outcome = None
 
+    @_locked
     def tick(self, now: float) -> None:
         """Drop the hints of sessions whose TTL ran out (seconds)."""
         dl = self._deadlines

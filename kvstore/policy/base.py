@@ -35,6 +35,7 @@ Subclasses register with :func:`register` and are built from config by
 from __future__ import annotations
 
 import abc
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
@@ -97,6 +98,9 @@ class EvictionPolicy(abc.ABC):
         self._released: OrderedDict[bytes, None] = OrderedDict()           # resident or not
         self._released_resident: OrderedDict[bytes, None] = OrderedDict()  # eviction order
         self._victim_now = 0.0
+        # hints (release / revive, next_use's set_next_use) come from RPC or prefetch
+        # threads while the manager calls the protocol under its own lock: one lock here
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ released blocks
 
@@ -107,22 +111,24 @@ class EvictionPolicy(abc.ABC):
         remembered (up to :data:`MAX_RELEASED`) in case they arrive later (a demotion,
         or the put of a finished session's last request).
         """
-        for key in reversed(list(keys)):
-            self._released[key] = None
-            self._released.move_to_end(key)
-            if key in self._sizes:
-                self._released_resident[key] = None
-                self._released_resident.move_to_end(key)
-        while len(self._released) > MAX_RELEASED:
-            old, _ = self._released.popitem(last=False)
-            self._released_resident.pop(old, None)
+        with self._lock:
+            for key in reversed(list(keys)):
+                self._released[key] = None
+                self._released.move_to_end(key)
+                if key in self._sizes:
+                    self._released_resident[key] = None
+                    self._released_resident.move_to_end(key)
+            while len(self._released) > MAX_RELEASED:
+                old, _ = self._released.popitem(last=False)
+                self._released_resident.pop(old, None)
 
     def revive(self, keys: Iterable[bytes]) -> None:
         """Undo :meth:`release` for ``keys`` (a new session uses them)."""
-        for key in keys:
-            if key in self._released:
-                del self._released[key]
-                self._released_resident.pop(key, None)
+        with self._lock:
+            for key in keys:
+                if key in self._released:
+                    del self._released[key]
+                    self._released_resident.pop(key, None)
 
     def is_released(self, key: bytes) -> bool:
         return key in self._released
@@ -137,37 +143,41 @@ class EvictionPolicy(abc.ABC):
     def admit(self, key: bytes, nbytes: int, now: float) -> bool:
         """Whether a new block may enter this tier at all: not a released block when the
         tier is full; otherwise the policy's own rule (default: always)."""
-        if key in self._released and self._used + nbytes > self.capacity_bytes:
-            return False
-        return self._admit(key, nbytes, now)
+        with self._lock:
+            if key in self._released and self._used + nbytes > self.capacity_bytes:
+                return False
+            return self._admit(key, nbytes, now)
 
     def insert(self, key: bytes, nbytes: int, now: float) -> None:
         """``key`` (``nbytes`` bytes) became resident in this tier."""
-        old = self._sizes.get(key)
-        if old is None:
-            self._sizes[key] = nbytes
-            self._used += nbytes
-            if key in self._released:
-                self._released_resident[key] = None
-        self._insert(key, nbytes, now)
+        with self._lock:
+            if key not in self._sizes:
+                self._sizes[key] = nbytes
+                self._used += nbytes
+                if key in self._released:
+                    self._released_resident[key] = None
+            self._insert(key, nbytes, now)
 
     def access(self, key: bytes, now: float) -> None:
         """A hit on resident ``key``."""
-        self._access(key, now)
+        with self._lock:
+            self._access(key, now)
 
     def remove(self, key: bytes) -> None:
         """``key`` left the tier for a reason other than pressure. No-op if unknown."""
-        self._forget(key)
-        self._remove(key)
+        with self._lock:
+            self._forget(key)
+            self._remove(key)
 
     def evicted(self, key: bytes) -> None:
         """``key`` (returned by :meth:`victim`) was moved out because of pressure."""
-        if self.listener is not None:
-            reason = ("its session ended (released by a session hint)" if key in self._released_resident
-                      else self.victim_reason(key, self._victim_now))
-            self.listener(EvictionEvent(key, self.tier_name, self.name, reason, self._victim_now))
-        self._forget(key)
-        self._evicted(key)
+        with self._lock:
+            if self.listener is not None:
+                reason = ("its session ended (released by a session hint)" if key in self._released_resident
+                          else self.victim_reason(key, self._victim_now))
+                self.listener(EvictionEvent(key, self.tier_name, self.name, reason, self._victim_now))
+            self._forget(key)
+            self._evicted(key)
 
     def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
                now: float = 0.0) -> bytes:
@@ -181,11 +191,12 @@ class EvictionPolicy(abc.ABC):
         Raises:
             NoVictim: no resident block is evictable.
         """
-        self._victim_now = now
-        for key in self._released_resident:
-            if evictable(key):
-                return key
-        return self._victim(evictable, incoming, now)
+        with self._lock:
+            self._victim_now = now
+            for key in self._released_resident:
+                if evictable(key):
+                    return key
+            return self._victim(evictable, incoming, now)
 
     def _forget(self, key: bytes) -> None:
         n = self._sizes.pop(key, None)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import threading
 from typing import Callable, Sequence
 
 from ..errors import ConfigError
@@ -130,7 +129,6 @@ class NextUsePolicy(EvictionPolicy):
         self.hint_grace_s = _number("hint_grace_s", grace)
         self.overdue_ratio = _number("overdue_ratio", overdue)
         self.model = ReuseModel()          # never fed unless replaced by attach(): prior only
-        self._lock = threading.RLock()     # hints may arrive from the prefetch thread
         self._group_of: dict[bytes, _Group] = {}
         self._groups: dict[int, _Group] = {}
         self._old: dict[int, list[tuple[float, int]]] = {}     # per class: min-heap (t0, rid)
