@@ -107,14 +107,14 @@ def _best(rows, opt, grid, key_of) -> tuple:
 
 def opt_token_bound(reqs) -> tuple[int, float]:
     """Requests whose every id was seen before (only these can hit a partial last block),
-    and the bound 2 * 512 * that / total tokens on token-OPT minus block-OPT."""
+    and the bound 512 * that / total tokens on token-OPT minus block-OPT."""
     seen: set[int] = set()
     repeats = 0
     for r in reqs:
         if all(x in seen for x in r.hash_ids):
             repeats += 1
         seen.update(r.hash_ids)
-    return repeats, 2 * 512 * repeats / sum(r.input_length for r in reqs)
+    return repeats, 512 * repeats / sum(r.input_length for r in reqs)
 
 
 def main() -> int:

@@ -74,7 +74,8 @@ DEFAULT_HOP_BANDWIDTH: dict[tuple[TierKind, TierKind], float] = {
 """Bytes per second per (source, destination) hop, before any measurement."""
 
 SESSION_TOOL = "(session hint)"
-"""Predictor name under which the ratio observed gap / hinted gap of session hints is learned."""
+"""The ``tool`` of a wait that a session hint started; its duration is learned as the ratio
+observed gap / hinted gap, in a predictor of its own (``session_ratios``)."""
 
 __all__ = ["PrefetchScheduler", "PrefetchStats", "DEFAULT_HOP_BANDWIDTH", "SESSION_TOOL"]
 
@@ -159,6 +160,7 @@ class PrefetchScheduler(PromotionMixin):
         self.enabled = cfg.enabled
         self.clock = clock
         self.predictor = ToolPredictor(cfg.predictor, cfg.window)
+        self.session_ratios = ToolPredictor(cfg.predictor, cfg.window, default_s=1.0)
         self.bandwidth = dict(DEFAULT_HOP_BANDWIDTH)
         self.bandwidth.update(hop_bandwidth or {})
         self.measure_bandwidth = measure_bandwidth
@@ -252,13 +254,13 @@ class PrefetchScheduler(PromotionMixin):
             s = self.sessions.get(hint.session_id)
             keys = list(s.keys) if s is not None else list(hint.keys)
             gap = max(expected - t, 0.0)
-            ratio = self.predictor.predict(SESSION_TOOL, self.config.quantile) if self._session_ratios() else 1.0
+            ratio = self.session_ratios.predict(SESSION_TOOL, self.config.quantile) if self._session_ratios() else 1.0
             ready_by = t + gap * ratio - self.config.lead_time_s
             self._wait(hint.session_id, SESSION_TOOL, t, keys, expected, ready_by, now, hint_sessions=False)
             return expected
 
     def _session_ratios(self) -> bool:
-        return self.predictor.tools().get(SESSION_TOOL, 0) >= self.predictor.min_samples
+        return self.session_ratios.tools().get(SESSION_TOOL, 0) >= self.session_ratios.min_samples
 
     def _wait(self, tid: str, tool: str, start: float, keys: list[bytes], median: float,
               ready_by: float, now: float, hint_sessions: bool = True) -> None:
@@ -296,7 +298,7 @@ class PrefetchScheduler(PromotionMixin):
         if w.tool == SESSION_TOOL:
             hinted = w.predicted_resume - w.start
             if hinted > 0 and observed > 0:
-                self.predictor.observe(SESSION_TOOL, observed / hinted)
+                self.session_ratios.observe(SESSION_TOOL, observed / hinted)
         else:
             self.predictor.observe(w.tool, observed)
             self.sessions.returned(trajectory_id, now)
@@ -407,7 +409,7 @@ class PrefetchScheduler(PromotionMixin):
         if w.tool == SESSION_TOOL:   # in units of the hinted gap, from the learned ratios
             gap = max(w.predicted_resume - w.start, 1e-3)
             if self._session_ratios():
-                return gap * self.predictor.predict_remaining(SESSION_TOOL, elapsed / gap, q)
+                return gap * self.session_ratios.predict_remaining(SESSION_TOOL, elapsed / gap, q)
             return max(gap - elapsed, min(elapsed * 0.5, 600.0), self.refresh_s)
         return self.predictor.predict_remaining(w.tool, elapsed, q)
 
@@ -419,7 +421,7 @@ class PrefetchScheduler(PromotionMixin):
         elapsed = now - w.start
         if w.tool == SESSION_TOOL:   # in units of the hinted gap
             gap = max(w.predicted_resume - w.start, 1e-3)
-            p = self.predictor.prob_within(SESSION_TOOL, elapsed / gap, self.horizon_s / gap)
+            p = self.session_ratios.prob_within(SESSION_TOOL, elapsed / gap, self.horizon_s / gap)
         else:
             p = self.predictor.prob_within(w.tool, elapsed, self.horizon_s)
         return p >= self.confidence

@@ -81,6 +81,10 @@ def continuations(requests: Sequence[Request], block_tokens: int = TRACE_BLOCK_T
     """For each request, the index of the earliest later request that continues it
     (None: none), and its conversation number (index of the conversation's first request).
 
+    A request continues another when its ids start with all of the other's full blocks;
+    it joins that one's conversation when the match spans two blocks or more (a single
+    shared first block, like the Mooncake trace's system prompt, links no conversations).
+
     Cost: O(total ids) dict work.
     """
     n = len(requests)
