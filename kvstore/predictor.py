@@ -110,12 +110,20 @@ class ReuseModel:
         refresh_every: requests between recomputations of the tables.
         max_records: records remembered (the shadow map of keys is bounded by them).
         bins: number of log-spaced age bins between ``min_age_s`` and ``horizon_s``.
+        min_age_s, prior_beta: the prior's smallest age bin and decreasing hazard.
+        smoothing: pseudo observations pulling each class towards the pooled estimate.
+        growth_buckets: edges of the "blocks added by the request" classes.
+        gap_buckets: edges (seconds) of the "gap since the previous turn" classes of
+            continued conversations (empty: no such classes).
+
+    The defaults of ``window`` (512) and ``gap_buckets`` (60 s, 180 s) were chosen on the
+    first half of the Mooncake conversation trace (``bench/placement_trace.py``).
     """
 
-    def __init__(self, turn_buckets: int = 4, horizon_s: float = 3600.0, window: int = 4096,
+    def __init__(self, turn_buckets: int = 4, horizon_s: float = 3600.0, window: int = 512,
                  refresh_every: int = 64, max_records: int = 200_000, bins: int = 28,
                  min_age_s: float = 0.25, prior_beta: float = 0.5, smoothing: float = 4.0,
-                 growth_buckets: Sequence[int] = (4, 16), gap_buckets: Sequence[float] = ()):
+                 growth_buckets: Sequence[int] = (4, 16), gap_buckets: Sequence[float] = (60.0, 180.0)):
         if turn_buckets < 1:
             raise ValueError("turn_buckets must be >= 1")
         self.turn_buckets = turn_buckets

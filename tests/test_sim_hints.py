@@ -108,7 +108,7 @@ def test_calibration_of_exact_hints_and_of_hints_that_never_return():
 
 
 def test_a_session_that_is_always_late_is_corrected():
-    cal = HintCalibration()
+    cal = HintCalibration(prior_weight=1.0)
     for i in range(3):
         rec = cal.hinted(100.0 * i, 10.0)
         cal.returned(rec, "slow", 100.0 * i + 20.0, 10.0)                 # twice the hint
