@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from .predictor import best_hit_density
+from .predictor import best_hit_density, censored_counts
 
 
 class HintCalibration:
@@ -103,15 +103,8 @@ class HintCalibration:
         """Recompute the distance table from the outcomes (Kaplan-Meier, censored)."""
         self._since = 0
         arr = np.asarray(self._samples, dtype=float)
-        nb = len(self._widths)
         elapsed = np.maximum(now - arr[:, 0], 0.0) / arr[:, 1]
-        ratio = arr[:, 2]
-        seen = ratio <= elapsed
-        exit_r = np.where(seen, ratio, np.minimum(elapsed, self.max_ratio))
-        b = np.clip(np.searchsorted(self._edges_np, exit_r, side="right") - 1, 0, nb - 1)
-        events = np.bincount(b[seen], minlength=nb).astype(float)
-        exits = np.bincount(b, minlength=nb).astype(float)
-        at_risk = np.cumsum(exits[::-1])[::-1] - 0.5 * (exits - events)
+        events, at_risk = censored_counts(arr[:, 2], elapsed, self.max_ratio, self._edges_np)
         lam = np.clip((events + 0.05) / (at_risk + 1.0), 0.0, 1.0)
         density = best_hit_density(lam, self._widths)
         self._dist = (1.0 / np.maximum(density, 1e-12)).tolist()

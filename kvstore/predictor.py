@@ -24,7 +24,7 @@ import numpy as np
 from .tool_predictor import ESTIMATORS, DurationEstimator, LogNormalFit, ToolPredictor, WindowQuantile
 
 __all__ = ["ESTIMATORS", "DurationEstimator", "LogNormalFit", "ToolPredictor", "WindowQuantile",
-           "Record", "ReuseModel", "best_hit_density"]
+           "Record", "ReuseModel", "best_hit_density", "censored_counts"]
 
 
 def best_hit_density(lam: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -48,6 +48,24 @@ def best_hit_density(lam: np.ndarray, widths: np.ndarray) -> np.ndarray:
         e = (cum_res[b + 1:] - cum_res[b]) / surv[b]
         out[b] = float(np.max(p / np.maximum(e, 1e-9)))
     return out
+
+
+def censored_counts(times: np.ndarray, at_risk_for: np.ndarray, horizon: float,
+                    edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Kaplan-Meier (Kaplan & Meier 1958) counts per bin of ``edges``.
+
+    ``times[i]``: when item i's event happened (``inf``: not yet); ``at_risk_for[i]``: how
+    long it has been observed. An event counts in its bin; an item without one is censored
+    at ``min(at_risk_for, horizon)`` and counts half a bin at risk there. Returns
+    ``(events, at_risk)``, one float per bin.
+    """
+    nb = len(edges) - 1
+    seen = times <= at_risk_for
+    exit_t = np.where(seen, times, np.minimum(at_risk_for, horizon))
+    b = np.clip(np.searchsorted(edges, exit_t, side="right") - 1, 0, nb - 1)
+    events = np.bincount(b[seen], minlength=nb).astype(float)
+    exits = np.bincount(b, minlength=nb).astype(float)
+    return events, np.cumsum(exits[::-1])[::-1] - 0.5 * (exits - events)
 
 
 # --------------------------------------------------------------------------- reuse
@@ -268,20 +286,10 @@ class ReuseModel:
 
     def _hazard(self, samples: Sequence[list[float]], now: float) -> tuple[np.ndarray, np.ndarray]:
         """(events, at-risk) per age bin, Kaplan-Meier style, from ``[t0, gap]`` samples."""
-        nb = len(self._widths)
         if not samples:
-            return np.zeros(nb), np.zeros(nb)
+            return np.zeros(len(self._widths)), np.zeros(len(self._widths))
         arr = np.asarray(samples, dtype=float)
-        age = now - arr[:, 0]
-        gap = arr[:, 1]
-        seen = gap <= age
-        exit_age = np.where(seen, gap, np.minimum(age, self.horizon_s))
-        b = np.clip(np.searchsorted(self._edges_np, exit_age, side="right") - 1, 0, nb - 1)
-        events = np.bincount(b[seen], minlength=nb).astype(float)
-        exits = np.bincount(b, minlength=nb).astype(float)
-        censored = exits - events
-        at_risk = np.cumsum(exits[::-1])[::-1] - 0.5 * censored    # censored: half a bin exposed
-        return events, at_risk
+        return censored_counts(arr[:, 1], now - arr[:, 0], self.horizon_s, self._edges_np)
 
     def refresh(self, now: float | None = None) -> None:
         """Recompute the per-class tables from the learning windows (seconds: ``now``)."""
