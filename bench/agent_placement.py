@@ -70,7 +70,8 @@ def _working_set(events) -> float:
 def _job(job: tuple) -> dict:
     seed, hbm, policy, enabled, options, events_kind = job
     raw, events = generate(AgentWorkload(seed=seed))
-    if events_kind == "tools":
+    working_set = _working_set(events)
+    if events_kind == "tools":                  # no session ends: tool calls only
         events = [e for e in events if e.kind != "session_end"]
     reqs = [Request(float(x["timestamp"]), x["input_length"], x["output_length"], x["hash_ids"]) for x in raw]
     tiers = [simulate.TierSpec("hbm", hbm * BLOCK, policy), simulate.TierSpec("host", HOST_BLOCKS * BLOCK, policy),
@@ -83,7 +84,7 @@ def _job(job: tuple) -> dict:
             "events": events_kind, "ready_tokens": p["ready_token_rate"], "ready": p["ready_rate"],
             "waste": p["waste"], "promoted_blocks": p["promoted_blocks"], "resumes": p["resumes"],
             "waste_by": p["waste_by"], "hbm_hit": r.tier_hit_rates["hbm"], "hit": r.hit_rate,
-            "working_set": _working_set(events), "seconds": time.perf_counter() - t0}
+            "working_set": working_set, "seconds": time.perf_counter() - t0}
 
 
 def _mean(rows, key) -> float:
