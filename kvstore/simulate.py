@@ -309,7 +309,7 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
                 stored = manager.put(key, payload)
             except TierFull:
                 stored = False
-            if not stored and key not in manager:
+            if not stored and not manager.lookup([key]).hit_blocks:   # not already there: refused
                 refused += 1
     pf = None
     if scheduler is not None and events is not None:

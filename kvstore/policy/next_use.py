@@ -24,10 +24,11 @@ future and is optimal; it needs the future. This policy predicts it from three s
 
 The victim is the farthest candidate; candidates are, per class, the oldest and the
 youngest record (the learned distance rises with age once past the usual reuse gap
-and may fall at first, so within a class the extreme is at one of the two ends), the
-hint group due last and the one most overdue. Within a record or a hint group the
-block with the highest position goes first (tail-first, as vLLM frees a request's
-blocks), so a partly evicted prefix keeps its head, which still hits.
+and may fall at first, so within a class the extreme is at one of the two ends), and
+the same two ends of every class of hint groups (classed by their hinted gap, 1.25x
+apart). Within a record or a hint group the block with the highest position goes first
+(tail-first, as vLLM frees a request's blocks), so a partly evicted prefix keeps its
+head, which still hits.
 
 Admission control (``admission``, default on): when the tier is full, a new block
 whose predicted next use is farther than the victim's is refused (Belady with
