@@ -135,3 +135,13 @@ def test_cli_bad_prompt_files_are_clear_errors(tmp_path, capsys, content, messag
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert "p.json" in err and message in err
+
+
+def test_cli_one_prompt_needs_a_daemon_that_serves_explain(tmp_path, capsys, daemon):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"keys": [k.hex() for k in BlockKeyer(NS).keys(tokens("q" * 32))]}))
+    args = _parser().parse_args(["explain", str(p), "--target", daemon.address])
+    assert args.func(args) == 2
+    assert "Explain RPC" in capsys.readouterr().err
+    args = _parser().parse_args(["explain", str(p)])
+    assert args.func(args) == 2 and "--target" in capsys.readouterr().err
