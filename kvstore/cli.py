@@ -17,8 +17,9 @@ COMMAND_MODULES = (
     "kvstore.replay",         # kvstore replay
     "kvstore.stats_cmd",      # kvstore stats
     "kvstore.repair_cmd",     # kvstore repair-index
-    "kvstore.simulate",       # kvstore simulate
+    "kvstore.simulate_cli",   # kvstore simulate
     "kvstore.agent_trace",    # kvstore gen-agent-trace
+    "kvstore.explain_cli",    # kvstore explain
     "engine_adapter.demo",    # kvstore agent-demo
 )
 

@@ -245,13 +245,14 @@ class TierManager:
             return frm not in e.tiers
 
     def make_room(self, tier: int, nbytes: int, *, protect: Callable[[bytes], bool] = lambda k: False,
-                  candidates: Iterable[bytes] = (), give_up: Callable[[bytes], bool] | None = None) -> bool:
+                  candidates: Iterable[bytes] = (), give_up: Callable[[bytes], bool] | None = None,
+                  on_moved: Callable[[bytes], None] | None = None) -> bool:
         """Free room for ``nbytes`` in tier ``tier`` by demoting blocks (prefetch).
 
         ``candidates`` are demoted first, in order; then the tier policy's victims. Blocks
         for which ``protect`` is True, pinned and leased blocks are never moved; when the
-        policy's next victim makes ``give_up`` True, nothing more is moved. Returns True
-        when the room is there.
+        policy's next victim makes ``give_up`` True, nothing more is moved; ``on_moved(key)``
+        is called for each block moved out. Returns True when the room is there.
         """
         t = self.tiers[tier]
         if tier == len(self.tiers) - 1:
@@ -264,12 +265,16 @@ class TierManager:
                         return True
                     if key in t and not protect(key) and p.evictable(key):
                         p.evict_locked(tier, key)
+                        if on_moved is not None:
+                            on_moved(key)
                 while not t.fits(nbytes):
                     victim = self.policies[tier].victim(lambda k: p.evictable(k) and not protect(k),
                                                         incoming=None, now=self.clock())
                     if give_up is not None and give_up(victim):
                         return False
                     p.evict_locked(tier, victim)
+                    if on_moved is not None:
+                        on_moved(victim)
                 return True
             except (NoVictim, KVStoreError) as e:
                 log.debug("make_room(%s, %d) gave up: %s", t.name, nbytes, e)

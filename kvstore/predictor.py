@@ -3,8 +3,9 @@
 Two learners, both plain Python/numpy, both driven with explicit times (seconds) so
 the daemon (wall clock) and ``kvstore simulate`` (virtual clock) share them:
 
-- :class:`ToolPredictor`: per-tool duration estimators that predict when a trajectory
-  that called tool X resumes (``ToolCallStart`` -> ``Resume``).
+- :class:`ToolPredictor` (in :mod:`kvstore.tool_predictor`, re-exported here): per-tool
+  duration estimators that predict when a trajectory that called tool X resumes
+  (``ToolCallStart`` -> ``Resume``).
 - :class:`ReuseModel`: learns, from the stream of request prefixes alone, how likely
   and how soon a stored prefix is used again; the ``next_use`` eviction policy turns
   that into a predicted distance to the next use of each block.
@@ -12,202 +13,59 @@ the daemon (wall clock) and ``kvstore simulate`` (virtual clock) share them:
 
 from __future__ import annotations
 
-import abc
 import bisect
 import math
-import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .errors import ConfigError
+from .tool_predictor import ESTIMATORS, DurationEstimator, LogNormalFit, ToolPredictor, WindowQuantile
 
-# --------------------------------------------------------------------------- tools
-
-
-class DurationEstimator(abc.ABC):
-    """One tool's duration distribution, learned online from observed durations (seconds)."""
-
-    name: ClassVar[str]
-
-    @abc.abstractmethod
-    def observe(self, seconds: float) -> None:
-        """Add one observed duration (seconds, > 0)."""
-
-    @abc.abstractmethod
-    def quantile(self, q: float) -> float:
-        """The ``q``-quantile of the duration (seconds). Needs at least one observation."""
-
-    @abc.abstractmethod
-    def conditional_quantile(self, q: float, elapsed: float) -> float:
-        """The ``q``-quantile of the duration given that it exceeds ``elapsed`` seconds."""
-
-    @property
-    @abc.abstractmethod
-    def count(self) -> int:
-        """Observations seen so far."""
+__all__ = ["ESTIMATORS", "DurationEstimator", "LogNormalFit", "ToolPredictor", "WindowQuantile",
+           "Record", "ReuseModel", "best_hit_density", "censored_counts"]
 
 
-class WindowQuantile(DurationEstimator):
-    """Empirical quantiles over a sliding window of the last ``window`` durations.
+def best_hit_density(lam: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Best hit density from each age bin on, maximised over the wait horizon.
 
-    Quantiles interpolate linearly between order statistics (Hyndman & Fan 1996,
-    "Sample quantiles in statistical packages", definition 7: numpy's default).
-    Non-parametric and robust to outliers; adapts within ``window`` calls when a
-    tool's latency shifts.
+    ``lam[b]`` is the probability of the reuse in bin ``b`` given none before; ``widths``
+    the bins' widths (seconds, or any unit of time). Returns, per bin ``b``,
+    ``max_e P(reuse by the end of bin e | none before b) / E[time resident until then]``
+    (reuses per unit of time; cf. Beckmann et al., LHD, NSDI'18). Its inverse is the
+    expected residence per reuse: the time to the next use when that use is certain.
     """
-
-    name = "quantile"
-
-    def __init__(self, window: int = 64):
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self._window: deque[float] = deque(maxlen=window)
-        self._n = 0
-
-    def observe(self, seconds: float) -> None:
-        self._window.append(float(seconds))
-        self._n += 1
-
-    @staticmethod
-    def _q(values: Sequence[float], q: float) -> float:
-        return float(np.quantile(np.asarray(values, dtype=float), q))
-
-    def quantile(self, q: float) -> float:
-        if not self._window:
-            raise ValueError("no observations yet")
-        return self._q(self._window, q)
-
-    def conditional_quantile(self, q: float, elapsed: float) -> float:
-        tail = [d for d in self._window if d > elapsed]
-        if not tail:  # beyond everything seen: assume it ends about now (plus a 50% margin)
-            return elapsed * 1.5
-        return self._q(tail, q)
-
-    @property
-    def count(self) -> int:
-        return self._n
+    nb = len(lam)
+    surv = np.concatenate([[1.0], np.cumprod(1.0 - lam)])
+    resid = widths * (surv[:-1] + surv[1:]) / 2.0        # expected time resident per bin
+    cum_res = np.concatenate([[0.0], np.cumsum(resid)])
+    out = np.zeros(nb)
+    for b in range(nb):
+        if surv[b] <= 1e-12:
+            continue
+        p = (surv[b] - surv[b + 1:]) / surv[b]                   # P(reuse by end of e), e >= b
+        e = (cum_res[b + 1:] - cum_res[b]) / surv[b]
+        out[b] = float(np.max(p / np.maximum(e, 1e-9)))
+    return out
 
 
-class LogNormalFit(DurationEstimator):
-    """A log-normal fitted online: exponentially weighted mean/variance of ``ln(duration)``.
+def censored_counts(times: np.ndarray, at_risk_for: np.ndarray, horizon: float,
+                    edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Kaplan-Meier (Kaplan & Meier 1958) counts per bin of ``edges``.
 
-    Tool and human think times are commonly modelled as log-normal (Limpert, Stahel &
-    Abbt 2001, "Log-normal distributions across the sciences", BioScience 51(5)).
-    The weights forget with an effective memory of ``window`` observations
-    (West 1979, "Updating mean and variance estimates", CACM 22(9), weighted form).
+    ``times[i]``: when item i's event happened (``inf``: not yet); ``at_risk_for[i]``: how
+    long it has been observed. An event counts in its bin; an item without one is censored
+    at ``min(at_risk_for, horizon)`` and counts half a bin at risk there. Returns
+    ``(events, at_risk)``, one float per bin.
     """
-
-    name = "lognormal"
-
-    def __init__(self, window: int = 64):
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self._alpha = 1.0 / window
-        self._mu = 0.0
-        self._var = 0.0
-        self._n = 0
-
-    def observe(self, seconds: float) -> None:
-        x = math.log(max(float(seconds), 1e-6))
-        self._n += 1
-        if self._n == 1:
-            self._mu, self._var = x, 0.0
-            return
-        a = max(self._alpha, 1.0 / self._n)  # plain average until the window is full
-        d = x - self._mu
-        self._mu += a * d
-        self._var = (1 - a) * (self._var + a * d * d)
-
-    @property
-    def sigma(self) -> float:
-        """Standard deviation of ``ln(duration)``."""
-        return math.sqrt(max(self._var, 1e-12))
-
-    def quantile(self, q: float) -> float:
-        if not self._n:
-            raise ValueError("no observations yet")
-        return math.exp(self._mu + self.sigma * statistics.NormalDist().inv_cdf(q))
-
-    def conditional_quantile(self, q: float, elapsed: float) -> float:
-        nd = statistics.NormalDist(self._mu, self.sigma)
-        f = nd.cdf(math.log(max(elapsed, 1e-9)))
-        target = f + q * (1.0 - f)
-        if target >= 1.0 - 1e-12:
-            return elapsed * 1.5
-        return max(elapsed, math.exp(nd.inv_cdf(target)))
-
-    @property
-    def count(self) -> int:
-        return self._n
-
-
-ESTIMATORS: dict[str, type[DurationEstimator]] = {
-    WindowQuantile.name: WindowQuantile,
-    LogNormalFit.name: LogNormalFit,
-}
-
-
-class ToolPredictor:
-    """Per-tool duration estimators and the resume-time predictions made from them.
-
-    A tool with fewer than ``min_samples`` observations borrows the estimator pooled
-    over all tools; before any observation ``default_s`` is used.
-
-    Args:
-        kind: estimator name (``"quantile"`` or ``"lognormal"``; config ``prefetch.predictor``).
-        window: observations remembered per tool (``prefetch.window``).
-        default_s: prediction (seconds) before anything was observed.
-        min_samples: observations a tool needs before its own estimate is used.
-    Raises:
-        ConfigError: unknown ``kind``.
-    """
-
-    def __init__(self, kind: str = "quantile", window: int = 64, default_s: float = 1.0,
-                 min_samples: int = 3):
-        if kind not in ESTIMATORS:
-            raise ConfigError(f"prefetch.predictor: unknown predictor {kind!r} "
-                              f"(known: {', '.join(sorted(ESTIMATORS))})")
-        self.kind = kind
-        self.window = window
-        self.default_s = default_s
-        self.min_samples = min_samples
-        self._tools: dict[str, DurationEstimator] = {}
-        self._pooled = ESTIMATORS[kind](window * 4)
-
-    def _estimator(self, tool: str) -> DurationEstimator | None:
-        est = self._tools.get(tool)
-        if est is not None and est.count >= self.min_samples:
-            return est
-        return self._pooled if self._pooled.count else None
-
-    def observe(self, tool: str, seconds: float) -> None:
-        """Record that a call of ``tool`` took ``seconds``."""
-        if not seconds > 0:
-            return
-        est = self._tools.get(tool)
-        if est is None:
-            est = self._tools[tool] = ESTIMATORS[self.kind](self.window)
-        est.observe(seconds)
-        self._pooled.observe(seconds)
-
-    def predict(self, tool: str, q: float = 0.5) -> float:
-        """The ``q``-quantile of ``tool``'s duration (seconds)."""
-        est = self._estimator(tool)
-        return self.default_s if est is None else est.quantile(q)
-
-    def predict_remaining(self, tool: str, elapsed: float, q: float = 0.5) -> float:
-        """Seconds still to wait for a call of ``tool`` already running ``elapsed`` seconds."""
-        est = self._estimator(tool)
-        if est is None:
-            return max(self.default_s - elapsed, self.default_s * 0.5)
-        return max(est.conditional_quantile(q, elapsed) - elapsed, 0.0)
-
-    def tools(self) -> dict[str, int]:
-        """Observation count per tool."""
-        return {t: e.count for t, e in self._tools.items()}
+    nb = len(edges) - 1
+    seen = times <= at_risk_for
+    exit_t = np.where(seen, times, np.minimum(at_risk_for, horizon))
+    b = np.clip(np.searchsorted(edges, exit_t, side="right") - 1, 0, nb - 1)
+    events = np.bincount(b[seen], minlength=nb).astype(float)
+    exits = np.bincount(b, minlength=nb).astype(float)
+    return events, np.cumsum(exits[::-1])[::-1] - 0.5 * (exits - events)
 
 
 # --------------------------------------------------------------------------- reuse
@@ -270,17 +128,26 @@ class ReuseModel:
         refresh_every: requests between recomputations of the tables.
         max_records: records remembered (the shadow map of keys is bounded by them).
         bins: number of log-spaced age bins between ``min_age_s`` and ``horizon_s``.
+        min_age_s, prior_beta: the prior's smallest age bin and decreasing hazard.
+        smoothing: pseudo observations pulling each class towards the pooled estimate.
+        growth_buckets: edges of the "blocks added by the request" classes.
+        gap_buckets: edges (seconds) of the "gap since the previous turn" classes of
+            continued conversations (empty: no such classes).
+
+    The defaults of ``window`` (512) and ``gap_buckets`` (60 s, 180 s) were chosen on the
+    first half of the Mooncake conversation trace (``bench/placement_trace.py``).
     """
 
-    def __init__(self, turn_buckets: int = 4, horizon_s: float = 3600.0, window: int = 4096,
+    def __init__(self, turn_buckets: int = 4, horizon_s: float = 3600.0, window: int = 512,
                  refresh_every: int = 64, max_records: int = 200_000, bins: int = 28,
                  min_age_s: float = 0.25, prior_beta: float = 0.5, smoothing: float = 4.0,
-                 growth_buckets: Sequence[int] = (4, 16)):
+                 growth_buckets: Sequence[int] = (4, 16), gap_buckets: Sequence[float] = (60.0, 180.0)):
         if turn_buckets < 1:
             raise ValueError("turn_buckets must be >= 1")
         self.turn_buckets = turn_buckets
         self.growth_buckets = tuple(growth_buckets)
-        nconv = turn_buckets * (len(self.growth_buckets) + 1)
+        self.gap_buckets = tuple(gap_buckets)
+        nconv = turn_buckets * (len(self.growth_buckets) + 1) * (len(self.gap_buckets) + 1)
         self.num_conv = nconv
         self.TAIL = nconv
         self.SHARED = nconv + 1
@@ -343,6 +210,7 @@ class ReuseModel:
         while k < n and keys[k] in rec_map:
             k += 1
         turn = 0
+        gap = math.inf
         shared: list[bytes] = []
         conv: list[bytes] = []
         i = 0
@@ -359,6 +227,7 @@ class ReuseModel:
             elif whole:           # a conversation (or its tail) continued
                 self._reused(rec, now)
                 turn = max(turn, rec.turn + 1)
+                gap = min(gap, now - rec.t0)
                 conv.extend(run)
             else:                 # diverged inside it: the common part is a shared prefix
                 shared.extend(run)
@@ -374,7 +243,7 @@ class ReuseModel:
             tail = []
         body = conv + rest
         if body:
-            self._new_record(self.conv_class(turn, n - k), now, turn, body)
+            self._new_record(self.conv_class(turn, n - k, gap), now, turn, body)
         if tail:
             self._new_record(self.TAIL, now, turn, tail)
         self._prune(now)
@@ -382,10 +251,13 @@ class ReuseModel:
         if self._since_refresh >= self.refresh_every:
             self.refresh(now)
 
-    def conv_class(self, turn: int, new_blocks: int) -> int:
-        """Class of a conversation record: by turn and by how many blocks the request added."""
+    def conv_class(self, turn: int, new_blocks: int, gap: float = math.inf) -> int:
+        """Class of a conversation record: by turn, by how many blocks the request added
+        and (continued records) by the gap since the turn before (seconds)."""
         g = bisect.bisect_right(self.growth_buckets, new_blocks)
-        return min(turn, self.turn_buckets - 1) * (len(self.growth_buckets) + 1) + g
+        p = bisect.bisect_right(self.gap_buckets, gap) if turn and gap < math.inf else 0
+        cls = min(turn, self.turn_buckets - 1) * (len(self.growth_buckets) + 1) + g
+        return cls * (len(self.gap_buckets) + 1) + p
 
     def _prune(self, now: float) -> None:
         recs = self._records
@@ -410,37 +282,14 @@ class ReuseModel:
         return self._index_from_hazard(self._prior_hazard())
 
     def _index_from_hazard(self, lam: np.ndarray) -> np.ndarray:
-        """Best hit density (reuses per second) from each age bin on, maximised over the
-        wait horizon: ``max_e P(reuse by end of bin e) / E[seconds resident until then]``."""
-        nb = len(lam)
-        surv = np.concatenate([[1.0], np.cumprod(1.0 - lam)])
-        resid = self._widths * (surv[:-1] + surv[1:]) / 2.0        # expected seconds per bin
-        cum_res = np.concatenate([[0.0], np.cumsum(resid)])
-        out = np.zeros(nb)
-        for b in range(nb):
-            if surv[b] <= 1e-12:
-                continue
-            p = (surv[b] - surv[b + 1:]) / surv[b]                   # P(reuse by end of e), e >= b
-            e = (cum_res[b + 1:] - cum_res[b]) / surv[b]
-            out[b] = float(np.max(p / np.maximum(e, 1e-9)))
-        return out
+        return best_hit_density(lam, self._widths)
 
     def _hazard(self, samples: Sequence[list[float]], now: float) -> tuple[np.ndarray, np.ndarray]:
         """(events, at-risk) per age bin, Kaplan-Meier style, from ``[t0, gap]`` samples."""
-        nb = len(self._widths)
         if not samples:
-            return np.zeros(nb), np.zeros(nb)
+            return np.zeros(len(self._widths)), np.zeros(len(self._widths))
         arr = np.asarray(samples, dtype=float)
-        age = now - arr[:, 0]
-        gap = arr[:, 1]
-        seen = gap <= age
-        exit_age = np.where(seen, gap, np.minimum(age, self.horizon_s))
-        b = np.clip(np.searchsorted(self._edges_np, exit_age, side="right") - 1, 0, nb - 1)
-        events = np.bincount(b[seen], minlength=nb).astype(float)
-        exits = np.bincount(b, minlength=nb).astype(float)
-        censored = exits - events
-        at_risk = np.cumsum(exits[::-1])[::-1] - 0.5 * censored    # censored: half a bin exposed
-        return events, at_risk
+        return censored_counts(arr[:, 1], now - arr[:, 0], self.horizon_s, self._edges_np)
 
     def refresh(self, now: float | None = None) -> None:
         """Recompute the per-class tables from the learning windows (seconds: ``now``)."""
@@ -477,10 +326,12 @@ class ReuseModel:
 
     def class_names(self) -> list[str]:
         edges = (0,) + self.growth_buckets
+        gaps = ("",) + tuple(f">={g:g}s" for g in self.gap_buckets)
         names = []
         for t in range(self.turn_buckets):
             plus = "+" if t == self.turn_buckets - 1 else ""
             for g, lo in enumerate(edges):
                 hi = f"-{edges[g + 1] - 1}" if g + 1 < len(edges) else "+"
-                names.append(f"turn{t}{plus}/new{lo}{hi}")
+                for gp in gaps:
+                    names.append(f"turn{t}{plus}/new{lo}{hi}" + (f"/gap{gp}" if gp else ""))
         return names + ["tail", "shared", "unknown"]

@@ -1,59 +1,66 @@
-"""Tool-call-timed prefetch: page a waiting trajectory's prefix back before it resumes.
+"""Tool-call- and session-timed prefetch: page a waiting trajectory's prefix back before it resumes.
 
 A worker tells the daemon (gRPC ``ToolCallStart``) that trajectory T called tool X at
-time t and that its prefix is keys K; later (``Resume``) that T came back. The
-:class:`PrefetchScheduler`:
+time t and that its prefix is keys K; later (``Resume``) that T came back. Or, with a
+session hint (:mod:`kvstore.sessions`), that session T continues and is expected back
+in about g seconds, or that it finished. The :class:`PrefetchScheduler`:
 
 1. predicts the resume time from X's learned duration distribution
-   (:class:`kvstore.predictor.ToolPredictor`) and returns the median;
-2. tells hint-aware eviction policies (``next_use``) when K will be needed, so they
-   evict blocks needed later first (and, once promoted, keep K until T resumes);
+   (:class:`kvstore.predictor.ToolPredictor`) and returns the median; for a session
+   hint, from the hinted gap scaled by the learned ratio of observed to hinted gaps;
+2. tells the eviction policies when K will be needed, through the
+   :class:`~kvstore.sessions.SessionTable` (so ``next_use`` evicts blocks needed later
+   first, and a finished session's blocks go first under every policy);
 3. schedules T's promotion back to HBM to *finish* ``lead_time_s`` before the
-   ``quantile``-quantile of X's duration (a low quantile: ready for most resumes),
-   starting early enough for the transfer at each hop's bandwidth (measured on the
-   daemon, configured in the simulator; transfers on one hop queue behind each other);
-   while T waits past its median, renews the hints and re-promotes what was evicted;
+   ``quantile``-quantile of the predicted duration (a low quantile: ready for most
+   resumes), starting early enough for the transfer at each hop's bandwidth (measured
+   on the daemon, configured in the simulator; transfers on one hop queue behind each
+   other); while T waits past its median, renews the hints and re-promotes what left;
 4. optionally (``headroom_fraction``, off by default) demotes the blocks of the
    trajectories expected last to keep free space in HBM.
 
 Promotion never evicts a pinned block, a block of a running trajectory, a block it
 promoted that has not been used yet, or a block of a trajectory expected to resume no
-later than T (expected: the median of the tool's duration given the time already
-waited): victims are first blocks of trajectories expected later (farthest first,
-tail first), then the tier policy's choice among unprotected blocks (``next_use``'s
-only if that block is predicted to be needed later than T); if none is left the
-promotion stops and is retried shortly.
+later than T (expected: the median of the duration given the time already waited):
+victims are first blocks of trajectories expected later (farthest first, tail first),
+then the tier policy's choice among unprotected blocks (``next_use``'s only if that
+block is predicted to be needed later than T); if none is left the promotion stops
+and is retried shortly. Every call into the tier manager goes through
+:class:`kvstore.prefetch_port.ManagerPort`.
 
-The scheduler also measures what it is for (:class:`PrefetchStats`): the share of
-resumes whose whole prefix K was in HBM (and its transfer finished) when T resumed,
-the bytes it promoted that were evicted before use (waste), and the error of its
-resume-time predictions. With ``enabled = false`` it only observes (requests,
-predictions, readiness) and moves nothing.
+The scheduler also measures what it is for (:class:`~kvstore.prefetch_stats.PrefetchStats`):
+readiness at each resume (whole prefix, and token-weighted), the bytes it promoted that
+were evicted before use (waste), and the error of its resume-time predictions. With
+``enabled = false`` it only observes (requests, predictions, hints, readiness) and
+moves nothing.
 
-The daemon calls :meth:`PrefetchScheduler.tool_call_start` / :meth:`resume` from its
-gRPC handlers, :meth:`observe_request` from Lookup (it feeds the ``next_use`` policy's
-:class:`~kvstore.predictor.ReuseModel`), and runs :meth:`start` (a background thread
-calling :meth:`tick`). ``kvstore simulate`` calls the same methods with virtual time.
+The daemon calls :meth:`PrefetchScheduler.tool_call_start` / :meth:`resume` /
+:meth:`session_hint` from its gRPC handlers, :meth:`observe_request` from Lookup (it
+feeds the ``next_use`` policy's :class:`~kvstore.predictor.ReuseModel`), and runs
+:meth:`start` (a background thread calling :meth:`tick`). ``kvstore simulate`` calls
+the same methods with virtual time.
 """
 
 from __future__ import annotations
 
-import collections
 import heapq
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from tiers.base import TierKind
 
 from .config import PrefetchConfig
-from .manager import TierManager
-from .catalogue import BlockEvent
+from .policy import UsesReuseModel
 from .predictor import ReuseModel, ToolPredictor
+from .prefetch_moves import _PROMOTE, _REFRESH, PromotionMixin
+from .prefetch_port import ManagerPort
+from .prefetch_stats import PrefetchStats
+from .sessions import SessionHint, SessionState, SessionTable
 
 log = logging.getLogger("kvstore.prefetch")
 
@@ -66,114 +73,94 @@ DEFAULT_HOP_BANDWIDTH: dict[tuple[TierKind, TierKind], float] = {
 }
 """Bytes per second per (source, destination) hop, before any measurement."""
 
-_PROMOTE, _REFRESH = 0, 1
+SESSION_TOOL = "(session hint)"
+"""The ``tool`` of a wait that a session hint started; its duration is learned as the ratio
+observed gap / hinted gap, in a predictor of its own (``session_ratios``)."""
 
-
-@dataclass
-class PrefetchStats:
-    """What the scheduler did and how well it did it (bytes, seconds, counts)."""
-
-    tool_calls: int = 0
-    resumes: int = 0
-    resumes_unknown: int = 0
-    resumes_ready: int = 0            # whole prefix in HBM (transfer finished) at resume
-    promoted_blocks: int = 0
-    promoted_bytes: int = 0
-    used_bytes: int = 0               # promoted and still in HBM at resume
-    wasted_bytes: int = 0             # promoted, evicted from HBM before use, or never used
-    demoted_blocks: int = 0
-    promotions_blocked: int = 0       # no room without evicting a protected block
-    abs_error_s: list[float] = field(default_factory=list)
-    rel_error: list[float] = field(default_factory=list)
-
-    @property
-    def ready_rate(self) -> float:
-        """Share of known resumes whose prefix was wholly in HBM when they arrived."""
-        return self.resumes_ready / self.resumes if self.resumes else 0.0
-
-    @property
-    def waste(self) -> float:
-        """Wasted promoted bytes / promoted bytes (0 when nothing was promoted)."""
-        return self.wasted_bytes / self.promoted_bytes if self.promoted_bytes else 0.0
-
-    def summary(self) -> dict:
-        errs = sorted(self.abs_error_s)
-        rel = sorted(self.rel_error)
-        return {
-            "tool_calls": self.tool_calls, "resumes": self.resumes,
-            "resumes_unknown": self.resumes_unknown, "ready_rate": self.ready_rate,
-            "promoted_blocks": self.promoted_blocks, "promoted_bytes": self.promoted_bytes,
-            "wasted_bytes": self.wasted_bytes, "waste": self.waste,
-            "demoted_blocks": self.demoted_blocks, "promotions_blocked": self.promotions_blocked,
-            "prediction_mae_s": sum(errs) / len(errs) if errs else 0.0,
-            "prediction_median_abs_error_s": errs[len(errs) // 2] if errs else 0.0,
-            "prediction_median_rel_error": rel[len(rel) // 2] if rel else 0.0,
-        }
+__all__ = ["PrefetchScheduler", "PrefetchStats", "DEFAULT_HOP_BANDWIDTH", "SESSION_TOOL"]
 
 
 @dataclass
 class _Waiting:
     trajectory_id: str
-    tool: str
+    tool: str                        # SESSION_TOOL for a session hint
     start: float
     keys: list[bytes]
     predicted_resume: float          # median (returned to the worker)
     ready_by: float                  # quantile time minus lead: HBM must hold keys by then
     promote_at: float
+    promoted_at: float = math.inf    # when the (first) promotion ran
     promoted: bool = False           # promotion done (or in flight); False: due / retry
     started: bool = False            # some promotion for this wait has begun
     done_at: float = 0.0             # when the last transfer of the promotion finishes
     seq: int = 0
 
 
-class PrefetchScheduler:
-    """Tool-call hints -> resume predictions, eviction hints, demotion and timed promotion.
+class PrefetchScheduler(PromotionMixin):
+    """Tool-call and session hints -> resume predictions, eviction hints and timed promotion.
 
     Args:
         manager: the tier manager (tier 0 is HBM, or the fastest tier present).
         prefetch_config: ``[prefetch]`` section: ``enabled``, ``predictor``
             (``quantile`` | ``lognormal``), ``lead_time_s`` (seconds the promotion should
-            finish before the need), ``quantile`` (of the tool's duration at which the
+            finish before the need), ``quantile`` (of the predicted duration at which the
             blocks must be back, e.g. 0.1), ``window`` (observations per tool).
         clock: time source in seconds (``time.time`` in the daemon, virtual in the simulator).
         hop_bandwidth: bytes/s per (source kind, destination kind); defaults
             :data:`DEFAULT_HOP_BANDWIDTH`. Replaced by measurements when
             ``measure_bandwidth`` is on.
         measure_bandwidth: time each promotion with ``time.perf_counter`` and keep an
-            exponentially weighted average per hop (daemon; off in the simulator,
-            where copies take no real time).
+            exponentially weighted average per hop (daemon; off in the simulator).
         headroom_fraction: free share of tier 0 kept by demoting the blocks of the waiting
-            trajectories expected last (0: off; the simulations showed the churn costs
-            more than it saves, see docs/placement.md).
+            trajectories expected last (0: off; see docs/placement.md).
         active_protect_s: seconds after a resume during which the trajectory's prefix is
             treated as in use (never evicted by a promotion).
         reuse_model: the learned reuse model fed by :meth:`observe_request`; attached to
             every policy that uses one.
+        sessions: the session table the hints go through (default: a new one over the
+            manager's policies).
         poll_s: the background thread's longest sleep (seconds).
         refresh_s: once a trajectory waits past its predicted (median) resume, every
-            ``refresh_s`` seconds its next-use hint is renewed from the tool's duration
-            given the time already waited, and blocks evicted meanwhile are promoted again.
+            ``refresh_s`` seconds its next-use hint is renewed and blocks evicted
+            meanwhile are promoted again.
         retry_s: a promotion that found no room is retried after this many seconds.
         margin_s: a promotion displaces another waiting trajectory's blocks only when
-            that one is expected to resume at least this many seconds later, and never
-            the blocks of one it already promoted (no ping-pong).
+            that one is expected to resume at least this many seconds later.
         dedupe_s: :meth:`observe_request` counts a prefix seen again within this many
             seconds once (every TP rank looks the prefix up; the simulator passes 0).
+        victim_margin: with a policy that predicts distances (``next_use``), a promotion
+            evicts a block only when that block's predicted next use is at least this
+            many times farther than the promoted prefix's.
+        repromote: while a trajectory waits past its predicted resume, promote again the
+            blocks of it that were evicted meanwhile.
+        protect_s: promoted blocks are hinted as needed now (kept, ``next_use``) for up
+            to this many seconds after their promotion, renewed every ``refresh_s``;
+            then the tool's prediction applies again (0: not protected).
+        confidence: a due promotion runs only when the trajectory resumes within
+            ``horizon_s`` seconds with at least this probability (from the tool's
+            duration given the time already waited); else it is checked again every
+            ``refresh_s``. For heavy-tailed tools this holds back promotions that would
+            wait in HBM long (0: promote when due).
+        horizon_s: see ``confidence`` (seconds).
     """
 
-    def __init__(self, manager: TierManager, prefetch_config: PrefetchConfig | None = None,
+    def __init__(self, manager, prefetch_config: PrefetchConfig | None = None,
                  clock: Callable[[], float] = time.time, *,
                  hop_bandwidth: Mapping[tuple[TierKind, TierKind], float] | None = None,
                  measure_bandwidth: bool = True, headroom_fraction: float = 0.0,
                  active_protect_s: float = 30.0, reuse_model: ReuseModel | None = None,
+                 sessions: SessionTable | None = None,
                  poll_s: float = 0.05, refresh_s: float = 2.0, retry_s: float = 0.5,
-                 margin_s: float = 1.0, dedupe_s: float = 0.5):
+                 margin_s: float = 1.0, dedupe_s: float = 0.5, victim_margin: float = 2.0,
+                 repromote: bool = False, protect_s: float = 30.0, confidence: float = 0.7,
+                 horizon_s: float = 30.0):
         cfg = prefetch_config or PrefetchConfig()
-        self.manager = manager
+        self.port = ManagerPort(manager)
         self.config = cfg
         self.enabled = cfg.enabled
         self.clock = clock
         self.predictor = ToolPredictor(cfg.predictor, cfg.window)
+        self.session_ratios = ToolPredictor(cfg.predictor, cfg.window, default_s=1.0)
         self.bandwidth = dict(DEFAULT_HOP_BANDWIDTH)
         self.bandwidth.update(hop_bandwidth or {})
         self.measure_bandwidth = measure_bandwidth
@@ -184,73 +171,28 @@ class PrefetchScheduler:
         self.retry_s = retry_s
         self.margin_s = margin_s
         self.dedupe_s = dedupe_s
+        self.victim_margin = victim_margin
+        self.repromote = repromote
+        self.protect_s = protect_s
+        self.confidence = confidence
+        self.horizon_s = horizon_s
         self._recent: OrderedDict[tuple[bytes, int], float] = OrderedDict()
         self._expect_cache: dict[str, float] = {}
         self.model = reuse_model or ReuseModel()
-        manager.attach_reuse_model(self.model)
+        for p in self.port.policies():
+            if isinstance(p, UsesReuseModel):
+                p.attach(self.model)
+        self.sessions = sessions or SessionTable(self.port.policies())
         self.stats = PrefetchStats()
-        self._removed: collections.deque[bytes] = collections.deque()   # keys that left tier 0
-        self._fast_name = manager.tier_name(0)
-        manager.events.subscribe(self._on_event)
         self._lock = threading.RLock()
         self._waiting: dict[str, _Waiting] = {}
         self._due: list[tuple[float, int, str, int]] = []   # (time, seq, trajectory, action)
         self._seq = 0
         self._active: dict[str, tuple[float, list[bytes]]] = {}   # resumed: (time, keys)
-        self._promoted: dict[bytes, tuple[str, int]] = {}          # key -> (trajectory, bytes)
+        self._promoted: dict[bytes, tuple[str, int, float]] = {}   # key -> (trajectory, bytes, ready at)
         self._link_free: dict[tuple[TierKind, TierKind], float] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-
-    # ------------------------------------------------------------------ helpers
-
-    def _on_event(self, event: BlockEvent) -> None:
-        """Catalogue events (the manager's lock is held: only queue them)."""
-        if event.kind == "removed" and event.tier == self._fast_name:
-            self._removed.append(event.key)
-
-    def _account_removed(self) -> None:
-        """Promoted blocks that left tier 0 before their trajectory resumed are waste."""
-        while self._removed:
-            key = self._removed.popleft()
-            rec = self._promoted.pop(key, None)
-            if rec is not None:
-                self.stats.wasted_bytes += rec[1]
-
-    def _in_fast(self, key: bytes) -> bool:
-        loc = self.manager.locate(key)
-        return loc is not None and loc[1] == 0
-
-    def _hint(self, keys: Sequence[bytes], t: float, now: float) -> None:
-        self.manager.hint_next_use(keys, t, now)
-
-    def _size_of(self, key: bytes) -> int:
-        loc = self.manager.locate(key)
-        return 0 if loc is None else loc[0]
-
-    def _source_kind(self, key: bytes) -> TierKind | None:
-        loc = self.manager.locate(key)
-        return None if loc is None else self.manager.tier_kind(loc[1])
-
-    def transfer_seconds(self, keys: Sequence[bytes], assume: TierKind | None = None) -> float:
-        """Seconds to bring ``keys`` into tier 0 at the current hop bandwidths.
-
-        ``assume``: plan for the worst plausible case, every block (even one in tier 0
-        now, which may be demoted while it waits) one hop away in tier ``assume``, or
-        where it is when that is slower (NVMe).
-        """
-        dst = self.manager.tier_kind(0)
-        total = 0.0
-        for key in keys:
-            src = self._source_kind(key)
-            if src is None:
-                continue
-            if assume is not None and src != TierKind.NVME:
-                src = assume
-            if src == dst:
-                continue
-            total += self._size_of(key) / self.bandwidth.get((src, dst), 1e9)
-        return total
 
     # ------------------------------------------------------------------ requests
 
@@ -275,7 +217,7 @@ class PrefetchScheduler:
                 self._recent.popitem(last=False)
             self.model.observe_request(keys, now)
 
-    # ------------------------------------------------------------------ tool calls
+    # ------------------------------------------------------------------ hints
 
     def tool_call_start(self, trajectory_id: str, tool: str, start_time: float | None,
                         keys: Sequence[bytes]) -> float:
@@ -286,74 +228,127 @@ class PrefetchScheduler:
         start = start_time if start_time else now
         with self._lock:
             self.stats.tool_calls += 1
-            self._active.pop(trajectory_id, None)
-            old = self._waiting.pop(trajectory_id, None)
-            if old is not None:
-                self._release(old)
             median = start + self.predictor.predict(tool, 0.5)
             ready_by = start + self.predictor.predict(tool, self.config.quantile) - self.config.lead_time_s
-            keys = list(keys)
-            self._seq += 1
-            w = _Waiting(trajectory_id, tool, start, keys, median, ready_by, ready_by, seq=self._seq)
-            w.promote_at = ready_by - self.transfer_seconds(keys, assume=TierKind.HOST)
-            self._waiting[trajectory_id] = w
-            if self.enabled:
-                heapq.heappush(self._due, (w.promote_at, w.seq, trajectory_id, _PROMOTE))
-                heapq.heappush(self._due, (max(median, now) + self.refresh_s, w.seq, trajectory_id, _REFRESH))
-                self._hint(keys, median, now)
+            self._wait(trajectory_id, tool, start, list(keys), median, ready_by, now)
             return median
+
+    def session_hint(self, hint: SessionHint) -> float:
+        """Apply a session hint (:class:`~kvstore.sessions.SessionHint`). A hint for a
+        session that was waiting counts as its resume. Returns the expected-back time
+        (seconds, same clock; ``inf`` for a finished or abandoned session)."""
+        now = self.clock()
+        t = hint.time if hint.time is not None else now
+        with self._lock:
+            self.stats.session_hints += 1
+            if hint.session_id in self._waiting and hint.state != SessionState.ABANDONED:
+                self._resume(hint.session_id, t)
+            if hint.state != SessionState.CONTINUES:
+                old = self._waiting.pop(hint.session_id, None)
+                if old is not None:
+                    self._release(old)
+                self._active.pop(hint.session_id, None)
+                return self.sessions.apply(hint, t)
+            self._active.pop(hint.session_id, None)
+            expected = self.sessions.apply(hint, t)
+            s = self.sessions.get(hint.session_id)
+            keys = list(s.keys) if s is not None else list(hint.keys)
+            gap = max(expected - t, 0.0)
+            ratio = self.session_ratios.predict(SESSION_TOOL, self.config.quantile) if self._session_ratios() else 1.0
+            ready_by = t + gap * ratio - self.config.lead_time_s
+            self._wait(hint.session_id, SESSION_TOOL, t, keys, expected, ready_by, now, hint_sessions=False)
+            return expected
+
+    def _session_ratios(self) -> bool:
+        return self.session_ratios.tools().get(SESSION_TOOL, 0) >= self.session_ratios.min_samples
+
+    def _wait(self, tid: str, tool: str, start: float, keys: list[bytes], median: float,
+              ready_by: float, now: float, hint_sessions: bool = True) -> None:
+        self._active.pop(tid, None)
+        old = self._waiting.pop(tid, None)
+        if old is not None:
+            self._release(old)
+        self._seq += 1
+        w = _Waiting(tid, tool, start, keys, median, ready_by, ready_by, seq=self._seq)
+        w.promote_at = ready_by - self.transfer_seconds(keys, assume=TierKind.HOST)
+        self._waiting[tid] = w
+        if hint_sessions:
+            self.sessions.expect(tid, keys, median, now, hinted_at=start, calibrate=True)
+        if self.enabled:
+            heapq.heappush(self._due, (w.promote_at, w.seq, tid, _PROMOTE))
+            heapq.heappush(self._due, (max(median, now) + self.refresh_s, w.seq, tid, _REFRESH))
 
     def resume(self, trajectory_id: str, time: float | None = None) -> tuple[bool, float]:
         """Trajectory ``trajectory_id`` resumed at ``time`` (seconds; None or 0: now).
 
-        Returns ``(known, observed_seconds)``: whether a tool call was open for it, and
-        that call's measured duration (0.0 when unknown). Updates the predictor and
-        the readiness / waste / error statistics.
+        Returns ``(known, observed_seconds)``: whether a tool call or session hint was
+        open for it, and its measured duration (0.0 when unknown). Updates the
+        predictor and the readiness / waste / error statistics.
         """
         now = time if time else self.clock()
         with self._lock:
-            w = self._waiting.pop(trajectory_id, None)
-            if w is None:
-                self.stats.resumes_unknown += 1
-                return False, 0.0
-            observed = max(now - w.start, 0.0)
-            self.predictor.observe(w.tool, observed)
-            st = self.stats
-            st.resumes += 1
-            err = w.predicted_resume - now
-            st.abs_error_s.append(abs(err))
-            st.rel_error.append(abs(err) / observed if observed > 0 else 0.0)
-            if self.is_ready(w.keys, now, w):
-                st.resumes_ready += 1
-            self._release(w, used=True)
-            self._active[trajectory_id] = (now, w.keys)
-            return True, observed
+            return self._resume(trajectory_id, now)
 
-    def is_ready(self, keys: Sequence[bytes], now: float, w: _Waiting | None = None) -> bool:
+    def _resume(self, trajectory_id: str, now: float) -> tuple[bool, float]:
+        w = self._waiting.pop(trajectory_id, None)
+        if w is None:
+            self.stats.resumes_unknown += 1
+            return False, 0.0
+        observed = max(now - w.start, 0.0)
+        if w.tool == SESSION_TOOL:
+            hinted = w.predicted_resume - w.start
+            if hinted > 0 and observed > 0:
+                self.session_ratios.observe(SESSION_TOOL, observed / hinted)
+        else:
+            self.predictor.observe(w.tool, observed)
+            self.sessions.returned(trajectory_id, now)
+        st = self.stats
+        st.resumes += 1
+        err = w.predicted_resume - now
+        st.abs_error_s.append(abs(err))
+        st.rel_error.append(abs(err) / observed if observed > 0 else 0.0)
+        ready = self.ready_prefix(w.keys, now)
+        st.resume_blocks += len(w.keys)
+        st.ready_blocks += ready
+        if ready == len(w.keys):
+            st.resumes_ready += 1
+        self._release(w, used=True)
+        self._active[trajectory_id] = (now, w.keys)
+        return True, observed
+
+    def ready_prefix(self, keys: Sequence[bytes], now: float) -> int:
+        """Blocks of the longest prefix of ``keys`` in tier 0 whose promotion finished."""
+        n = 0
+        for key in keys:
+            rec = self._promoted.get(key)
+            if not self.port.in_fast(key) or (rec is not None and rec[2] > now):
+                break
+            n += 1
+        return n
+
+    def is_ready(self, keys: Sequence[bytes], now: float) -> bool:
         """Whether all of ``keys`` are in tier 0 and any promotion of them has finished."""
-        self._account_removed()
-        return all(self._in_fast(k) for k in keys) and (w is None or w.done_at <= now)
+        return self.ready_prefix(keys, now) == len(keys)
 
     def _release(self, w: _Waiting, used: bool = False) -> None:
         """Account the promoted blocks of ``w``: used if still in HBM, else wasted."""
-        self._account_removed()
         for key in w.keys:
             rec = self._promoted.get(key)
             if rec is None or rec[0] != w.trajectory_id:
                 continue
             del self._promoted[key]
-            if used and self._in_fast(key):
+            if used and self.port.in_fast(key):
                 self.stats.used_bytes += rec[1]
             else:
-                self.stats.wasted_bytes += rec[1]
+                self.stats.waste_of(rec[1], "evicted before the resume" if used else "never resumed")
 
     def finish(self) -> PrefetchStats:
         """End of a simulation: promotions whose trajectory never resumed are waste."""
         with self._lock:
             for w in list(self._waiting.values()):
                 self._release(w)
-            for key, (_, nbytes) in list(self._promoted.items()):
-                self.stats.wasted_bytes += nbytes
+            for key, rec in list(self._promoted.items()):
+                self.stats.waste_of(rec[1], "never resumed")
             self._promoted.clear()
             return self.stats
 
@@ -372,13 +367,15 @@ class PrefetchScheduler:
             return math.inf
 
     def tick(self, now: float | None = None) -> None:
-        """Do the work due at ``now`` (seconds): promotions whose start time has come,
-        renewed hints (and re-promotions) for trajectories waiting past their predicted
-        resume, and demotions when tier 0's free space is below the headroom."""
-        if not self.enabled:
-            return
+        """Do the work due at ``now`` (seconds): TTLs of session hints, promotions whose
+        start time has come, renewed hints (and re-promotions) for trajectories waiting
+        past their predicted resume, and demotions when tier 0's free space is below
+        the headroom."""
         now = self.clock() if now is None else now
         with self._lock:
+            self.sessions.tick(now)
+            if not self.enabled:
+                return
             self._expect_cache = {}
             for tid in [tid for tid, (t, _) in self._active.items() if now - t > self.active_protect_s]:
                 del self._active[tid]
@@ -388,134 +385,58 @@ class PrefetchScheduler:
                 if w is None or w.seq != seq:
                     continue
                 if action == _PROMOTE:
-                    if not w.promoted:
+                    if w.promoted:
+                        continue
+                    if self._confident(w, now):
                         self._promote(w, now)
+                    else:
+                        heapq.heappush(self._due, (now + self.refresh_s, seq, tid, _PROMOTE))
                     continue
                 # waiting past the predicted resume: renew the hint, re-promote what left
-                if w.started:   # promoted for it: keep them near until it resumes
-                    remaining = self.predictor.predict_remaining(w.tool, now - w.start, self.config.quantile)
-                    self._hint(w.keys, now + min(remaining, 2 * self.refresh_s), now)
+                if w.started and now - w.promoted_at < self.protect_s:   # keep them until it resumes
+                    self._protect(w, now)
                 else:
-                    self._hint(w.keys, self._expect(w, now), now)
-                if w.promoted and not all(self._in_fast(k) for k in w.keys):
+                    self.sessions.expect(tid, w.keys, self._expect(w, now), now, hinted_at=now)
+                if self.repromote and w.promoted and not all(self.port.in_fast(k) for k in w.keys):
                     self._promote(w, now)
                 heapq.heappush(self._due, (now + self.refresh_s, seq, tid, _REFRESH))
             if self.headroom_fraction > 0:
                 self._keep_headroom(now)
 
+    def _remaining(self, w: _Waiting, now: float, q: float) -> float:
+        """The ``q``-quantile of the seconds ``w`` still waits, given the time waited."""
+        elapsed = now - w.start
+        if w.tool == SESSION_TOOL:   # in units of the hinted gap, from the learned ratios
+            gap = max(w.predicted_resume - w.start, 1e-3)
+            if self._session_ratios():
+                return gap * self.session_ratios.predict_remaining(SESSION_TOOL, elapsed / gap, q)
+            return max(gap - elapsed, min(elapsed * 0.5, 600.0), self.refresh_s)
+        return self.predictor.predict_remaining(w.tool, elapsed, q)
+
+    def _confident(self, w: _Waiting, now: float) -> bool:
+        """Whether ``w`` resumes within ``horizon_s`` with probability >= ``confidence``
+        (a conservative estimate: few observations beyond the time waited count against)."""
+        if self.confidence <= 0:
+            return True
+        elapsed = now - w.start
+        if w.tool == SESSION_TOOL:   # in units of the hinted gap
+            gap = max(w.predicted_resume - w.start, 1e-3)
+            p = self.session_ratios.prob_within(SESSION_TOOL, elapsed / gap, self.horizon_s / gap)
+        else:
+            p = self.predictor.prob_within(w.tool, elapsed, self.horizon_s)
+        return p >= self.confidence
+
     def _expect(self, w: _Waiting, now: float) -> float:
-        """Expected resume time of ``w`` (seconds): the median of the tool's duration
-        given the time already waited. Cached per tick."""
+        """Expected resume time of ``w`` (seconds): the median of the duration given the
+        time already waited. Cached per tick."""
         t = self._expect_cache.get(w.trajectory_id)
         if t is None:
-            elapsed = now - w.start
-            t = now + self.predictor.predict_remaining(w.tool, elapsed, 0.5) if elapsed > 0 else w.predicted_resume
+            if now <= w.predicted_resume or now <= w.start:
+                t = w.predicted_resume
+            else:
+                t = now + self._remaining(w, now, 0.5)
             self._expect_cache[w.trajectory_id] = t
         return t
-
-    def _protected(self, w: _Waiting, now: float, include_self: bool = True) -> Callable[[bytes], bool]:
-        """Keys that moving blocks for ``w`` must not evict: running trajectories', those
-        already promoted, and those of trajectories expected to resume no later than
-        ``w`` (``w``'s own unless ``include_self`` is false)."""
-        keep: set[bytes] = set()
-        for _, keys in self._active.values():
-            keep.update(keys)
-        mine = self._expect(w, now)
-        for other in self._waiting.values():
-            if other is w:
-                if include_self:
-                    keep.update(other.keys)
-            elif self._expect(other, now) <= mine:
-                keep.update(other.keys)
-        keep.update(self._promoted)          # promoted and not used yet: no ping-pong
-        return keep.__contains__
-
-    def _make_room(self, w: _Waiting, nbytes: int, now: float, protected: Callable[[bytes], bool]) -> bool:
-        """Room for ``nbytes`` in tier 0 for ``w`` (the manager demotes; no lock taken here).
-
-        Candidates first: blocks of trajectories expected to resume later than ``w`` (by
-        a margin) that were not promoted yet, farthest first, tail first; then the tier
-        policy's choice among unprotected blocks, unless it predicts that block is needed
-        sooner than ``w`` (``next_use``)."""
-        m = self.manager
-        if m.fits(0, nbytes):
-            return True
-        mine = self._expect(w, now)
-        later = sorted((o for o in self._waiting.values()
-                        if o is not w and not o.promoted and self._expect(o, now) > mine + self.margin_s),
-                       key=lambda o: self._expect(o, now), reverse=True)
-        candidates = [key for o in later for key in reversed(o.keys)]
-        need_in = max(mine - now, 0.0)
-
-        def sooner(victim: bytes) -> bool:
-            d = m.distance(0, victim, now)
-            return d is not None and d < need_in
-        before = m.counters[f"evictions_{self._fast_name}"]
-        ok = m.make_room(0, nbytes, protect=protected, candidates=candidates, give_up=sooner)
-        self.stats.demoted_blocks += m.counters[f"evictions_{self._fast_name}"] - before
-        self._account_removed()
-        return ok
-
-    def _promote(self, w: _Waiting, now: float) -> None:
-        """Bring ``w``'s blocks into tier 0, head first; retry later if room ran out."""
-        w.promoted = w.started = True
-        dst = self.manager.tier_kind(0)
-        done = max(now, w.done_at)
-        blocked = False
-        protected = self._protected(w, now)
-        for key in w.keys:                # head first: a partial promotion still hits
-            src = self._source_kind(key)
-            if src is None or src == dst:
-                continue
-            nbytes = self._size_of(key)
-            if not self._make_room(w, nbytes, now, protected):
-                blocked = True
-                break
-            t0 = time.perf_counter()
-            if not self.manager.promote(key, 0):
-                blocked = True
-                break
-            elapsed = time.perf_counter() - t0
-            hop = (src, dst)
-            bw = self.bandwidth.get(hop, 1e9)
-            if self.measure_bandwidth and elapsed > 0:
-                self.bandwidth[hop] = bw = 0.8 * bw + 0.2 * (nbytes / elapsed)
-            start = max(now, self._link_free.get(hop, now))
-            finish = start + nbytes / bw
-            self._link_free[hop] = finish
-            done = max(done, finish)
-            old = self._promoted.get(key)
-            if old is not None:            # promoted before and evicted since
-                self.stats.wasted_bytes += old[1]
-            self._promoted[key] = (w.trajectory_id, nbytes)
-            self.stats.promoted_blocks += 1
-            self.stats.promoted_bytes += nbytes
-        w.done_at = done
-        self._hint(w.keys, max(w.ready_by, now), now)   # due: keep them (next_use)
-        if blocked:
-            self.stats.promotions_blocked += 1
-            w.promoted = False
-            heapq.heappush(self._due, (now + self.retry_s, w.seq, w.trajectory_id, _PROMOTE))
-
-    def _keep_headroom(self, now: float) -> None:
-        m = self.manager
-        if m.num_tiers < 2:
-            return
-        cap = m.capacity_bytes(0)
-        want = self.headroom_fraction * cap
-        free = cap - m.used_bytes(0)
-        if free >= want:
-            return
-        later = sorted((w for w in self._waiting.values() if not w.promoted and w.promote_at > now),
-                       key=lambda w: self._expect(w, now), reverse=True)
-        for w in later:
-            protected = self._protected(w, now, include_self=False)
-            before = m.counters[f"evictions_{self._fast_name}"]
-            m.make_room(0, int(want), protect=protected, candidates=list(reversed(w.keys)),
-                        give_up=lambda victim: True)
-            self.stats.demoted_blocks += m.counters[f"evictions_{self._fast_name}"] - before
-            if cap - m.used_bytes(0) >= want:
-                return
 
     # ------------------------------------------------------------------ thread
 

@@ -4,7 +4,7 @@ Importing this package registers every built-in policy: ``lru``, ``arc``, ``s3fi
 ``next_use`` (daemon policies) and ``opt`` (Belady's MIN, the simulator's oracle).
 """
 
-from .base import POLICIES, EvictionPolicy, NoVictim, make_policy, register
+from .base import POLICIES, EvictionEvent, EvictionPolicy, NoVictim, make_policy, register
 from . import lru  # noqa: F401  (registers "lru")
 from . import arc  # noqa: F401  (registers "arc")
 from . import s3fifo  # noqa: F401  (registers "s3fifo")
@@ -12,5 +12,5 @@ from . import next_use  # noqa: F401  (registers "next_use")
 from . import opt  # noqa: F401  (registers "opt")
 from .hints import AcceptsNextUse, PredictsDistance, UsesReuseModel
 
-__all__ = ["POLICIES", "EvictionPolicy", "NoVictim", "make_policy", "register",
+__all__ = ["POLICIES", "EvictionEvent", "EvictionPolicy", "NoVictim", "make_policy", "register",
            "AcceptsNextUse", "PredictsDistance", "UsesReuseModel"]

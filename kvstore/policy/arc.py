@@ -71,9 +71,9 @@ class ARCPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ protocol
 
-    def insert(self, key: bytes, nbytes: int, now: float) -> None:
+    def _insert(self, key: bytes, nbytes: int, now: float) -> None:
         if key in self.t1 or key in self.t2:
-            self.access(key, now)
+            self._access(key, now)
             return
         self._adapt(key, nbytes)
         self._adapted_for = None
@@ -90,7 +90,7 @@ class ARCPolicy(EvictionPolicy):
             self.t1_bytes += nbytes
         self._trim_ghosts()
 
-    def access(self, key: bytes, now: float) -> None:
+    def _access(self, key: bytes, now: float) -> None:
         if key in self.t1:
             n = self.t1.pop(key)
             self.t1_bytes -= n
@@ -99,7 +99,7 @@ class ARCPolicy(EvictionPolicy):
         elif key in self.t2:
             self.t2.move_to_end(key)
 
-    def evicted(self, key: bytes) -> None:
+    def _evicted(self, key: bytes) -> None:
         if key in self.t1:
             n = self.t1.pop(key)
             self.t1_bytes -= n
@@ -112,15 +112,14 @@ class ARCPolicy(EvictionPolicy):
             self.b2_bytes += n
         self._trim_ghosts()
 
-    def remove(self, key: bytes) -> None:
+    def _remove(self, key: bytes) -> None:
         for lst, attr in ((self.t1, "t1_bytes"), (self.t2, "t2_bytes"),
                           (self.b1, "b1_bytes"), (self.b2, "b2_bytes")):
             n = lst.pop(key, None)
             if n is not None:
                 setattr(self, attr, getattr(self, attr) - n)
 
-    def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
-               now: float = 0.0) -> bytes:
+    def _victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes:
         self._adapt(incoming)
         from_t1 = bool(self.t1) and (self.t1_bytes > self.p or
                                      (incoming is not None and incoming in self.b2 and self.t1_bytes >= self.p))
@@ -131,8 +130,7 @@ class ARCPolicy(EvictionPolicy):
                     return key
         raise NoVictim(f"arc: none of {len(self)} resident blocks is evictable")
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.t1 or key in self.t2
-
-    def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
+    def victim_reason(self, key: bytes, now: float) -> str:
+        if key in self.t1:
+            return f"least recently used of the blocks seen once (T1 above its target {self.p:.0f} bytes)"
+        return "least recently used of the blocks seen twice or more (T2)"

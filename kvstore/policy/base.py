@@ -15,6 +15,19 @@ Protocol, as seen from the manager::
     policy.evicted(victim)                the manager moved it out because of pressure
     policy.remove(key)                    it left for another reason (delete, move)
 
+On top of that every policy honours *released* blocks (:meth:`EvictionPolicy.release`):
+blocks whose session finished or was abandoned (session hints, :mod:`kvstore.sessions`)
+are the first victims, in the order released (within one call: last block first, so a
+prefix shrinks from its tail), and a full tier refuses to admit them. A hit does not
+revive a released block (the finished session's own last request reads it after its
+hint); a new session that uses it does (:meth:`EvictionPolicy.revive`). Subclasses implement the policy proper in ``_insert``,
+``_access``, ``_remove``, ``_victim`` (and optionally ``_evicted``, ``_admit``,
+``victim_reason``); the public methods here wrap them.
+
+Every pressure eviction can be reported to a listener (:attr:`EvictionPolicy.listener`,
+e.g. :class:`kvstore.explain.EvictionLog`) as an :class:`EvictionEvent`, which is what
+``kvstore explain`` uses to say why a block is gone.
+
 Subclasses register with :func:`register` and are built from config by
 :func:`make_policy`, never by an if/elif chain on names.
 """
@@ -22,13 +35,38 @@ Subclasses register with :func:`register` and are built from config by
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, ClassVar, Mapping
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from ..errors import ConfigError, KVStoreError
+
+MAX_RELEASED = 1 << 20
+"""Released keys remembered per policy (oldest forgotten first)."""
 
 
 class NoVictim(KVStoreError):
     """Every resident block is pinned or otherwise not evictable."""
+
+
+@dataclass(frozen=True)
+class EvictionEvent:
+    """One block pushed out of one tier by pressure.
+
+    Attributes:
+        key: the block (32 bytes).
+        tier: the tier's name (``hbm``, ``host``, ``nvme``; ``""`` when not set).
+        policy: the policy's registry name.
+        reason: why the policy chose it, in words.
+        time: seconds, the policy clock (the ``now`` of the victim choice).
+    """
+
+    key: bytes
+    tier: str
+    policy: str
+    reason: str
+    time: float
 
 
 class EvictionPolicy(abc.ABC):
@@ -39,6 +77,10 @@ class EvictionPolicy(abc.ABC):
             such as ARC's target or S3-FIFO's small queue, derive them from it).
         **params: policy parameters from the TOML config (``[policy] params``).
             Unknown parameters raise ConfigError.
+
+    Attributes:
+        tier_name: the tier it orders (set by the builder; used in eviction events).
+        listener: called with an :class:`EvictionEvent` on every pressure eviction.
     """
 
     name: ClassVar[str]
@@ -49,31 +91,98 @@ class EvictionPolicy(abc.ABC):
             known = ", ".join(sorted(self.params_doc)) or "none"
             raise ConfigError(f"policy {self.name!r}: unknown parameter(s) {sorted(params)} (known: {known})")
         self.capacity_bytes = int(capacity_bytes)
+        self.tier_name = ""
+        self.listener: Callable[[EvictionEvent], None] | None = None
+        self._sizes: dict[bytes, int] = {}
+        self._used = 0
+        self._released: OrderedDict[bytes, None] = OrderedDict()           # resident or not
+        self._released_resident: OrderedDict[bytes, None] = OrderedDict()  # eviction order
+        self._victim_now = 0.0
+        # hints (release / revive, next_use's set_next_use) come from RPC or prefetch
+        # threads while the manager calls the protocol under its own lock: one lock here
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ released blocks
+
+    def release(self, keys: Iterable[bytes]) -> None:
+        """The sessions using ``keys`` ended: evict them first, refuse them when full.
+
+        ``keys`` in prefix order; they leave last first. Keys not resident here are
+        remembered (up to :data:`MAX_RELEASED`) in case they arrive later (a demotion,
+        or the put of a finished session's last request).
+        """
+        with self._lock:
+            for key in reversed(list(keys)):
+                self._released[key] = None
+                self._released.move_to_end(key)
+                if key in self._sizes:
+                    self._released_resident[key] = None
+                    self._released_resident.move_to_end(key)
+            while len(self._released) > MAX_RELEASED:
+                old, _ = self._released.popitem(last=False)
+                self._released_resident.pop(old, None)
+
+    def revive(self, keys: Iterable[bytes]) -> None:
+        """Undo :meth:`release` for ``keys`` (a new session uses them)."""
+        with self._lock:
+            for key in keys:
+                if key in self._released:
+                    del self._released[key]
+                    self._released_resident.pop(key, None)
+
+    def is_released(self, key: bytes) -> bool:
+        return key in self._released
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks this policy tracks as resident."""
+        return self._used
+
+    # ------------------------------------------------------------------ protocol (public)
 
     def admit(self, key: bytes, nbytes: int, now: float) -> bool:
-        """Whether a new block may enter this tier at all. Default: always."""
-        return True
+        """Whether a new block may enter this tier at all: not a released block when the
+        tier is full; otherwise the policy's own rule (default: always)."""
+        with self._lock:
+            if key in self._released and self._used + nbytes > self.capacity_bytes:
+                return False
+            return self._admit(key, nbytes, now)
 
-    @abc.abstractmethod
     def insert(self, key: bytes, nbytes: int, now: float) -> None:
         """``key`` (``nbytes`` bytes) became resident in this tier."""
+        with self._lock:
+            if key not in self._sizes:
+                self._sizes[key] = nbytes
+                self._used += nbytes
+                if key in self._released:
+                    self._released_resident[key] = None
+            self._insert(key, nbytes, now)
 
-    @abc.abstractmethod
     def access(self, key: bytes, now: float) -> None:
         """A hit on resident ``key``."""
+        with self._lock:
+            self._access(key, now)
 
-    @abc.abstractmethod
     def remove(self, key: bytes) -> None:
         """``key`` left the tier for a reason other than pressure. No-op if unknown."""
+        with self._lock:
+            self._forget(key)
+            self._remove(key)
 
     def evicted(self, key: bytes) -> None:
         """``key`` (returned by :meth:`victim`) was moved out because of pressure."""
-        self.remove(key)
+        with self._lock:
+            if self.listener is not None:
+                reason = ("its session ended (released by a session hint)" if key in self._released_resident
+                          else self.victim_reason(key, self._victim_now))
+                self.listener(EvictionEvent(key, self.tier_name, self.name, reason, self._victim_now))
+            self._forget(key)
+            self._evicted(key)
 
-    @abc.abstractmethod
     def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
                now: float = 0.0) -> bytes:
-        """The resident block to evict next.
+        """The resident block to evict next: a released one if any is evictable, else
+        the policy's choice.
 
         Args:
             evictable: False for blocks that must stay (pinned, being written).
@@ -82,12 +191,48 @@ class EvictionPolicy(abc.ABC):
         Raises:
             NoVictim: no resident block is evictable.
         """
+        with self._lock:
+            self._victim_now = now
+            for key in self._released_resident:
+                if evictable(key):
+                    return key
+            return self._victim(evictable, incoming, now)
+
+    def _forget(self, key: bytes) -> None:
+        n = self._sizes.pop(key, None)
+        if n is not None:
+            self._used -= n
+        self._released_resident.pop(key, None)
+
+    # ------------------------------------------------------------------ the policy proper
+
+    def _admit(self, key: bytes, nbytes: int, now: float) -> bool:
+        return True
 
     @abc.abstractmethod
-    def __contains__(self, key: bytes) -> bool: ...
+    def _insert(self, key: bytes, nbytes: int, now: float) -> None: ...
 
     @abc.abstractmethod
-    def __len__(self) -> int: ...
+    def _access(self, key: bytes, now: float) -> None: ...
+
+    @abc.abstractmethod
+    def _remove(self, key: bytes) -> None: ...
+
+    def _evicted(self, key: bytes) -> None:
+        self._remove(key)
+
+    @abc.abstractmethod
+    def _victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes: ...
+
+    def victim_reason(self, key: bytes, now: float) -> str:
+        """Why :meth:`_victim` chose ``key``, in words (for eviction records)."""
+        return f"{self.name} eviction order"
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
@@ -101,10 +246,15 @@ def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     return cls
 
 
-def make_policy(name: str, capacity_bytes: int, params: Mapping[str, Any] | None = None) -> EvictionPolicy:
-    """Build the policy registered as ``name``. Raises ConfigError for an unknown name/param."""
+def make_policy(name: str, capacity_bytes: int, params: Mapping[str, Any] | None = None,
+                tier_name: str = "") -> EvictionPolicy:
+    """Build the policy registered as ``name`` for a tier called ``tier_name``.
+
+    Raises ConfigError for an unknown name or parameter."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown eviction policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
-    return cls(capacity_bytes, **dict(params or {}))
+    policy = cls(capacity_bytes, **dict(params or {}))
+    policy.tier_name = tier_name
+    return policy

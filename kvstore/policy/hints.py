@@ -32,9 +32,12 @@ class UsesReuseModel(Protocol):
 
 @runtime_checkable
 class AcceptsNextUse(Protocol):
-    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
+    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float,
+                     since: float | None = None, exact: bool = False) -> None:
         """Predicted next use of ``keys``: one time for all, or one per key (seconds, same
-        clock as ``now``; ``math.inf`` = never). ``keys`` are in prefix order."""
+        clock as ``now``; ``math.inf`` = never), predicted at ``since`` (default ``now``;
+        the hinted gap is ``time - since``); ``exact``: a commitment, not a prediction
+        to calibrate. ``keys`` are in prefix order."""
 
 
 @runtime_checkable

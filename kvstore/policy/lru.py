@@ -19,28 +19,28 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity_bytes: int, **params):
         super().__init__(capacity_bytes, **params)
-        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._order: OrderedDict[bytes, float] = OrderedDict()   # key -> last use (seconds)
 
-    def insert(self, key: bytes, nbytes: int, now: float) -> None:
-        self._order[key] = None
+    def _insert(self, key: bytes, nbytes: int, now: float) -> None:
+        self._order[key] = now
         self._order.move_to_end(key)
 
-    def access(self, key: bytes, now: float) -> None:
+    def _access(self, key: bytes, now: float) -> None:
         if key in self._order:
+            self._order[key] = now
             self._order.move_to_end(key)
 
-    def remove(self, key: bytes) -> None:
+    def _remove(self, key: bytes) -> None:
         self._order.pop(key, None)
 
-    def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
-               now: float = 0.0) -> bytes:
+    def _victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes:
         for key in self._order:
             if evictable(key):
                 return key
         raise NoVictim(f"lru: none of {len(self._order)} resident blocks is evictable")
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
+    def victim_reason(self, key: bytes, now: float) -> str:
+        last = self._order.get(key)
+        if last is None:
+            return "least recently used"
+        return f"least recently used (last used {now - last:.1f} s before)"

@@ -2,26 +2,33 @@
 
 Belady's MIN (Belady 1966, "A study of replacement algorithms for a virtual-storage
 computer", IBM Systems Journal 5(2)) evicts the block used again farthest in the
-future and is optimal; it needs the future. This policy predicts it from two sources:
+future and is optimal; it needs the future. This policy predicts it from three sources:
 
-1. **Explicit hints** (:meth:`NextUsePolicy.set_next_use`): the prefetch scheduler
-   pushes the predicted resume time of a trajectory waiting on a tool call for all of
-   its blocks. Their distance is ``t - now`` seconds. A hint counts until
-   ``hint_grace_s`` seconds after its time (a tool that overruns), then the block falls
-   back to (2). A hit consumes the hint.
-2. **Learned reuse** (:class:`kvstore.predictor.ReuseModel`, shared by all tiers via
+1. **Released blocks** (:meth:`EvictionPolicy.release`, from session hints: the session
+   finished or was abandoned) are never used again: the first victims (base class).
+2. **Explicit hints** (:meth:`NextUsePolicy.set_next_use`): a session's expected-back
+   time (:mod:`kvstore.sessions`) or a tool call's predicted resume
+   (:mod:`kvstore.prefetch`). The keys of one call form a *hint group* with one time
+   ``t``: its distance is ``t - now``; once ``t`` has passed without the use (the
+   session or tool is late) the distance grows as ``overdue_ratio * (now - t)`` (the
+   longer overdue, the later and the less likely the return) until ``hint_grace_s``
+   after ``t``, when the hint is dropped and the blocks fall back to (3). A hit in the
+   second half of the hint's span (from when it was set to ``t``) consumes it; an
+   earlier hit (the request that set it) does not.
+3. **Learned reuse** (:class:`kvstore.predictor.ReuseModel`, shared by all tiers via
    :meth:`attach`): blocks belong to *records* (blocks last used together: a
    conversation's prefix, its partial tail block, a shared system prompt) with a class
    and an age; the model gives the expected seconds of residence per reuse for that
    class and age (the inverse of LHD's hit density; it is the time to the next use
-   when that use is certain, so both sources compare on one scale).
+   when that use is certain, so the sources compare on one scale).
 
 The victim is the farthest candidate; candidates are, per class, the oldest and the
 youngest record (the learned distance rises with age once past the usual reuse gap
-and may fall at first, so within a class the extreme is at one of the two ends) and
-the farthest explicitly hinted block. Within a record the block with the highest
-position goes first (tail-first, as vLLM frees a request's blocks), so a partly
-evicted prefix keeps its head, which still hits.
+and may fall at first, so within a class the extreme is at one of the two ends), and
+the same two ends of every class of hint groups (classed by their hinted gap, 1.25x
+apart). Within a record or a hint group the block with the highest position goes first
+(tail-first, as vLLM frees a request's blocks), so a partly evicted prefix keeps its
+head, which still hits.
 
 Admission control (``admission``, default on): when the tier is full, a new block
 whose predicted next use is farther than the victim's is refused (Belady with
@@ -38,7 +45,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import threading
 from typing import Callable, Sequence
 
 from ..errors import ConfigError
@@ -58,6 +64,40 @@ class _Group:
         self.keys: dict[bytes, None] = {}
 
 
+class _Hint:
+    """One explicit hint: keys expected to be used at ``t``, hinted at ``t_set``."""
+
+    __slots__ = ("hid", "t", "t_set", "gap", "cls", "pos", "resident", "queued", "exact")
+
+    def __init__(self, hid: int, t: float, t_set: float, exact: bool = False):
+        self.hid = hid
+        self.exact = exact
+        self.t = t
+        self.t_set = t_set
+        self.gap = max(t - t_set, 1e-3)
+        self.cls = max(0, min(int(math.log(self.gap / _GAP0) / _GAP_STEP), _GAP_BINS - 1))
+        self.pos: dict[bytes, int] = {}
+        self.resident: dict[bytes, None] = {}      # in position order
+        self.queued = False                        # in the candidate heaps
+
+    def add_resident(self, key: bytes) -> None:
+        res = self.resident
+        if res and self.pos[key] < self.pos[next(reversed(res))]:
+            res[key] = None
+            self.resident = dict.fromkeys(sorted(res, key=self.pos.__getitem__))
+        else:
+            res[key] = None
+
+
+_GAP0, _GAP_STEP, _GAP_BINS = 0.25, math.log(1.25), 56   # hint classes: gap bins 0.25 s .. ~4 h
+
+
+def _number(name: str, value, lo: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo:
+        raise ConfigError(f"policy 'next_use': {name} must be a number >= {lo:g}, got {value!r}")
+    return float(value)
+
+
 @register
 class NextUsePolicy(EvictionPolicy):
     """Online Belady: evict the farthest predicted next use (see the module docstring).
@@ -66,8 +106,8 @@ class NextUsePolicy(EvictionPolicy):
         capacity_bytes: the tier's capacity (admission compares against it).
         admission: refuse a new block when the tier is full and the block's predicted
             next use is farther than the victim's (bool, default true).
-        hint_grace_s: seconds an explicit next-use hint stays valid past its time
-            (default 30).
+        hint_grace_s: seconds an explicit hint stays valid past its time (default 300).
+        overdue_ratio: distance of an overdue hint per second overdue (default 1.0).
     Raises:
         ConfigError: unknown parameter or bad value.
     """
@@ -75,31 +115,32 @@ class NextUsePolicy(EvictionPolicy):
     name = "next_use"
     params_doc = {
         "admission": "refuse a block when full and its predicted next use is farther than the victim's (bool, true)",
-        "hint_grace_s": "seconds a tool-call next-use hint stays valid past its predicted time (30)",
+        "hint_grace_s": "seconds a next-use hint stays valid past its predicted time (300)",
+        "overdue_ratio": "predicted seconds to the next use per second a hint is overdue (1.0)",
     }
 
     def __init__(self, capacity_bytes: int, **params):
         admission = params.pop("admission", True)
-        grace = params.pop("hint_grace_s", 30.0)
+        grace = params.pop("hint_grace_s", 300.0)
+        overdue = params.pop("overdue_ratio", 1.0)
         super().__init__(capacity_bytes, **params)
         if not isinstance(admission, bool):
             raise ConfigError(f"policy 'next_use': admission must be true or false, got {admission!r}")
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
-            raise ConfigError(f"policy 'next_use': hint_grace_s must be a number >= 0, got {grace!r}")
         self.admission = admission
-        self.hint_grace_s = float(grace)
+        self.hint_grace_s = _number("hint_grace_s", grace)
+        self.overdue_ratio = _number("overdue_ratio", overdue)
         self.model = ReuseModel()          # never fed unless replaced by attach(): prior only
-        self._lock = threading.RLock()     # hints may arrive from the prefetch thread
-        self._size: dict[bytes, int] = {}
-        self._used = 0
         self._group_of: dict[bytes, _Group] = {}
         self._groups: dict[int, _Group] = {}
         self._old: dict[int, list[tuple[float, int]]] = {}     # per class: min-heap (t0, rid)
         self._young: dict[int, list[tuple[float, int]]] = {}   # per class: min-heap (-t0, -rid)
-        self._explicit: dict[bytes, float] = {}
-        self._far: list[tuple[float, int, bytes]] = []         # (-t, seq, key), resident explicit
-        self._near: list[tuple[float, int, bytes]] = []        # (t, seq, key), for expiry
-        self._seq = itertools.count()
+        self._hint_of: dict[bytes, _Hint] = {}
+        self._hints: dict[int, _Hint] = {}
+        self._hold: dict[int, list[tuple[float, int]]] = {}     # per gap class: (t_set, hid)
+        self._hyoung: dict[int, list[tuple[float, int]]] = {}   # per gap class: (-t_set, -hid)
+        self._expiry: list[tuple[float, int]] = []    # (t, hid): every hint, for expiry
+        self.calibration = None            # a kvstore.hint_model.HintCalibration, set by the session table
+        self._hid = itertools.count()
         self._unknown_rid = itertools.count(-1, -1)
         self._last_unknown: _Group | None = None
         self.counters = {"refused": 0, "hinted": 0}
@@ -111,27 +152,81 @@ class NextUsePolicy(EvictionPolicy):
         with self._lock:
             self.model = model
 
-    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
-        """Explicit predicted next use of ``keys`` (seconds, same clock as ``now``)."""
+    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float,
+                     since: float | None = None, exact: bool = False) -> None:
+        """Explicit predicted next use of ``keys`` (seconds, same clock as ``now``), in
+        prefix order, hinted at ``since`` (default ``now``). One time for all keys makes
+        one hint group (evicted tail first); per-key times make one group per run of
+        equal times. ``math.inf`` = never: the keys are released (first victims).
+        ``exact``: the time is a commitment (a prefetch that must be kept until used),
+        not a prediction to calibrate: the fixed rule applies."""
         with self._lock:
             seq = [times] * len(keys) if isinstance(times, (int, float)) else list(times)
-            for key, t in zip(keys, seq):
-                t = float(t)
-                if t + self.hint_grace_s < now:
-                    continue
-                self._explicit[key] = t
-                s = next(self._seq)
-                heapq.heappush(self._near, (t, s, key))
-                if key in self._size:
-                    self._ungroup(key)
-                    heapq.heappush(self._far, (-t, s, key))
-                self.counters["hinted"] += 1
+            run: list[bytes] = []
+            for i, key in enumerate(keys):
+                run.append(key)
+                if i + 1 == len(keys) or seq[i + 1] != seq[i]:
+                    self._hint_group(run, float(seq[i]), now, now if since is None else min(since, now), exact)
+                    run = []
+
+    def _hint_group(self, keys: list[bytes], t: float, now: float, since: float, exact: bool = False) -> None:
+        if t == math.inf:
+            self.clear_hints(keys, now)
+            self.release(keys)
+            return
+        if t + self.hint_grace_s < now:
+            return
+        self.revive(keys)
+        h = _Hint(next(self._hid), t, since, exact)
+        self._hints[h.hid] = h
+        heapq.heappush(self._expiry, (t, h.hid))
+        for i, key in enumerate(keys):
+            self._unhint(key)
+            h.pos[key] = i
+            self._hint_of[key] = h
+            if key in self._sizes:
+                self._ungroup(key)
+                self._add_hinted(h, key)
+            self.counters["hinted"] += 1
+
+    def _add_hinted(self, h: _Hint, key: bytes) -> None:
+        """Resident ``key`` joins hint group ``h`` (which re-enters the candidate heaps)."""
+        h.add_resident(key)
+        if not h.queued:
+            h.queued = True
+            heapq.heappush(self._hold.setdefault(h.cls, []), (h.t_set, h.hid))
+            heapq.heappush(self._hyoung.setdefault(h.cls, []), (-h.t_set, -h.hid))
+
+    def clear_hints(self, keys: Sequence[bytes], now: float) -> None:
+        """Drop explicit hints of ``keys``: they fall back to the learned model."""
+        with self._lock:
+            for key in keys:
+                if self._unhint(key) and key in self._sizes:
+                    self._place(key, now)
+
+    def _unhint(self, key: bytes) -> bool:
+        h = self._hint_of.pop(key, None)
+        if h is None:
+            return False
+        del h.pos[key]
+        h.resident.pop(key, None)
+        if not h.pos:
+            del self._hints[h.hid]
+        return True
+
+    def _hint_distance(self, h: _Hint, now: float) -> float:
+        cal = self.calibration
+        if cal is not None and cal.ready and not h.exact:
+            return cal.distance(h.gap, now - h.t_set)
+        if now <= h.t:
+            return h.t - now
+        return self.overdue_ratio * (now - h.t)
 
     # ------------------------------------------------------------------ groups
 
     def _group_for(self, key: bytes, now: float) -> _Group:
         rec = self.model.record_of(key)
-        if rec is None:
+        if rec is None:   # unknown to the model: a group per time of last use
             g = self._last_unknown
             if g is None or g.t0 != now or g.rid not in self._groups:
                 g = _Group(next(self._unknown_rid), self.model.UNKNOWN, now)
@@ -157,11 +252,11 @@ class NextUsePolicy(EvictionPolicy):
                 del self._groups[g.rid]
 
     def _place(self, key: bytes, now: float) -> None:
-        """Put resident ``key`` in its hint heap or its record's group."""
-        t = self._explicit.get(key)
-        if t is not None and now <= t + self.hint_grace_s:
+        """Put resident ``key`` in its hint group or its record's group."""
+        h = self._hint_of.get(key)
+        if h is not None:
             self._ungroup(key)
-            heapq.heappush(self._far, (-t, next(self._seq), key))
+            self._add_hinted(h, key)
             return
         g = self._group_for(key, now)
         old = self._group_of.get(key)
@@ -173,113 +268,112 @@ class NextUsePolicy(EvictionPolicy):
         self._group_of[key] = g
 
     def _expire(self, now: float) -> None:
-        near = self._near
-        while near and near[0][0] + self.hint_grace_s < now:
-            t, _, key = heapq.heappop(near)
-            if self._explicit.get(key) == t:
-                del self._explicit[key]
-                if key in self._size:
-                    self._place(key, now)
+        exp = self._expiry
+        while exp and exp[0][0] + self.hint_grace_s < now:
+            _, hid = heapq.heappop(exp)
+            h = self._hints.get(hid)
+            if h is None:
+                continue
+            for key in list(h.pos):
+                self._unhint(key)
+                if key in self._sizes:
+                    self._place(key, min(h.t, now))   # age from the use that did not come
 
     # ------------------------------------------------------------------ protocol
 
-    def insert(self, key: bytes, nbytes: int, now: float) -> None:
+    def _insert(self, key: bytes, nbytes: int, now: float) -> None:
         with self._lock:
-            if key not in self._size:
-                self._size[key] = nbytes
-                self._used += nbytes
             self._place(key, now)
 
-    def access(self, key: bytes, now: float) -> None:
+    def _access(self, key: bytes, now: float) -> None:
         with self._lock:
-            if key not in self._size:
-                return
-            t = self._explicit.get(key)
-            if t is not None and t - now > self.hint_grace_s:
-                pass                       # an early touch (e.g. a lookup) does not consume a far hint
-            elif t is not None:
-                del self._explicit[key]    # the predicted use happened
-            self._place(key, now)
+            if key in self._sizes and key not in self._hint_of:
+                self._place(key, now)      # a hint stays until replaced, cleared or expired
 
-    def remove(self, key: bytes) -> None:
+    def _remove(self, key: bytes) -> None:
         with self._lock:
-            n = self._size.pop(key, None)
-            if n is None:
-                return
-            self._used -= n
             self._ungroup(key)
+            h = self._hint_of.get(key)
+            if h is not None:
+                h.resident.pop(key, None)
 
-    def admit(self, key: bytes, nbytes: int, now: float) -> bool:
+    def _admit(self, key: bytes, nbytes: int, now: float) -> bool:
         with self._lock:
-            if not self.admission or self._used + nbytes <= self.capacity_bytes:
+            if not self.admission or self._used + nbytes <= self.capacity_bytes or self._released_resident:
                 return True
             self._expire(now)
             best = self._best(lambda k: True, now)
-            if best is None:
-                return True
-            if self._distance_new(key, now) < best[0]:
+            if best is None or self._distance_new(key, now) < best[0]:
                 return True
             self.counters["refused"] += 1
             return False
 
-    def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
-               now: float = 0.0) -> bytes:
+    def _victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes:
         with self._lock:
             self._expire(now)
             best = self._best(evictable, now)
             if best is None:
                 best = self._scan_all(evictable, now)
             if best is None:
-                raise NoVictim(f"next_use: none of {len(self._size)} resident blocks is evictable")
+                raise NoVictim(f"next_use: none of {len(self._sizes)} resident blocks is evictable")
             return best[2]
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._size
-
-    def __len__(self) -> int:
-        return len(self._size)
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the blocks this policy tracks as resident."""
-        return self._used
+    def victim_reason(self, key: bytes, now: float) -> str:
+        d = self.distance(key, now)
+        src = "hint" if key in self._hint_of else "learned reuse"
+        return "never used again" if d == math.inf else f"farthest predicted next use ({d:.1f} s, {src})"
 
     # ------------------------------------------------------------------ scoring
 
     def _distance_new(self, key: bytes, now: float) -> float:
-        t = self._explicit.get(key)
-        if t is not None and now <= t + self.hint_grace_s:
-            return max(t - now, 0.0)
+        if key in self._released:
+            return math.inf
+        h = self._hint_of.get(key)
+        if h is not None:
+            return self._hint_distance(h, now)
         rec = self.model.record_of(key)
         if rec is None:
             return self.model.distance(self.model.UNKNOWN, 0.0)
         return self.model.distance(rec.cls, now - rec.t0)
 
     def distance(self, key: bytes, now: float) -> float:
-        """Predicted distance (seconds) of resident ``key`` to its next use."""
+        """Predicted distance (seconds) of ``key`` to its next use; inf when released."""
         with self._lock:
             g = self._group_of.get(key)
-            if g is None:
+            if g is None or key in self._released:
                 return self._distance_new(key, now)
             return self.model.distance(g.cls, now - g.t0)
+
+    def _hint_candidate(self, heap: list, sign: int, evictable, now: float) -> tuple | None:
+        """The evictable tail block of the hint group at the top of ``heap``."""
+        skipped, found = [], None
+        while heap:
+            h = self._hints.get(sign * heap[0][1])
+            if h is None:
+                heapq.heappop(heap)
+                continue
+            if not h.resident:                         # re-queued when a block arrives
+                heapq.heappop(heap)
+                h.queued = False
+                continue
+            key = next((k for k in reversed(h.resident) if evictable(k)), None)
+            if key is None:
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = (self._hint_distance(h, now), -h.t_set, key)
+            break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
 
     def _best(self, evictable: Callable[[bytes], bool], now: float) -> tuple[float, float, bytes] | None:
         """The farthest candidate as ``(distance, -t0, key)``; None if no candidate is evictable."""
         best: tuple[float, float, bytes] | None = None
-        far = self._far
-        skipped = []
-        while far:
-            negt, s, key = far[0]
-            if key not in self._size or key in self._group_of or self._explicit.get(key) != -negt:
-                heapq.heappop(far)
-                continue
-            if not evictable(key):
-                skipped.append(heapq.heappop(far))
-                continue
-            best = (max(-negt - now, 0.0) if negt != -math.inf else math.inf, -now, key)
-            break
-        for item in skipped:
-            heapq.heappush(far, item)
+        for cls, heap in self._hold.items():
+            for h, sign in ((heap, 1), (self._hyoung[cls], -1)):
+                cand = self._hint_candidate(h, sign, evictable, now)
+                if cand is not None and (best is None or cand[:2] > best[:2]):
+                    best = cand
         groups = self._groups
         dist = self.model.distance
         for cls, heap in self._old.items():
@@ -301,7 +395,7 @@ class NextUsePolicy(EvictionPolicy):
     def _scan_all(self, evictable: Callable[[bytes], bool], now: float) -> tuple[float, float, bytes] | None:
         """Slow path when every candidate at the queue ends is pinned."""
         best = None
-        for key in self._size:
+        for key in self._sizes:
             if not evictable(key):
                 continue
             g = self._group_of.get(key)

@@ -38,36 +38,30 @@ class BeladyPolicy(EvictionPolicy):
     def __init__(self, capacity_bytes: int, **params):
         super().__init__(capacity_bytes, **params)
         self._next: dict[bytes, tuple[float, int]] = {}    # key -> (next use time, position)
-        self._size: dict[bytes, int] = {}
-        self._used = 0
         self._heap: list[tuple[float, int, bytes]] = []      # (-time, -position, key)
 
-    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
+    def set_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float,
+                     since: float | None = None, exact: bool = True) -> None:
         """Next use of each key (seconds; ``math.inf``: never). ``keys`` in prefix order."""
         seq = [times] * len(keys) if isinstance(times, (int, float)) else times
         for pos, (key, t) in enumerate(zip(keys, seq)):
             nu = (float(t), pos)
             self._next[key] = nu
-            if key in self._size:
+            if key in self._sizes:
                 heapq.heappush(self._heap, (-nu[0], -pos, key))
 
     def _nu(self, key: bytes) -> tuple[float, int]:
         return self._next.get(key, (math.inf, 0))
 
-    def insert(self, key: bytes, nbytes: int, now: float) -> None:
-        if key not in self._size:
-            self._size[key] = nbytes
-            self._used += nbytes
+    def _insert(self, key: bytes, nbytes: int, now: float) -> None:
         t, pos = self._nu(key)
         heapq.heappush(self._heap, (-t, -pos, key))
 
-    def access(self, key: bytes, now: float) -> None:
+    def _access(self, key: bytes, now: float) -> None:
         pass  # next uses arrive through set_next_use
 
-    def remove(self, key: bytes) -> None:
-        n = self._size.pop(key, None)
-        if n is not None:
-            self._used -= n
+    def _remove(self, key: bytes) -> None:
+        pass  # stale heap entries are skipped lazily
 
     def _top(self, evictable: Callable[[bytes], bool]) -> tuple[float, int, bytes] | None:
         heap = self._heap
@@ -75,7 +69,7 @@ class BeladyPolicy(EvictionPolicy):
         found = None
         while heap:
             negt, negpos, key = heap[0]
-            if key not in self._size or self._nu(key) != (-negt, -negpos):
+            if key not in self._sizes or self._nu(key) != (-negt, -negpos):
                 heapq.heappop(heap)
                 continue
             if not evictable(key):
@@ -87,7 +81,7 @@ class BeladyPolicy(EvictionPolicy):
             heapq.heappush(heap, item)
         return found
 
-    def admit(self, key: bytes, nbytes: int, now: float) -> bool:
+    def _admit(self, key: bytes, nbytes: int, now: float) -> bool:
         if self._used + nbytes <= self.capacity_bytes:
             return True
         top = self._top(lambda k: True)
@@ -96,15 +90,12 @@ class BeladyPolicy(EvictionPolicy):
         t, pos = self._nu(key)
         return (t, pos) < (-top[0], -top[1])
 
-    def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
-               now: float = 0.0) -> bytes:
+    def _victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes:
         top = self._top(evictable)
         if top is None:
-            raise NoVictim(f"opt: none of {len(self._size)} resident blocks is evictable")
+            raise NoVictim(f"opt: none of {len(self._sizes)} resident blocks is evictable")
         return top[2]
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._size
-
-    def __len__(self) -> int:
-        return len(self._size)
+    def victim_reason(self, key: bytes, now: float) -> str:
+        t = self._nu(key)[0]
+        return "never used again" if t == float("inf") else f"next used farthest in the future (at {t:.1f} s)"

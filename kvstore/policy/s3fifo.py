@@ -70,9 +70,9 @@ class S3FIFOPolicy(EvictionPolicy):
     def small_target(self) -> float:
         return self.small_ratio * self.capacity_bytes
 
-    def insert(self, key: bytes, nbytes: int, now: float) -> None:
+    def _insert(self, key: bytes, nbytes: int, now: float) -> None:
         if key in self.size:
-            self.access(key, now)
+            self._access(key, now)
             return
         self.size[key] = nbytes
         self.freq[key] = 0
@@ -85,7 +85,7 @@ class S3FIFOPolicy(EvictionPolicy):
             self.small[key] = None
             self.small_bytes += nbytes
 
-    def access(self, key: bytes, now: float) -> None:
+    def _access(self, key: bytes, now: float) -> None:
         f = self.freq.get(key)
         if f is not None and f < MAX_FREQ:
             self.freq[key] = f + 1
@@ -123,8 +123,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 return key
         return None
 
-    def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
-               now: float = 0.0) -> bytes:
+    def _victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes:
         if self.small and (self.small_bytes >= self.small_target or not self.main):
             key = self._from_small(evictable)
             if key is not None:
@@ -142,16 +141,16 @@ class S3FIFOPolicy(EvictionPolicy):
             _, n = self.ghost.popitem(last=False)
             self.ghost_bytes -= n
 
-    def evicted(self, key: bytes) -> None:
+    def _evicted(self, key: bytes) -> None:
         was_small = key in self.small
         n = self.size.get(key)
-        self.remove(key)
+        self._remove(key)
         if was_small and n is not None:
             self.ghost[key] = n
             self.ghost_bytes += n
             self._trim_ghost()
 
-    def remove(self, key: bytes) -> None:
+    def _remove(self, key: bytes) -> None:
         n = self.size.pop(key, None)
         if n is None:
             g = self.ghost.pop(key, None)
@@ -166,8 +165,7 @@ class S3FIFOPolicy(EvictionPolicy):
             self.main.pop(key, None)
             self.main_bytes -= n
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.size
-
-    def __len__(self) -> int:
-        return len(self.size)
+    def victim_reason(self, key: bytes, now: float) -> str:
+        if key in self.small:
+            return "oldest block of the small FIFO, not hit since it entered"
+        return "oldest block of the main FIFO with no hits left"

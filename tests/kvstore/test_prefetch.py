@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore import simulate
-from kvstore.agent_trace import AgentWorkload, generate
+from kvstore.agent_trace import AgentWorkload, Tool, generate
 from kvstore.config import PrefetchConfig
 from kvstore.manager import TierManager
 from kvstore.policy import make_policy
@@ -145,8 +145,13 @@ def test_background_thread_starts_and_stops():
     assert s._thread is None
 
 
-def test_small_generated_workload_prefetch_raises_readiness():
-    w = AgentWorkload(agents=6, duration_s=600.0, seed=1)
+LIGHT_TOOLS = (Tool("search", 0.8, 0.4, 400, 0.5, 0.35), Tool("browse", 2.5, 0.5, 1200, 0.6, 0.25),
+               Tool("python", 4.0, 0.9, 250, 1.0, 0.25), Tool("tests", 20.0, 0.7, 600, 0.7, 0.15))
+
+
+def test_small_light_tailed_workload_prefetch_raises_readiness():
+    w = AgentWorkload(agents=6, duration_s=600.0, seed=1, tools=LIGHT_TOOLS, chat=None, abandon_prob=0.0,
+                      mean_turns=8)
     reqs_raw, events = generate(w)
     reqs = [Request(float(r["timestamp"]), r["input_length"], r["output_length"], r["hash_ids"])
             for r in reqs_raw]
@@ -157,6 +162,51 @@ def test_small_generated_workload_prefetch_raises_readiness():
                          prefetch=PrefetchConfig(enabled=enabled, quantile=0.1, lead_time_s=0.05))
         out[enabled] = r.prefetch
     assert out[False]["resumes"] == out[True]["resumes"] > 100
-    assert out[False]["promoted_bytes"] == 0
-    assert out[True]["ready_rate"] >= out[False]["ready_rate"] + 0.05
+    assert out[False]["promoted_bytes"] == 0 < out[True]["promoted_bytes"]
+    assert out[True]["ready_token_rate"] >= out[False]["ready_token_rate"] + 0.015
+    assert out[True]["ready_rate"] >= out[False]["ready_rate"] + 0.015
     assert out[True]["waste"] <= 0.1
+
+
+def test_a_session_hint_schedules_a_promotion_and_its_next_hint_is_the_resume():
+    from kvstore.sessions import SessionHint
+    m, s, clock = make()
+    for i in range(5):                                         # sessions come back when they say
+        s.session_hint(SessionHint(f"warm{i}", "continues", (), expected_back_s=10.0, time=10.0 * i))
+        s.session_hint(SessionHint(f"warm{i}", "finished", (), time=10.0 * i + 10.0))
+    s.stats.__init__()
+    clock.t = 100.0
+    keys = put(m, "abcd")
+    assert s.session_hint(SessionHint("S", "continues", tuple(keys), expected_back_s=10.0)) == 110.0
+    clock.t = 101.0
+    put(m, "wxyz")                                             # pushes S's blocks to host
+    assert not any(k in m.tiers[0] for k in keys)
+    due = s.next_due()
+    assert 105.0 < due < 110.0
+    clock.t = due
+    s.tick(due)
+    assert in_hbm(m, keys)
+    clock.t = 110.0
+    s.session_hint(SessionHint("S", "finished", (), time=110.0))   # its last request: the resume
+    assert s.stats.resumes == 1 and s.stats.ready_rate == 1.0 and s.stats.waste == 0.0
+    assert s.sessions.get("S") is None
+
+
+def test_low_confidence_holds_a_promotion_back_and_an_abandoned_session_is_dropped():
+    from kvstore.sessions import SessionHint
+    m, s, clock = make()
+    for i, d in enumerate([1.0, 1.0, 200.0, 300.0, 400.0, 500.0]):   # mostly very slow
+        s.tool_call_start(f"w{i}", "flaky", 1.0, [])
+        s.resume(f"w{i}", 1.0 + d)
+    s.stats.__init__()
+    clock.t = 100.0
+    keys = put(m, "ab")
+    s.tool_call_start("T", "flaky", 100.0, keys)
+    put(m, "wxyz")
+    for t in (100.5, 103.0, 106.0):
+        clock.t = t
+        s.tick(t)
+    assert s.stats.promoted_blocks == 0 and s.next_due() < float("inf")   # checked again later
+    s.session_hint(SessionHint("T", "abandoned", ()))
+    assert s.next_due() == float("inf") and s.stats.resumes == 0
+    assert all(m.policies[0].is_released(k) for k in keys)

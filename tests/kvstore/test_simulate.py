@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvstore import simulate
+from kvstore import simulate, simulate_cli
 from kvstore.trace import Request, read_mooncake_trace
 
 CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
@@ -111,7 +111,7 @@ def test_tiers_from_config_and_overrides():
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore")
-    simulate.register(p.add_subparsers())
+    simulate_cli.register(p.add_subparsers())
     return p
 
 
@@ -156,5 +156,36 @@ def test_plot_writes_a_png(tmp_path):
         r = simulate.run(reqs, one_tier("lru", blocks), block_bytes=1024)
         r.opt_hit_rate = simulate.opt_hit_rate(reqs, blocks * 1024, block_bytes=1024).hit_rate
         rs.append(r)
-    simulate.plot(rs, str(tmp_path / "p.png"))
+    simulate_cli.plot(rs, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_one_tier_hints_and_second_half(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                         "output_length": 1, "hash_ids": r.hash_ids}) + "\n"
+                             for r in synthetic(300)))
+    out = tmp_path / "r.json"
+    args = _parser().parse_args(["simulate", str(trace), "--one-tier", "--sweep", "20", "--policies", "next_use",
+                                 "--hints", "noisy:0.05,e", "--measure", "second-half", "--json", str(out)])
+    assert args.func(args) == 0
+    assert "noisy:0.05,2.72" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())
+    assert [t["name"] for t in row["tiers"]] == ["host"]           # the default config's NVMe tier dropped
+    assert row["sessions"]["hints"] == 300 and row["measure"][0] > 0
+    assert 0 < row["hit_rate"] <= row["opt_hit_rate"] + 1e-12
+    bad = _parser().parse_args(["simulate", str(trace), "--hints", "noisy:7,e"])
+    assert bad.func(bad) == 2 and "misjudged" in capsys.readouterr().err
+
+
+def test_measure_counts_a_window_and_eviction_events_reach_the_listener():
+    reqs = synthetic(200)
+    first, second = simulate.halves(reqs)
+    events = []
+    whole = simulate.run(reqs, one_tier("lru", 10), block_bytes=1024, on_eviction=events.append)
+    a = simulate.run(reqs, one_tier("lru", 10), block_bytes=1024, measure=first)
+    b = simulate.run(reqs, one_tier("lru", 10), block_bytes=1024, measure=second)
+    assert a.input_tokens + b.input_tokens == whole.input_tokens
+    assert sum(a.hit_tokens.values()) + sum(b.hit_tokens.values()) == sum(whole.hit_tokens.values())
+    assert len(events) == whole.counters["evictions_host"] > 0
+    assert {e.tier for e in events} == {"host"} and {e.policy for e in events} == {"lru"}

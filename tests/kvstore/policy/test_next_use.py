@@ -47,17 +47,35 @@ def test_explicit_hints_evict_the_farthest_next_use():
 
 
 def test_a_hint_is_consumed_by_its_use_and_expires_after_the_grace():
-    p = make_policy("next_use", 10, {"hint_grace_s": 5.0})
+    p = make_policy("next_use", 10, {"hint_grace_s": 5.0, "overdue_ratio": 1.0})
     p.insert(k("a"), 1, 0.0)
     p.insert(k("b"), 1, 0.0)
     p.set_next_use([k("a")], 1000.0, now=0.0)
     assert p.victim(lambda x: True, now=1.0) == k("a")            # far hint: evicted first
     p.set_next_use([k("a")], 2.0, now=1.0)
     assert p.victim(lambda x: True, now=1.5) == k("b")            # near hint: kept
+    assert p.distance(k("a"), 4.0) == pytest.approx(2.0)          # 2 s overdue: distance 2 s
     assert p.victim(lambda x: True, now=100.0) == k("b")          # expired: back to recency, b is the tail
-    p.set_next_use([k("b")], 3.0, now=100.0)
-    p.access(k("b"), 3.0)
-    assert k("b") not in p._explicit
+    assert p.distance(k("a"), 100.0) <= p.distance(k("b"), 100.0)
+    p.set_next_use([k("b")], 110.0, now=100.0)
+    p.access(k("b"), 101.0)                                       # a hit does not consume it
+    assert p.distance(k("b"), 101.0) == pytest.approx(9.0)
+    p.clear_hints([k("b")], 108.0)                                # the session table drops it
+    assert p.distance(k("b"), 108.0) != pytest.approx(2.0)
+
+
+def test_a_hint_group_leaves_tail_first_and_overdue_groups_grow_farther():
+    p = make_policy("next_use", 100, {"overdue_ratio": 0.5})
+    names = ["s0", "s1", "s2", "t0", "t1"]
+    for n in names:
+        p.insert(k(n), 1, 0.0)
+    p.set_next_use([k("s0"), k("s1"), k("s2")], 50.0, now=0.0)
+    p.set_next_use([k("t0"), k("t1")], 20.0, now=0.0)
+    assert p.victim(lambda x: True, now=1.0) == k("s2")           # due last, tail first
+    assert p.victim(lambda x: x != k("s2"), now=1.0) == k("s1")
+    # at 100 s both are overdue: t by 80 s (distance 40), s by 50 s (distance 25)
+    assert p.victim(lambda x: True, now=100.0) == k("t1")
+    assert p.distance(k("s0"), 100.0) == pytest.approx(25.0)
 
 
 def test_admission_refuses_a_block_needed_later_than_all_residents():
@@ -111,7 +129,8 @@ def test_learned_model_evicts_the_dead_tail_first():
     assert p.victim(lambda x: x != k("xt"), now=5001.0) == k("x2")   # then the body, tail first
 
 
-@pytest.mark.parametrize("params", [{"admission": 1}, {"hint_grace_s": -1}, {"bogus": True}])
+@pytest.mark.parametrize("params", [{"admission": 1}, {"hint_grace_s": -1}, {"overdue_ratio": "x"},
+                                    {"bogus": True}])
 def test_bad_parameters_are_config_errors(params):
     with pytest.raises(ConfigError):
         make_policy("next_use", 4, params)

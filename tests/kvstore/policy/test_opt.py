@@ -75,3 +75,14 @@ def test_ties_evict_the_highest_position_first():
     assert p.victim(lambda x: True) == b"c"
     p.set_next_use([b"a"], math.inf, now=0.0)
     assert p.victim(lambda x: True) == b"a"
+
+
+def test_opt_maximises_block_hits_not_token_hits():
+    """The counter-example of docs/placement.md: one block of room, a 10-token prompt
+    and a 512-token prompt, each asked twice, interleaved. OPT keeps the block used
+    again soonest (the short one) and hits 10 tokens; keeping the long one would hit
+    512. Both hit one block: OPT is optimal in blocks, not in tokens."""
+    reqs = [Request(0.0, 10, 1, [1]), Request(1.0, 512, 1, [2]), Request(2.0, 10, 1, [1]),
+            Request(3.0, 512, 1, [2])]
+    r = simulate.opt_hit_rate(reqs, 1024, block_bytes=1024)
+    assert r.hit_blocks == 1 and r.hit_tokens == {"host": 10}    # keeping block 2 instead: 512 tokens

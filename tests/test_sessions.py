@@ -1,0 +1,139 @@
+"""Session hints: continuing sessions feed next_use, ended ones are released; kv_hints mapping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstore.errors import InvalidRequest
+from kvstore.kv_hints import session_hints
+from kvstore.policy import make_policy
+from kvstore.sessions import SessionHint, SessionState, SessionTable
+
+
+def k(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def table(*names: str, capacity: int = 100):
+    policies = [make_policy(n, capacity, tier_name=f"t{i}") for i, n in enumerate(names)]
+    return SessionTable(policies), policies
+
+
+def resident(p, names: str, now: float = 0.0) -> None:
+    for n in names:
+        p.insert(k(n), 1, now)
+
+
+def test_continuing_sessions_give_their_private_blocks_one_time_each():
+    st, (nu,) = table("next_use")
+    resident(nu, "abcxyz")
+    assert st.apply(SessionHint("A", "continues", (k("a"), k("b"), k("c")), expected_back_s=50.0), 0.0) == 50.0
+    st.apply(SessionHint("B", "continues", (k("x"), k("y")), expected_back_s=10.0), 0.0)
+    assert nu.distance(k("a"), 0.0) == pytest.approx(50.0)
+    assert nu.distance(k("y"), 0.0) == pytest.approx(10.0)
+    assert nu.victim(lambda x: True, now=1.0) == k("c")             # A is due last; its tail first
+    assert st.private_keys("A") == [k("a"), k("b"), k("c")]
+
+
+def test_a_finished_session_releases_only_its_private_blocks():
+    st, (nu, lru) = table("next_use", "lru")
+    for p in (nu, lru):
+        resident(p, "sabz")
+    st.apply(SessionHint("A", "continues", (k("s"), k("a"), k("b")), 30.0), 0.0)
+    st.apply(SessionHint("Z", "continues", (k("s"), k("z")), 30.0), 0.0)     # s is shared
+    assert st.private_keys("A") == [k("a"), k("b")]
+    st.apply(SessionHint("A", "finished"), 5.0)                     # keys: as last given
+    for p in (nu, lru):
+        assert p.is_released(k("a")) and p.is_released(k("b")) and not p.is_released(k("s"))
+        assert p.victim(lambda x: True, now=6.0) == k("b")          # tail first
+    assert st.stats.finished == 1 and st.stats.released_blocks == 2
+    assert st.get("A") is None
+
+
+def test_abandoned_and_dropped_prefix_blocks_are_released_and_revived_on_reuse():
+    st, (lru,) = table("lru")
+    resident(lru, "abcd")
+    st.apply(SessionHint("A", "continues", (k("a"), k("b"), k("c")), 20.0), 0.0)
+    st.apply(SessionHint("A", "continues", (k("a"), k("d")), 20.0), 10.0)   # history edited: b, c dropped
+    assert lru.is_released(k("b")) and lru.is_released(k("c")) and not lru.is_released(k("a"))
+    st.apply(SessionHint("A", "abandoned"), 12.0)
+    assert lru.is_released(k("a")) and lru.is_released(k("d"))
+    st.apply(SessionHint("C", "continues", (k("a"),), 5.0), 13.0)          # a new session reuses a
+    assert not lru.is_released(k("a"))
+    assert st.stats.abandoned == 1 and st.stats.returns == 1
+
+
+def test_without_an_expected_time_the_gap_is_learned_and_capped_by_the_ttl():
+    st, (nu,) = table("next_use")
+    assert st.expected_gap() == 60.0
+    for i in range(5):                                              # sessions come back after 8 s
+        st.apply(SessionHint(f"S{i}", "continues", (k(f"s{i}"),)), 100.0 * i)
+        st.apply(SessionHint(f"S{i}", "finished"), 100.0 * i + 8.0)
+    assert st.expected_gap() == pytest.approx(8.0)
+    assert st.apply(SessionHint("T", "continues", (k("t"),)), 1000.0) == pytest.approx(1008.0)
+    assert st.apply(SessionHint("U", "continues", (k("u"),), ttl_s=3.0), 1000.0) == pytest.approx(1003.0)
+
+
+def test_a_ttl_that_runs_out_drops_the_hint_without_releasing():
+    st, (nu,) = table("next_use")
+    resident(nu, "ab")
+    st.apply(SessionHint("A", "continues", (k("a"),), expected_back_s=5.0, ttl_s=20.0), 0.0)
+    assert nu.distance(k("a"), 1.0) == pytest.approx(4.0)
+    st.tick(25.0)
+    assert st.get("A") is None and st.stats.lapsed == 1
+    assert not nu.is_released(k("a"))
+    assert nu.distance(k("a"), 25.0) != pytest.approx(-20.0)       # back to the learned order
+
+
+def test_expect_refines_the_time_of_a_tool_call():
+    st, (nu,) = table("next_use")
+    resident(nu, "ab")
+    st.apply(SessionHint("A", "continues", (k("a"), k("b")), expected_back_s=100.0), 0.0)
+    st.expect("A", [], 12.0, now=2.0)
+    assert nu.distance(k("b"), 2.0) == pytest.approx(10.0)
+    assert st.stats.returns == 0
+
+
+@pytest.mark.parametrize("bad", [dict(session_id=""), dict(state="paused"), dict(expected_back_s=-1.0),
+                                 dict(ttl_s=math.inf), dict(keys=(b"short",))])
+def test_bad_hints_are_invalid_requests(bad):
+    args = dict(session_id="A", state="continues", keys=(k("a"),))
+    args.update(bad)
+    with pytest.raises(InvalidRequest):
+        SessionHint(**args)
+
+
+def envelope(*actions):
+    return {"protocol_version": "0.1", "message_id": "m1",
+            "actions": [{"action_id": f"a{i}", "action_version": "1.0", **a} for i, a in enumerate(actions)]}
+
+
+def test_kv_hints_envelope_maps_our_action_and_the_agent_hint_rfc():
+    keys = [k("a"), k("b"), k("c")]
+    hints, skipped = session_hints(envelope(
+        {"action_type": "kvstore.session", "payload": {"session_id": "S", "state": "continues",
+                                                       "expected_back_s": 4.5}},
+        {"action_type": "agent_hint", "payload": {"session_id": "T", "cache_control": {"type": "ephemeral",
+                                                                                     "ttl": 120}}},
+        {"action_type": "agent_hint", "payload": {"session_id": "U", "context_management": {
+            "edits": [{"type": "evict"}, {"type": "evict", "block_start": 1, "block_end": 3}]}}},
+        {"action_type": "kv.fetch", "payload": {}},
+    ), keys, time=7.0)
+    assert skipped == ["a3"]
+    assert hints[0] == SessionHint("S", SessionState.CONTINUES, tuple(keys), 4.5, None, 7.0)
+    assert hints[1] == SessionHint("T", SessionState.CONTINUES, tuple(keys), None, 120, 7.0)
+    assert hints[2].state == SessionState.FINISHED and hints[2].keys == tuple(keys)
+    assert hints[3] == SessionHint("U#1:3", SessionState.FINISHED, (k("b"), k("c")), time=7.0)
+    assert session_hints(None, keys) == ([], [])
+
+
+@pytest.mark.parametrize("env", [{"protocol_version": "9"}, {"protocol_version": "0.1", "actions": {}},
+                                 envelope({"action_type": "kvstore.session", "payload": []}),
+                                 envelope({"action_type": "agent_hint", "payload": {
+                                     "session_id": "U", "context_management": {"edits": [
+                                         {"type": "evict", "block_start": 2, "block_end": 9}]}}})])
+def test_malformed_envelopes_are_invalid_requests(env):
+    with pytest.raises(InvalidRequest):
+        session_hints(env, [k("a"), k("b")])
