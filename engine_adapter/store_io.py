@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.client import KVStoreClient
+from kvstore.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -91,14 +92,30 @@ def load_blocks(client: KVStoreClient, keys: Sequence[bytes], out, *,
     Raises:
         ValueError: ``out`` is not a host, contiguous, writable buffer with enough rows.
         kvstore.errors.KVStoreError: the store failed (e.g. ``StoreUnavailable``).
+
+    A block too short for ``ranges`` makes today's daemon refuse the whole Get
+    (INVALID_ARGUMENT); the blocks are then asked one by one so only that one misses.
     """
     if not keys:
         return []
     rows = _byte_rows(out, len(keys), writable=True)
-    results = client.get(list(keys), ranges=list(ranges) if ranges else None, timeout=timeout_s)
+    ranges = list(ranges) if ranges else None
+    try:
+        results = client.get(list(keys), ranges=ranges, timeout=timeout_s)
+    except InvalidRequest:
+        if not ranges or len(keys) == 1:
+            raise
+        # the daemon refuses the whole batch when one stored block is too short for the
+        # ranges: ask per block, so only that block counts as missing
+        results = []
+        for key in keys:
+            try:
+                results.extend(client.get([key], ranges=ranges, timeout=timeout_s))
+            except InvalidRequest:
+                results.append(None)
     ok = [False] * len(keys)
     for i, (key, res) in enumerate(zip(keys, results)):
-        if res.found and res.key == key and len(res.data) == rows.shape[1]:
+        if res is not None and res.found and res.key == key and len(res.data) == rows.shape[1]:
             rows[i] = np.frombuffer(res.data, dtype=np.uint8)
             ok[i] = True
     return ok

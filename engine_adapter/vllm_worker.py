@@ -181,7 +181,7 @@ class WorkerTransfers:
         for i, t in enumerate(load.loads):
             n = len(t.keys)
             lead = next((j for j in range(n) if not ok[start + j]), n)
-            if lead < n:
+            if lead < self._load_valid[i]:
                 log.warning("kvstore block %d of request %s unusable in layer %d%s: recomputing from it",
                             lead, t.req_id, layer, f" ({load.problem})" if load.problem else "")
                 self._fail(i, lead)
@@ -205,7 +205,7 @@ class WorkerTransfers:
 
     def end_step(self) -> None:
         """After the step's forward: check loads were applied, hand saves to the writer."""
-        load, self._load = self._load, None
+        load = self._load
         if load is not None:
             if not all(self._waited):
                 log.error("vLLM did not wait for every layer's KV load; reporting the loaded blocks as failed")
@@ -213,6 +213,7 @@ class WorkerTransfers:
                     self._fail(i, 0)
             self.blocks_loaded += sum(self._load_valid)
             load.cancel()
+            self._load = None
         save, self._save = self._save, None
         if save is None:
             return
