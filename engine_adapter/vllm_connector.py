@@ -57,6 +57,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                                        auth_token=self.settings.auth_token)
         self.planner: SchedulerPlanner | None = None
         self.worker: WorkerTransfers | None = None
+        if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("kv_load_failure_policy is not 'recompute': a block that fails to load from kvstore "
+                        "fails its request instead of being recomputed")
         if role == KVConnectorRole.SCHEDULER:
             self.planner = SchedulerPlanner(self.namespace, self.block_size, self.client, self.settings.timeout_s)
 
@@ -84,9 +87,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             is_first_rank=rank == 0, gather_heads=gather, timeout_s=self.settings.timeout_s,
             load_timeout_s=self.settings.load_timeout_s)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            self.worker.bind(connector_metadata.plan)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        if self.worker is not None and self.has_connector_metadata():
-            self.worker.start_load(self._get_connector_metadata().plan)
+        if self.worker is not None:
+            self.worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:

@@ -2,7 +2,8 @@
 
 One instance per TP rank, driven by the hooks vLLM calls in every step:
 
-- ``start_load(plan)``: a loader thread fetches, layer by layer, this rank's KV heads
+- ``bind(plan)``: the step's plan, when vLLM binds the metadata;
+- ``start_load()``: a loader thread fetches, layer by layer, this rank's KV heads
   of every planned block (``store_io.load_blocks`` with two byte ranges per layer,
   ``docs/block_layout.md``) into staging tensors of its own;
 - ``wait_layer(l)`` (before layer ``l``'s attention): waits for layer ``l`` and scatters
@@ -127,6 +128,7 @@ class WorkerTransfers:
         if cache_heads != heads[1] - heads[0] or cache_bs != layout.block_tokens:
             raise ValueError(f"cache holds {cache_heads} KV heads x {cache_bs} tokens per block; expected "
                              f"{heads[1] - heads[0]} x {layout.block_tokens}")
+        self._plan: StepPlan | None = None
         self._load: _LayerLoads | None = None
         self._load_valid: list[int] = []        # per load transfer: leading blocks usable so far
         self._load_copied: list[list[int]] = []  # per layer, per transfer: blocks scattered
@@ -141,13 +143,13 @@ class WorkerTransfers:
 
     # ------------------------------------------------------------ loads
 
-    def start_load(self, plan: StepPlan) -> None:
+    def bind(self, plan: StepPlan) -> None:
+        """Take the step's plan (when vLLM binds the metadata, before the forward): prepares
+        the save staging. vLLM calls ``start_load_kv`` after the forward when the step has
+        no synchronous loads, so saves must not wait for it."""
+        self._plan = plan
         self._load = None
-        if plan.loads:
-            self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s)
-            self._load_valid = [len(t.keys) for t in plan.loads]
-            self._waited = [False] * self.layout.num_layers
-            self._deadline = time.monotonic() + self.load_timeout_s
+        self._save = None
         if plan.saves:
             ids = [b for t in plan.saves for b in t.block_ids]
             nh = self.heads[1] - self.heads[0]
@@ -155,6 +157,16 @@ class WorkerTransfers:
                                    self.layout.head_dim), dtype=self.layout.dtype)
             self._save = _Save(list(plan.saves), ids, [k for t in plan.saves for k in t.keys], staging,
                                [False] * self.layout.num_layers)
+
+    def start_load(self) -> None:
+        """Start the loader thread of the bound plan's loads (once per step)."""
+        plan = self._plan
+        if plan is None or not plan.loads or self._load is not None:
+            return
+        self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s)
+        self._load_valid = [len(t.keys) for t in plan.loads]
+        self._waited = [False] * self.layout.num_layers
+        self._deadline = time.monotonic() + self.load_timeout_s
 
     def _fail(self, i: int, first_bad: int) -> None:
         """Transfer ``i``'s blocks from ``first_bad`` on are not used: report them."""
@@ -205,6 +217,10 @@ class WorkerTransfers:
 
     def end_step(self) -> None:
         """After the step's forward: check loads were applied, hand saves to the writer."""
+        plan, self._plan = self._plan, None
+        if plan is not None and plan.loads and self._load is None:
+            log.error("vLLM ran the step without starting the KV loads; reporting the blocks as failed")
+            self._errors.update(b for t in plan.loads for b in t.block_ids)
         load = self._load
         if load is not None:
             if not all(self._waited):

@@ -56,6 +56,20 @@ def step(conn, plan: StepPlan, caches) -> set[int]:
     return conn.get_block_ids_with_load_errors()
 
 
+def test_saves_when_start_load_comes_after_the_forward(daemon, client, model_dir):
+    """vLLM calls start_load_kv after the forward when a step has no synchronous loads."""
+    src, caches = worker(model_dir, daemon.address, "token", fill=True)
+    src.bind_connector_metadata(KVStoreConnectorMetadata(StepPlan(saves=[BlockTransfer("r", tuple(KEYS), (3, 5, 7))])))
+    for name in NAMES:
+        src.wait_for_layer_load(name)
+        src.save_kv_layer(name, caches[name], None)
+    src.start_load_kv(None)
+    src.wait_for_save()
+    src.clear_connector_metadata()
+    assert src.worker.flush(30)
+    assert store_io.lookup_prefix(client, KEYS) == 3
+
+
 def block(cache, layout, b):
     return cache[:, b] if layout == "kv_first" else cache[b]
 
@@ -166,7 +180,8 @@ def test_blocks_written_at_tp2_are_read_at_tp1_and_back(daemon, client):
 
 
 def _drive(w: WorkerTransfers, plan: StepPlan) -> set[int]:
-    w.start_load(plan)
+    w.bind(plan)
+    w.start_load()
     for name in NAMES:
         w.wait_layer(name)
         w.save_layer(name)
