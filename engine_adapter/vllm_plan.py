@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
@@ -80,20 +79,18 @@ class SchedulerPlanner:
         block_size: vLLM's block size in tokens (the store's ``block_tokens``).
         client: the daemon's client (used for Lookup only).
         timeout_s: Lookup deadline, seconds.
-        publishable: optional ``request -> int`` cap on how many leading block
-            hashes may be used (vLLM releases that publish only part of a request's
-            hashes); ``None`` means all.
+
+    A request's ``num_publishable_block_hashes`` (where a vLLM release has it) caps how
+    many of its leading block hashes are used for keys; vLLM 0.32 and 0.33 have none.
     """
 
-    def __init__(self, namespace: Namespace, block_size: int, client, timeout_s: float,
-                 publishable: Callable[[object], int] | None = None):
+    def __init__(self, namespace: Namespace, block_size: int, client, timeout_s: float):
         if namespace.block_tokens != block_size:
             raise ValueError(f"namespace block_tokens {namespace.block_tokens} != block size {block_size}")
         self.namespace = namespace
         self.block_size = block_size
         self.client = client
         self.timeout_s = timeout_s
-        self.publishable = publishable
         self._reqs: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
         self._lookup_failing = False
@@ -120,8 +117,9 @@ class SchedulerPlanner:
         if st.keys.scheme == "tokens" and getattr(req, "mm_features", None):
             return []                      # token keys cannot see image inputs: never share
         hashes = list(getattr(req, "block_hashes", ()))
-        if self.publishable is not None:
-            hashes = hashes[:self.publishable(req)]
+        cap = getattr(req, "num_publishable_block_hashes", None)
+        if cap is not None:
+            hashes = hashes[:cap]
         return st.keys.extend(tokens=req.all_token_ids, block_hashes=hashes)
 
     # ------------------------------------------------------------ vLLM hooks
