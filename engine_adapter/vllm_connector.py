@@ -32,7 +32,7 @@ from .layout import BlockLayout
 from .vllm_kv_views import detect_layout
 from .vllm_plan import SchedulerPlanner, StepPlan
 from .vllm_settings import ConnectorSettings, namespace_of, tp_heads
-from .vllm_worker import WorkerTransfers
+from .vllm_worker import WorkerTransfers, assemble_heads
 
 log = logging.getLogger("engine_adapter.vllm")
 
@@ -147,16 +147,6 @@ def _tp_head_gather(group, num_kv_heads: int, tp_size: int, rank: int):
         return assemble_heads(parts, bounds, num_kv_heads)
 
     return gather
-
-
-def assemble_heads(parts, bounds, num_kv_heads: int) -> torch.Tensor:
-    """Full-head blocks from the TP ranks' parts ``(n, L, 2, rank_heads, bs, hd)`` and their
-    head ranges (replicated heads, TP > KV heads, are taken once)."""
-    n, L, _, _, bs, hd = parts[0].shape
-    full = torch.empty((n, L, 2, num_kv_heads, bs, hd), dtype=parts[0].dtype)
-    for part, (h0, h1) in zip(parts, bounds):
-        full[:, :, :, h0:h1] = part
-    return full
 
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "assemble_heads"]

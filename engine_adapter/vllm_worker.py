@@ -275,3 +275,13 @@ class WorkerTransfers:
         """Cache block ids whose load failed since the last call (vLLM recomputes them)."""
         errors, self._errors = self._errors, set()
         return errors
+
+
+def assemble_heads(parts, bounds, num_kv_heads: int) -> torch.Tensor:
+    """Full-head blocks from the TP ranks' parts ``(n, L, 2, rank_heads, bs, hd)`` and their
+    head ranges (replicated heads, TP > KV heads, are taken once)."""
+    n, L, _, _, bs, hd = parts[0].shape
+    full = torch.empty((n, L, 2, num_kv_heads, bs, hd), dtype=parts[0].dtype)
+    for part, (h0, h1) in zip(parts, bounds):
+        full[:, :, :, h0:h1] = part
+    return full

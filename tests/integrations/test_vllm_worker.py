@@ -1,5 +1,6 @@
 """Worker-side hooks of the vLLM connector with real tensors in vLLM's KV layouts, through a
-real daemon: bit-exact round trips, load failures reported for recompute, TP head slicing."""
+real daemon: bit-exact round trips, load failures reported for recompute. (TP head slicing,
+which needs no vLLM, is in tests/engine_adapter/test_plugin_core.py.)"""
 
 from __future__ import annotations
 
@@ -17,10 +18,8 @@ import vllm_support as vs  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from engine_adapter import store_io  # noqa: E402
-from engine_adapter.layout import BlockLayout  # noqa: E402
-from engine_adapter.vllm_connector import KVStoreConnector, KVStoreConnectorMetadata, assemble_heads  # noqa: E402
+from engine_adapter.vllm_connector import KVStoreConnector, KVStoreConnectorMetadata  # noqa: E402
 from engine_adapter.vllm_plan import BlockTransfer, StepPlan  # noqa: E402
-from engine_adapter.vllm_worker import WorkerTransfers  # noqa: E402
 
 BS, NB, H, HD, L = 16, 12, 2, 64, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -133,58 +132,3 @@ def test_layer_not_waited_reports_blocks(daemon, client, model_dir):
     dst.wait_for_layer_load(NAMES[0])             # layer 1 never waited for
     dst.wait_for_save()
     assert dst.get_block_ids_with_load_errors() == {1, 2, 4}
-
-
-def _rank_caches(full: dict, h0: int, h1: int) -> dict:
-    return {n: c[:, h0:h1].clone() for n, c in full.items()}
-
-
-def test_blocks_written_at_tp2_are_read_at_tp1_and_back(daemon, client):
-    layout = BlockLayout(num_layers=L, num_kv_heads=H, block_tokens=BS, head_dim=HD, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    full = {n: torch.randn(SHAPES["cpu"], generator=gen) for n in NAMES}
-    conn = store_io.connect(daemon.address)
-    parts = {}
-
-    def gather_for(rank):
-        def gather(staging):
-            parts[rank] = staging.clone()
-            if rank != 0:
-                return None
-            return assemble_heads([parts[0], parts[1]], [(0, 1), (1, 2)], H)
-        return gather
-
-    saves = StepPlan(saves=[BlockTransfer("r", tuple(KEYS), (0, 4, 8))])
-    for rank in (1, 0):                            # rank 1 contributes first; rank 0 assembles and puts
-        caches = _rank_caches(full, rank, rank + 1)
-        w = WorkerTransfers(conn, NAMES, caches, "cpu", layout, (rank, rank + 1), is_first_rank=rank == 0,
-                            gather_heads=gather_for(rank))
-        _drive(w, saves)
-    # TP=1 reads all heads
-    one = {n: torch.zeros(SHAPES["cpu"]) for n in NAMES}
-    w1 = WorkerTransfers(conn, NAMES, one, "cpu", layout, (0, H))
-    assert _drive(w1, StepPlan(loads=[BlockTransfer("s", tuple(KEYS), (1, 2, 3))])) == set()
-    for n in NAMES:
-        assert torch.equal(one[n][[1, 2, 3]], full[n][[0, 4, 8]])
-    # and TP=2 ranks read their own heads of what TP=1 wrote
-    keys_tp1 = tuple(bytes([40 + i]) * 32 for i in range(3))
-    _drive(WorkerTransfers(conn, NAMES, one, "cpu", layout, (0, H)),
-           StepPlan(saves=[BlockTransfer("w", keys_tp1, (1, 2, 3))]))
-    for rank in (0, 1):
-        mine = {n: torch.zeros((NB, 1, BS, 2 * HD)) for n in NAMES}
-        w = WorkerTransfers(conn, NAMES, mine, "cpu", layout, (rank, rank + 1))
-        assert _drive(w, StepPlan(loads=[BlockTransfer("s", keys_tp1, (5, 6, 7))])) == set()
-        for n in NAMES:
-            assert torch.equal(mine[n][[5, 6, 7]], full[n][[0, 4, 8]][:, rank:rank + 1])
-    conn.close()
-
-
-def _drive(w: WorkerTransfers, plan: StepPlan) -> set[int]:
-    w.bind(plan)
-    w.start_load()
-    for name in NAMES:
-        w.wait_layer(name)
-        w.save_layer(name)
-    w.end_step()
-    assert w.flush(30)
-    return w.take_load_errors()
