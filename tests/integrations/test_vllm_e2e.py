@@ -24,6 +24,7 @@ except importlib.metadata.PackageNotFoundError:
                 allow_module_level=True)
 
 import vllm_support as vs  # noqa: E402
+from conftest import daemon_config  # noqa: E402  (tests/conftest.py)
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,6 +40,16 @@ def run_instance(model, target, mode, tmp_path) -> dict:
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture
+def big_daemon(tmp_path):
+    """A daemon with a 512 MiB host tier."""
+    from kvstore.serve import start_server
+
+    d = start_server(daemon_config(tmp_path, host="512MiB"))
+    yield d
+    d.stop(0)
 
 
 @pytest.mark.slow
