@@ -213,8 +213,11 @@ class WorkerTransfers:
         if save is None or name not in self.layer_index:
             return
         layer = self.layer_index[name]
-        got = gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout)
-        save.staging[:, layer].copy_(got[:, 0].cpu())
+        dst = save.staging[:, layer:layer + 1]
+        if self.views[layer].device.type == "cpu":
+            gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout, out=dst)
+        else:
+            dst.copy_(gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout).cpu())
         save.layers_done[layer] = True
 
     def end_step(self) -> None:
