@@ -14,9 +14,16 @@ Modules, one responsibility each:
 ``tp``          TP collectives and the process launcher
 ``session``     synthetic multi-turn agent session
 ``demo``        ``kvstore agent-demo``
+``store_io``    the engine plugins' one data path to the store (lookup/load/save)
+``engine_keys`` store keys from an engine's block hashes or tokens, namespaces
+``vllm_*``      the vLLM KV connector (``vllm_connector``: loaded by vLLM;
+                ``vllm_plan``: scheduler side; ``vllm_worker``: worker side;
+                ``vllm_kv_views``: vLLM's cache layouts; ``vllm_settings``)
+``sglang_backend`` the SGLang HiCache storage backend
 ==============  =============================================================
 
-Importing this package is light; torch is imported by the modules that need it.
+Importing this package is light; torch is imported by the modules that need it, and
+vLLM / SGLang only by ``vllm_connector`` / ``sglang_backend`` (loaded by the engines).
 """
 
 __all__ = ["ModelConfig", "EngineConfig", "Runner", "TPGroup", "launch"]

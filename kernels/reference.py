@@ -94,7 +94,9 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids, *, heads: tuple[int
     elif tuple(out.shape) != shape or out.dtype != caches[0].dtype:
         raise ValueError(f"out must be {shape} {caches[0].dtype}, got {tuple(out.shape)} {out.dtype}")
     for j, l in enumerate(layer_ids):
-        sel = caches[l].index_select(1, idx)                 # (2, n, ...)
+        # (2, n, ...); select along dim 0 of the transpose: index_select(1) on a permuted view
+        # (vLLM's CPU and flash-attn caches) copied the whole cache
+        sel = caches[l].transpose(0, 1).index_select(0, idx).transpose(0, 1)
         if layout == "NHD":
             sel = sel[:, :, :, h0:h1, :].permute(1, 0, 3, 2, 4)   # (n, 2, H, bs, hd)
         else:

@@ -5,7 +5,7 @@ import warnings
 
 from . import kvstore_pb2 as kvstore__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.71.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvstore_pb2_grpc.py depends on'
+        + f' but the generated code in kvstore_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class KVStoreStub:
+class KVStoreStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -101,7 +101,7 @@ class KVStoreStub:
                 _registered_method=True)
 
 
-class KVStoreServicer:
+class KVStoreServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Put(self, request_iterator, context):
@@ -260,7 +260,7 @@ def add_KVStoreServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class KVStore:
+class KVStore(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -1,0 +1,142 @@
+"""Every block data-path call of the engine plugins (vLLM connector, SGLang backend).
+
+One place on purpose: the plugins never call the client's data methods themselves, so
+switching from today's byte-returning ``lookup`` / ``get`` / ``put`` to the batch-first
+``get_into(keys, out)`` / ``put_from(keys, src)`` (copy straight into the caller's buffer,
+through shared memory on the same node) changes this module only.
+
+Buffers are *row per block*: ``out`` / ``src`` are host (CPU) numpy arrays or torch
+tensors, C-contiguous, whose first axis has one row per key; row ``i`` holds block
+``i``'s payload (or, with ``ranges``, the requested byte ranges of block ``i``,
+concatenated). Any element dtype; sizes are checked in bytes.
+
+Errors: the :mod:`kvstore.errors` exceptions of the client (``StoreUnavailable`` when the
+daemon cannot be reached or does not answer in time, ``InvalidRequest``, ``TierFull``)
+propagate; a miss is a normal result (``False`` in the returned mask, or a shorter hit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvstore.client import KVStoreClient
+from kvstore.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """Outcome of :func:`save_blocks` (block counts)."""
+
+    stored: int
+    already_present: int
+    not_admitted: int
+
+
+def connect(target: str, *, timeout_s: float = 10.0, auth_token: str = "") -> KVStoreClient:
+    """A client of the daemon at ``target`` (e.g. ``"unix:/run/kvstore.sock"``).
+
+    Connecting is lazy: an unreachable daemon shows up as ``StoreUnavailable`` on the
+    first call, not here.
+    """
+    return KVStoreClient(target, timeout=timeout_s, auth_token=auth_token)
+
+
+def _byte_rows(buf, n: int, *, writable: bool) -> np.ndarray:
+    """``(n, row_bytes)`` uint8 numpy view of the first ``n`` rows of ``buf`` (no copy)."""
+    if hasattr(buf, "detach"):                          # a torch tensor
+        if buf.device.type != "cpu":
+            raise ValueError(f"block buffers must be host (CPU) memory, got a {buf.device} tensor")
+        if not buf.is_contiguous():
+            raise ValueError("block buffers must be contiguous")
+        import torch
+        arr = buf.detach().reshape(buf.shape[0] if buf.dim() else 1, -1).view(torch.uint8).numpy()
+    else:
+        arr = np.asarray(buf)
+        if not arr.flags["C_CONTIGUOUS"]:
+            raise ValueError("block buffers must be C-contiguous")
+        arr = arr.reshape(arr.shape[0] if arr.ndim else 1, -1).view(np.uint8)
+    if arr.shape[0] < n:
+        raise ValueError(f"buffer has {arr.shape[0]} rows for {n} blocks")
+    if writable and not arr.flags["WRITEABLE"]:
+        raise ValueError("the destination buffer is read-only")
+    return arr[:n]
+
+
+def lookup_prefix(client: KVStoreClient, keys: Sequence[bytes], timeout_s: float | None = None) -> int:
+    """How many leading ``keys`` are stored (the daemon's Lookup; prefix semantics).
+
+    Returns an int in ``[0, len(keys)]``; 0 for no keys (no call is made).
+    """
+    if not keys:
+        return 0
+    return client.lookup(list(keys), timeout=timeout_s).hit_blocks
+
+
+def load_blocks(client: KVStoreClient, keys: Sequence[bytes], out, *,
+                ranges: Sequence[tuple[int, int]] | None = None,
+                timeout_s: float | None = None) -> list[bool]:
+    """Copy the stored blocks ``keys`` into the rows of ``out``.
+
+    Args:
+        keys: 32-byte block keys, one per row of ``out``.
+        out: host buffer of at least ``len(keys)`` rows, each exactly the size of one
+            block's payload (or of ``ranges`` summed).
+        ranges: ``(offset, length)`` byte ranges of each block to fetch, concatenated
+            per row (e.g. one TP rank's KV heads of one layer); ``None`` for whole blocks.
+    Returns:
+        One flag per key: ``True`` when row ``i`` now holds block ``i``'s bytes, ``False``
+        for a miss or a reply of the wrong size (that row's bytes are then unspecified).
+    Raises:
+        ValueError: ``out`` is not a host, contiguous, writable buffer with enough rows.
+        kvstore.errors.KVStoreError: the store failed (e.g. ``StoreUnavailable``).
+
+    A block too short for ``ranges`` makes today's daemon refuse the whole Get
+    (INVALID_ARGUMENT); the blocks are then asked one by one so only that one misses.
+    """
+    if not keys:
+        return []
+    rows = _byte_rows(out, len(keys), writable=True)
+    ranges = list(ranges) if ranges else None
+    try:
+        results = client.get(list(keys), ranges=ranges, timeout=timeout_s)
+    except InvalidRequest:
+        if not ranges or len(keys) == 1:
+            raise
+        # the daemon refuses the whole batch when one stored block is too short for the
+        # ranges: ask per block, so only that block counts as missing
+        results = []
+        for key in keys:
+            try:
+                results.extend(client.get([key], ranges=ranges, timeout=timeout_s))
+            except InvalidRequest:
+                results.append(None)
+    ok = [False] * len(keys)
+    for i, (key, res) in enumerate(zip(keys, results)):
+        if res is not None and res.found and res.key == key and len(res.data) == rows.shape[1]:
+            rows[i] = np.frombuffer(res.data, dtype=np.uint8)
+            ok[i] = True
+    return ok
+
+
+def save_blocks(client: KVStoreClient, keys: Sequence[bytes], src, *,
+                timeout_s: float | None = None) -> SaveResult:
+    """Store the rows of ``src`` as the blocks ``keys`` (whole payloads; idempotent).
+
+    Args:
+        keys: 32-byte block keys, one per row.
+        src: host buffer of at least ``len(keys)`` rows; row ``i`` is block ``i``'s
+            complete payload. The bytes are copied before this returns.
+    Returns:
+        Counts of blocks stored now, already stored, and refused by admission.
+    Raises:
+        ValueError: ``src`` is not a host, contiguous buffer with enough rows.
+        kvstore.errors.KVStoreError: the store failed (``TierFull``, ``StoreUnavailable``).
+    """
+    if not keys:
+        return SaveResult(0, 0, 0)
+    rows = _byte_rows(src, len(keys), writable=False)
+    reply = client.put([(bytes(k), memoryview(rows[i])) for i, k in enumerate(keys)], timeout=timeout_s)
+    return SaveResult(reply.stored, reply.already_present, reply.not_admitted)
