@@ -171,8 +171,8 @@ def pieces(plan: GetPlan) -> Iterator[Piece]:
     sent; a block that fails mid-way gives a FAILED piece and no more of its pieces."""
     units = _units(plan)
     window: deque[_Unit] = deque()
-    readers: dict[int, BlockReader] = {}
-    failed: set[bytes] = set()
+    readers: dict[int, BlockReader] = {}       # the open readers (alive: their ids are unique)
+    failed: set[int] = set()                   # ids of open readers whose block failed
 
     def fill() -> None:
         while len(window) <= READAHEAD:
@@ -211,6 +211,7 @@ def pieces(plan: GetPlan) -> Iterator[Piece]:
                     yield Piece(u.key, FOUND, tier, u.total, u.offset, u.buf,
                                 release=lambda b=u.pooled: _POOL.give(b))
                 if u.last:
+                    failed.discard(id(u.reader))
                     readers.pop(id(u.reader)).close()
             fill()
     finally:
