@@ -9,14 +9,26 @@ turn's delta (default 128 tokens), as in an agent turn. In one run, against one 
 3. TTFT with **page back**: the prefix's blocks are looked up and paged back layer by
    layer (each TP rank its own KV heads), only the delta is prefilled;
 
-steps 2 and 3 alternate ``--repeats`` times and the median of each is reported, with
-their ratio, the KV bytes paged back and the time the forward pass waited for them.
-TTFT is measured from a barrier of the TP ranks to the first token chosen (Lookup, page
-back and prefill included). The daemon runs in its own process (host tier only, sized
-for the largest prefix). A benchmark reports; it does not pass or fail on a time.
+4. a streaming memcpy of this rank's KV bytes (numpy, buffers touched beforehand), the
+   physical limit of a same-node page back;
+
+steps 2-4 alternate ``--repeats`` times and the median of each is reported, with the
+TTFT ratio, the KV bytes paged back per rank, the time the forward pass waited for
+them (``load wait``), the loader's time from start to last layer (``load``, when the
+adapter reports it) and ``memcpy`` = KV bytes / memcpy bandwidth, with ``wait/memcpy``
+(issue #11's target: within 2x at 16k tokens). TTFT is measured from a barrier of the
+TP ranks to the first token chosen (Lookup, page back and prefill included). The daemon
+runs in its own process (host tier only, sized for the largest prefix); the client uses
+its shared arena unless ``--no-shared-memory``. A benchmark reports; it does not pass or
+fail on a time.
 
     python bench/ttft_pageback.py [--prefixes 1024,4096,16384] [--tp 1] [--block-tokens 64]
                                   [--target ADDR]   # an already running daemon instead
+                                  [--no-shared-memory]  # blocks by gRPC frames
+
+Before/after comparisons of the adapter: run this file from the other checkout's root
+(``python /path/to/this/bench/ttft_pageback.py --root OTHER``) so that checkout's
+``engine_adapter`` and ``kvstore`` are imported.
 
 The default model (4 layers, hidden 256, 4 query / 2 KV heads of 64, fp32: 4 KiB of KV
 per token) keeps the whole run under 5 minutes on a 2-core CPU.
@@ -34,6 +46,8 @@ import time
 from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+if "--root" in sys.argv:                  # import another checkout (before/after runs)
+    ROOT = pathlib.Path(sys.argv[sys.argv.index("--root") + 1]).resolve()
 sys.path.insert(0, str(ROOT))
 
 _DAEMON = r"""
@@ -62,6 +76,7 @@ class BenchOptions:
     dtype: str
     max_prefill_tokens: int
     tenant: str
+    shared_memory: bool
 
 
 def start_daemon(folder: pathlib.Path, host_bytes: int) -> tuple[subprocess.Popen, str]:
@@ -94,7 +109,7 @@ def bench_rank(tp, opts: BenchOptions) -> list[dict]:
                           block_tokens=opts.block_tokens, num_cache_blocks=longest // opts.block_tokens + 4,
                           max_prefill_tokens=opts.max_prefill_tokens, tenant=opts.tenant,
                           load_timeout_s=120.0, store_timeout_s=120.0)
-    client = KVStoreClient(opts.target, timeout=120.0)
+    client = KVStoreClient(opts.target, timeout=120.0, shared_memory=None if opts.shared_memory else False)
     runner = Runner(model, engine, tp, store=client, seed=0)
     rng = np.random.default_rng(0)
     runner.generate(rng.integers(0, model.vocab_size, 64).tolist(), 1, page_back=False, store=False)
@@ -104,7 +119,9 @@ def bench_rank(tp, opts: BenchOptions) -> list[dict]:
         prompt = prefix + rng.integers(0, model.vocab_size, opts.delta_tokens).tolist()
         runner.generate(prefix, 1, page_back=False, store=True)
         runner.flush(timeout_s=300)
-        recompute, page_back, waits = [], [], []
+        kv_bytes = (n // opts.block_tokens) * opts.block_tokens * runner.cache.bytes_per_token  # this rank's heads
+        src, dst = np.full(kv_bytes, 1, dtype=np.uint8), np.full(kv_bytes, 2, dtype=np.uint8)  # pages touched
+        recompute, page_back, waits, loads, copies = [], [], [], [], []
         last = None
         for _ in range(opts.repeats):
             base = runner.generate(prompt, 1, page_back=False, store=False)
@@ -112,13 +129,17 @@ def bench_rank(tp, opts: BenchOptions) -> list[dict]:
             last = runner.generate(prompt, 1, page_back=True, store=False)
             page_back.append(last.ttft_s)
             waits.append(last.stats.load_wait_s)
+            loads.append(getattr(last.stats, "load_s", float("nan")))
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            copies.append(time.perf_counter() - t0)
             if last.tokens != base.tokens or np.abs(last.logits - base.logits).max() > 1e-3:
                 raise AssertionError(f"prefix {n}: page back changed the output")
-        kv_bytes = last.stats.paged_tokens * runner.cache.bytes_per_token   # this rank's heads
         rows.append(dict(prefix=n, prompt=len(prompt), paged=last.stats.paged_tokens,
                          prefilled=last.stats.prefilled_tokens, problems=last.stats.problems,
                          recompute_s=statistics.median(recompute), page_back_s=statistics.median(page_back),
-                         wait_s=statistics.median(waits), kv_bytes_rank=kv_bytes))
+                         wait_s=statistics.median(waits), load_s=statistics.median(loads),
+                         memcpy_s=statistics.median(copies), kv_bytes_rank=kv_bytes))
     runner.close()
     client.close()
     return rows
@@ -139,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill chunk, tokens")
     ap.add_argument("--target", default=None, help="use this running daemon instead of starting one")
+    ap.add_argument("--no-shared-memory", action="store_true", help="blocks by gRPC, not the shared arena")
+    ap.add_argument("--root", default=str(ROOT), help="checkout whose engine_adapter and kvstore run")
     args = ap.parse_args(argv)
 
     from engine_adapter.tp import launch
@@ -155,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             opts = BenchOptions(target, prefixes, args.delta_tokens, args.repeats, args.block_tokens, args.hidden,
                                 args.layers, args.heads, args.kv_heads, args.head_dim, args.dtype,
-                                args.max_prefill_tokens, tenant=f"bench-{time.time_ns()}")
+                                args.max_prefill_tokens, tenant=f"bench-{time.time_ns()}",
+                                shared_memory=not args.no_shared_memory)
             rows = launch(bench_rank, args.tp, opts, timeout_s=3600)[0]
         finally:
             if proc is not None:
@@ -163,14 +187,17 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(10)
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads "
           f"x {args.head_dim}, {args.dtype}, {kv_per_token} B of KV per token; TP={args.tp}, "
-          f"block_tokens={args.block_tokens}, delta {args.delta_tokens} tokens, median of {args.repeats}")
+          f"block_tokens={args.block_tokens}, delta {args.delta_tokens} tokens, median of {args.repeats}; "
+          f"code: {ROOT}; data path: {'gRPC' if args.no_shared_memory else 'shared arena when offered'}")
     print(f"{'prefix':>7} {'paged back':>10} {'prefilled':>9} {'TTFT recompute':>15} {'TTFT page back':>15} "
-          f"{'ratio':>7} {'KV/rank':>9} {'load wait':>10}")
+          f"{'ratio':>7} {'KV/rank':>9} {'load wait':>10} {'load':>9} {'memcpy':>9} {'wait/memcpy':>11}")
     for r in rows:
         ratio = r["recompute_s"] / r["page_back_s"]
         print(f"{r['prefix']:>7} {r['paged']:>10} {r['prefilled']:>9} {r['recompute_s'] * 1e3:>13.1f}ms "
               f"{r['page_back_s'] * 1e3:>13.1f}ms {ratio:>6.2f}x {r['kv_bytes_rank'] / 2**20:>6.1f}MiB "
-              f"{r['wait_s'] * 1e3:>8.1f}ms" + (f"  [{'; '.join(r['problems'])}]" if r["problems"] else ""))
+              f"{r['wait_s'] * 1e3:>8.1f}ms {r['load_s'] * 1e3:>7.1f}ms {r['memcpy_s'] * 1e3:>7.1f}ms "
+              f"{r['wait_s'] / r['memcpy_s']:>10.2f}x"
+              + (f"  [{'; '.join(r['problems'])}]" if r["problems"] else ""))
     print(f"total run time {time.perf_counter() - t0:.0f}s")
     return 0
 

@@ -5,7 +5,7 @@
 - :class:`LayerLoader` pages back a prefix in a loader thread with the batch-first
   ``get_into``: one call per group of layers (growing groups: layer 0, layers 1-2,
   3-6, 7-14, ... so layer 0 arrives early and a page back of ``L`` layers takes about
-  ``log2(L) + 1`` calls), each fetching this rank's KV heads of those layers for every
+  ``log2(L)`` calls), each fetching this rank's KV heads of those layers for every
   hit block straight into the loader's staging tensor. Every byte of the rank's heads
   is read once. The forward pass waits for layer ``N`` just before layer ``N``'s
   attention, so loading a group overlaps computing the layers before it. The loader
@@ -71,14 +71,21 @@ class BlockStore(Protocol):
 
 
 def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
-    """``[l0, l1)`` layer groups of a page back, ``first`` layers then doubling:
-    ``layer_groups(8) == [(0, 1), (1, 3), (3, 7), (7, 8)]``."""
+    """``[l0, l1)`` layer groups of a page back: ``first`` layers, then twice as many as
+    the group before; a group also takes the layers left after it when they are fewer
+    than its own (no small call at the end). ``layer_groups(4) == [(0, 1), (1, 4)]``,
+    ``layer_groups(32)`` is 1, 2, 4, 8, 17 layers. Each group is loaded while the
+    layers before it compute, so a load per layer up to the compute per layer hides.
+    """
     if num_layers < 1 or first < 1:
         raise ValueError(f"need num_layers >= 1 and first >= 1, got {num_layers}, {first}")
     groups, start, size = [], 0, first
     while start < num_layers:
-        groups.append((start, min(start + size, num_layers)))
-        start, size = groups[-1][1], size * 2
+        end = min(start + size, num_layers)
+        if num_layers - end < size:
+            end = num_layers
+        groups.append((start, end))
+        start, size = end, size * 2
     return groups
 
 

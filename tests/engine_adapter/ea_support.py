@@ -110,14 +110,15 @@ class FaultyStore:
 
     ``arm(mode, key=..., after_gets=n)``: the fault applies from the ``n``-th
     ``get_into`` after arming (the page back makes one call per layer group of
-    :func:`engine_adapter.transfer.layer_groups`: with 4 layers ``n = 2`` lets layers
-    0-2 load and faults layer 3), until disarmed.
+    :func:`engine_adapter.transfer.layer_groups`: with 4 layers ``n = 1`` lets layer
+    0 load and faults layers 1-3), until disarmed.
 
     Modes: ``"missing"`` (``key`` reported not found, and with ``stop_at_miss`` the
     blocks after it too, as the daemon does; with ``in_lookup`` the Lookup also stops
     before it), ``"corrupt"`` (only half of ``key``'s bytes delivered, the rest of its
-    slot zeroed), ``"down"`` (StoreUnavailable), ``"hang"`` (sleeps ``hang_s`` then
-    StoreUnavailable, like a deadline). ``put_delay_s`` delays every put.
+    slot zeroed), ``"down"`` (StoreUnavailable), ``"hang"`` (waits ``hang_s`` or until
+    ``unhang`` is set, then StoreUnavailable, like a deadline). While ``puts_released``
+    is clear, every put waits for it (``put_started`` tells one began).
     """
 
     def __init__(self, inner):
@@ -128,7 +129,9 @@ class FaultyStore:
         self.gets_since_armed = 0
         self.hang_s = 0.0
         self.in_lookup = False
-        self.put_delay_s = 0.0
+        self.unhang = threading.Event()
+        self.puts_released = threading.Event()
+        self.puts_released.set()
         self.put_started = threading.Event()
 
     def arm(self, mode: str, key: bytes | None = None, after_gets: int = 0, hang_s: float = 0.0,
@@ -153,7 +156,7 @@ class FaultyStore:
         if active and self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
         if active and self.mode == "hang":
-            time.sleep(self.hang_s)
+            self.unhang.wait(self.hang_s)
             raise StoreUnavailable("DEADLINE_EXCEEDED: injected")
         res = self.inner.get_into(keys, out, ranges=ranges, offsets=offsets, stop_at_miss=stop_at_miss,
                                   timeout=timeout)
@@ -178,8 +181,7 @@ class FaultyStore:
 
     def put_from(self, keys, src, *, sizes=None, offsets=None, timeout=None):
         self.put_started.set()
-        if self.put_delay_s:
-            time.sleep(self.put_delay_s)
+        self.puts_released.wait(60)
         if self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
         return self.inner.put_from(keys, src, sizes=sizes, offsets=offsets, timeout=timeout)

@@ -6,8 +6,8 @@ a layout of 16 layers x 4 KV heads x 16 tokens x head dim 32, fp32 (256 KiB per 
 the host tier, so only the NVMe tier holds them. A page back at TP=T is T
 :class:`~engine_adapter.transfer.LayerLoader` s running at once, one per rank, each with
 its own client (as in the rank's process) and its rank's KV heads; every layer is waited
-for and compared with the stored payload. Layers come in 5 ``get_into`` calls per rank
-(groups 1, 2, 4, 8, 1), not 16.
+for and compared with the stored payload. Layers come in 4 ``get_into`` calls per rank
+(groups of 1, 2, 4, 9 layers), not 16.
 
 What is counted, per page back (deltas of the daemon's ``Stats`` counters, taken after
 the daemon's queued transfers drained, and the loaders' ``bytes_received``):
@@ -130,7 +130,7 @@ def test_page_back_reads_each_byte_once(daemon, tier, tp, path):
 
     copied = sum(ld.bytes_received for ld in loaders)
     assert copied == SERVED
-    assert all(ld.calls == len(layer_groups(LAYOUT.num_layers)) == 5 for ld in loaders)
+    assert all(ld.calls == len(layer_groups(LAYOUT.num_layers)) == 4 for ld in loaders)
     assert delta.get("promotions", 0) == (BLOCKS if tier == "nvme" else 0)
     if path == "grpc":
         assert delta.get("read_bytes_host", 0) + delta.get("read_bytes_nvme", 0) == SERVED
@@ -139,5 +139,5 @@ def test_page_back_reads_each_byte_once(daemon, tier, tp, path):
             assert delta.get("read_bytes_nvme", 0) == 0
         assert delta.get("leased_blocks", 0) == 0
     else:
-        assert delta.get("reads", 0) == delta.get("leased_blocks", 0) == tp * 5 * BLOCKS
+        assert delta.get("reads", 0) == delta.get("leased_blocks", 0) == tp * 4 * BLOCKS
         assert delta.get("read_bytes_nvme", 0) == 0
