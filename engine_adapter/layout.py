@@ -50,7 +50,7 @@ class BlockLayout:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def head_bytes(self) -> int:

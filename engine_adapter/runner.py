@@ -42,10 +42,6 @@ class PrefillStats:
         prefilled_tokens: tokens computed (``prompt_tokens - paged_tokens``).
         restarts: prefill passes abandoned because a page back fell short.
         load_wait_s: time the forward pass spent waiting for layers, seconds.
-        load_s: time from the start of the page back until its last layer arrived
-            (or the loader stopped), seconds; 0 without a page back.
-        loaded_bytes: bytes of this rank's KV heads the store copied into the
-            loader's staging tensor.
         problems: store trouble met (each also logged as a warning).
     """
 
@@ -55,8 +51,6 @@ class PrefillStats:
     prefilled_tokens: int = 0
     restarts: int = 0
     load_wait_s: float = 0.0
-    load_s: float = 0.0
-    loaded_bytes: int = 0
     problems: list[str] = field(default_factory=list)
 
 
@@ -179,8 +173,6 @@ class Runner:
             if gate is not None:
                 gate.loader.cancel()
                 stats.load_wait_s = gate.wait_s
-                stats.load_s = gate.loader.load_s or 0.0
-                stats.loaded_bytes = gate.loader.bytes_received
         seq.num_computed = len(tokens)
         seq.num_stored_blocks = hit
         stats.paged_tokens = hit * bt
