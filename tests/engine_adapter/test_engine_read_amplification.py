@@ -25,13 +25,13 @@ the daemon's queued transfers drained, and the loaders' ``bytes_received``):
   groups; so the NVMe medium read at most ``served + 6 x block`` (2x at any TP size),
   host and NVMe together serve ``served`` (x1).
 - **Shared-memory path**: a Lease pins each block in the shared host arena and the
-  client copies this rank's ranges out of it (the loader counts those bytes). The daemon
-  counts every leased block's whole size in ``read_bytes_host`` (it cannot see which
-  ranges the client copies), so that counter is leased bytes here, not bytes read.
-  Asserted: ``reads == leased_blocks`` (no block went by gRPC), ``read_bytes_nvme == 0``,
-  bytes copied out of the arena == served (x1). NVMe: a block is promoted into the arena
-  once (a full-block NVMe read, for every rank): ``promotions == 6``, i.e. the NVMe
-  medium read ``6 x block == served`` (x1).
+  client copies this rank's ranges out of it (the loader counts those bytes: the only
+  reads of the arena). The daemon counts leases in ``leased_blocks`` / ``leased_bytes``
+  (whole blocks pinned: it cannot see which ranges the client copies), not in
+  ``reads``. Asserted: ``reads == 0`` (no block went by gRPC), one lease of every block
+  per layer group and rank, bytes copied out of the arena == served (x1). NVMe: a block
+  is promoted into the arena once (a full-block NVMe read, for every rank):
+  ``promotions == 6``, i.e. the NVMe medium read ``6 x block == served`` (x1).
 - Host cases, both paths: ``promotions == 0`` and nothing read from NVMe.
 """
 
@@ -139,5 +139,6 @@ def test_page_back_reads_each_byte_once(daemon, tier, tp, path):
             assert delta.get("read_bytes_nvme", 0) == 0
         assert delta.get("leased_blocks", 0) == 0
     else:
-        assert delta.get("reads", 0) == delta.get("leased_blocks", 0) == tp * 4 * BLOCKS
-        assert delta.get("read_bytes_nvme", 0) == 0
+        assert delta.get("reads", 0) == delta.get("read_bytes", 0) == 0
+        assert delta.get("leased_blocks", 0) == tp * 4 * BLOCKS
+        assert delta.get("leased_bytes", 0) == tp * 4 * SERVED
