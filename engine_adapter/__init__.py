@@ -8,7 +8,7 @@ Modules, one responsibility each:
 ``model``       Llama decoder of one TP rank over a paged KV cache
 ``paged_cache`` per-layer paged KV cache (vLLM layout), block table, allocator
 ``layout``      stored block payload layout and the store namespace
-``transfer``    background page back (per layer) and background store
+``transfer``    background page back (get_into per layer group) and background store
 ``adapter``     Lookup, MIN agreement of TP ranks, per-layer gate, store of new blocks
 ``runner``      prefill / decode / greedy generation of one TP rank
 ``tp``          TP collectives and the process launcher

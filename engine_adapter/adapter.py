@@ -7,7 +7,9 @@ Before a prefill (:meth:`PageBackAdapter.plan`):
    blocks so at least one token is prefilled (its logits give the first output token);
 3. agree on the hit length with every TP rank: a MIN all-reduce, before anything is
    loaded (SGLang's HiCache keeps its ranks in lockstep the same way);
-4. start a :class:`~engine_adapter.transfer.LayerLoader` for this rank's KV heads.
+4. start a :class:`~engine_adapter.transfer.LayerLoader` for this rank's KV heads: it
+   fetches them with ``get_into`` into a staging tensor, one call per growing group
+   of layers, each byte once.
 
 During the prefill, :class:`PageBackGate` is the model's per-layer hook: it waits for
 the layer's blocks, copies them into the paged cache (``kernels.scatter_blocks``: the torch reference, or the CUDA kernels for a GPU cache)
@@ -25,9 +27,12 @@ and hands them to the background :class:`~engine_adapter.transfer.StoreWriter`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
+
+import torch
 
 from kernels import gather_blocks, scatter_blocks
 from kvstore.errors import KVStoreError
@@ -137,6 +142,8 @@ class PageBackAdapter:
                                  "block_tokens, tenant ...): their keys would never match")
         self.layout = BlockLayout.of(model, engine)
         self.heads = shard_bounds(model.num_kv_heads, tp.rank, tp.world_size)
+        self._staging: torch.Tensor | None = None
+        self._loader: LayerLoader | None = None
         self.writer = (StoreWriter(store if tp.is_first else None, self.layout, tp, engine.store_timeout_s,
                                    engine.max_pending_stores) if store is not None else None)
 
@@ -168,9 +175,27 @@ class PageBackAdapter:
         """Start paging back the agreed hit; returns the model hook of the prefill."""
         assert self.store is not None and plan.hit_blocks > 0
         loader = LayerLoader(self.store, plan.keys[:plan.hit_blocks], self.layout, self.heads,
-                             self.engine.store_timeout_s).start()
+                             self.engine.store_timeout_s, staging=self._staging_for(plan.hit_blocks))
+        self._loader = loader.start()
         return PageBackGate(loader, self.cache, seq, plan.hit_blocks, self.tp,
                             time.monotonic() + self.engine.load_timeout_s)
+
+    def _staging_for(self, blocks: int) -> torch.Tensor:
+        """The staging tensor of a page back of ``blocks`` blocks (this rank's heads).
+
+        One buffer is kept and reused (page faults on fresh memory cost as much as the
+        copy itself); it is at most the size of this rank's paged cache, since a hit
+        never exceeds it. It is replaced, never shared, while the previous loader's
+        thread still runs (abandoned on a timeout, it may still write into it). Pinned
+        host memory when the cache is on a GPU.
+        """
+        shape = (blocks,) + self.layout.block_shape(heads=self.heads[1] - self.heads[0])
+        numel = math.prod(shape)
+        buf = self._staging
+        if buf is None or buf.numel() < numel or (self._loader is not None and self._loader.running):
+            buf = self._staging = torch.empty(numel, dtype=self.layout.dtype,
+                                              pin_memory=self.cache.device.type == "cuda")
+        return buf[:numel].view(shape)
 
     def extend_keys(self, seq: Sequence) -> None:
         """Append the keys of full blocks of ``seq.tokens[:seq.num_computed]`` not keyed yet."""

@@ -7,7 +7,8 @@ One block's payload (``docs/block_layout.md`` is the reference) holds the KV of
 
 so, for one (layer, k|v), the KV heads ``[h0, h1)`` of any TP rank are one
 contiguous byte range. A rank pages back only its heads with two byte ranges per
-layer (k and v), and a block written at one TP size is read at any other.
+layer (k and v; :meth:`BlockLayout.group_ranges` for several layers at once), and a
+block written at one TP size is read at any other.
 
 The namespace (:class:`kvstore.keys.Namespace`) holds the model id, the dtype, this
 layout's id, ``block_tokens`` and the shape fields (layers, KV heads, head dim); it
@@ -49,7 +50,7 @@ class BlockLayout:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def head_bytes(self) -> int:
@@ -78,6 +79,26 @@ class BlockLayout:
         per_kv = self.num_kv_heads * self.head_bytes
         return [((layer * 2 + kv) * per_kv + h0 * self.head_bytes, (h1 - h0) * self.head_bytes)
                 for kv in (0, 1)]
+
+    def group_ranges(self, layers: tuple[int, int], heads: tuple[int, int]) -> list[tuple[int, int]]:
+        """``(offset, length)`` byte ranges of KV heads ``[h0, h1)`` of layers ``[l0, l1)``.
+
+        The k and v ranges of each layer in order (:meth:`layer_ranges`), with ranges
+        that touch merged (all heads of consecutive layers are one range). Fetched and
+        concatenated, they form a ``(l1 - l0, 2, h1 - h0, block_tokens, head_dim)``
+        buffer. Raises ValueError for layers or heads outside the layout.
+        """
+        l0, l1 = layers
+        if not 0 <= l0 < l1 <= self.num_layers:
+            raise ValueError(f"layers [{l0}, {l1}) outside the block layout")
+        merged: list[tuple[int, int]] = []
+        for layer in range(l0, l1):
+            for off, n in self.layer_ranges(layer, heads):
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((off, n))
+        return merged
 
     def to_payload(self, block: torch.Tensor) -> bytes:
         """Payload bytes of one block ``(num_layers, 2, num_kv_heads, block_tokens, head_dim)``.

@@ -12,10 +12,15 @@ import threading
 import time
 from typing import Sequence
 
+import numpy as np
+
 from kvstore import config
-from kvstore.errors import StoreUnavailable
-from kvstore.types import GetResult, LookupResult
+from kvstore.buffers import BlockBuffers, host_view
+from kvstore.client import GetIntoResult
+from kvstore.errors import InvalidRequest, StoreUnavailable
+from kvstore.types import LookupResult, PutResult
 from tiers.base import TierKind, check_ranges
+from tiers.errors import InvalidAccess
 
 from engine_adapter.config import EngineConfig, ModelConfig
 
@@ -32,7 +37,14 @@ def engine(tenant: str = "", **kw) -> EngineConfig:
 
 
 class MemoryStore:
-    """In-memory stand-in of the daemon with the client's call signatures (a BlockStore)."""
+    """In-memory stand-in of the daemon with the client's call signatures (a BlockStore).
+
+    ``get_into`` / ``put_from`` follow :class:`kvstore.client.KVStoreClient`: the same
+    buffer handling (:class:`kvstore.buffers.BlockBuffers`: one buffer per key, or one
+    buffer with blocks back to back or at ``offsets``), ranges concatenated per block,
+    InvalidRequest for a range outside a block or a buffer too small, and with
+    ``stop_at_miss`` nothing copied from the first miss on. ``calls`` records the calls.
+    """
 
     def __init__(self):
         self.blocks: dict[bytes, bytes] = {}
@@ -47,28 +59,46 @@ class MemoryStore:
                 n += 1
         return LookupResult(n, (TierKind.HOST,) * n)
 
-    def get(self, keys, ranges=None, stop_at_miss=False, timeout=None) -> list[GetResult]:
-        self.calls.append("get")
-        out = []
-        for k in keys:
+    def get_into(self, keys, out, *, ranges=None, offsets=None, stop_at_miss=True, timeout=None) -> GetIntoResult:
+        self.calls.append("get_into")
+        keys = list(keys)
+        bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)
+        sizes, codes = [0] * len(keys), bytearray(len(keys))
+        for i, k in enumerate(keys):
             with self.lock:
                 data = self.blocks.get(k)
             if data is None:
-                out.append(GetResult(k, False))
                 if stop_at_miss:
                     break
                 continue
-            check_ranges(ranges, len(data))
+            try:
+                check_ranges(ranges, len(data))
+            except InvalidAccess as e:
+                raise InvalidRequest(str(e)) from None
             if ranges:
                 data = b"".join(data[o:o + n] for o, n in ranges)
-            out.append(GetResult(k, True, TierKind.HOST, data))
-        return out
+            bufs.slot(i, len(data))[:] = np.frombuffer(data, dtype=np.uint8)
+            sizes[i], codes[i] = len(data), TierKind.HOST
+        bufs.finish()
+        found = 0
+        while found < len(keys) and codes[found]:
+            found += 1
+        return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
 
-    def put(self, blocks, timeout=None):
-        self.calls.append("put")
-        with self.lock:
-            for k, data in blocks:
-                self.blocks.setdefault(bytes(k), bytes(data))
+    def put_from(self, keys, src, *, sizes=None, offsets=None, timeout=None) -> PutResult:
+        self.calls.append("put_from")
+        keys = list(keys)
+        bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
+        stored = present = nbytes = 0
+        for i, n in enumerate(bufs.block_sizes()):
+            data = bufs.slot(i, n).tobytes()
+            with self.lock:
+                if keys[i] in self.blocks:
+                    present += 1
+                    continue
+                self.blocks[bytes(keys[i])] = data
+            stored, nbytes = stored + 1, nbytes + n
+        return PutResult(stored, present, nbytes)
 
     def delete(self, keys, timeout=None) -> int:
         with self.lock:
@@ -76,15 +106,19 @@ class MemoryStore:
 
 
 class FaultyStore:
-    """Wraps a store and injects one kind of fault into Get calls once armed.
+    """Wraps a store and injects one kind of fault into ``get_into`` calls once armed.
 
-    ``arm(mode, key=..., after_gets=n)``: the fault applies from the ``n``-th Get after
-    arming (``n = 2``: layers 0 and 1 load fine, layer 2 on fail), until disarmed.
+    ``arm(mode, key=..., after_gets=n)``: the fault applies from the ``n``-th
+    ``get_into`` after arming (the page back makes one call per layer group of
+    :func:`engine_adapter.transfer.layer_groups`: with 4 layers ``n = 1`` lets layer
+    0 load and faults layers 1-3), until disarmed.
 
-    Modes: ``"missing"`` (``key`` reported not found; with ``in_lookup`` the Lookup also
-    stops before it), ``"corrupt"`` (``key``'s bytes
-    truncated), ``"down"`` (StoreUnavailable), ``"hang"`` (sleeps ``hang_s`` then
-    StoreUnavailable, like a deadline). ``put_delay_s`` delays every Put.
+    Modes: ``"missing"`` (``key`` reported not found, and with ``stop_at_miss`` the
+    blocks after it too, as the daemon does; with ``in_lookup`` the Lookup also stops
+    before it), ``"corrupt"`` (only half of ``key``'s bytes delivered, the rest of its
+    slot zeroed), ``"down"`` (StoreUnavailable), ``"hang"`` (waits ``hang_s`` or until
+    ``unhang`` is set, then StoreUnavailable, like a deadline). While ``puts_released``
+    is clear, every put waits for it (``put_started`` tells one began).
     """
 
     def __init__(self, inner):
@@ -95,7 +129,9 @@ class FaultyStore:
         self.gets_since_armed = 0
         self.hang_s = 0.0
         self.in_lookup = False
-        self.put_delay_s = 0.0
+        self.unhang = threading.Event()
+        self.puts_released = threading.Event()
+        self.puts_released.set()
         self.put_started = threading.Event()
 
     def arm(self, mode: str, key: bytes | None = None, after_gets: int = 0, hang_s: float = 0.0,
@@ -114,36 +150,41 @@ class FaultyStore:
             keys = keys[:list(keys).index(self.key)]
         return self.inner.lookup(keys, timeout=timeout)
 
-    def get(self, keys, ranges=None, stop_at_miss=False, timeout=None):
+    def get_into(self, keys, out, *, ranges=None, offsets=None, stop_at_miss=True, timeout=None):
         active = self.mode is not None and self.gets_since_armed >= self.after_gets
         self.gets_since_armed += 1
         if active and self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
         if active and self.mode == "hang":
-            time.sleep(self.hang_s)
+            self.unhang.wait(self.hang_s)
             raise StoreUnavailable("DEADLINE_EXCEEDED: injected")
-        res = self.inner.get(keys, ranges=ranges, stop_at_miss=stop_at_miss, timeout=timeout)
-        if not active or self.key is None:
+        res = self.inner.get_into(keys, out, ranges=ranges, offsets=offsets, stop_at_miss=stop_at_miss,
+                                  timeout=timeout)
+        keys = list(keys)
+        if not active or self.key not in keys or self.mode not in ("missing", "corrupt"):
             return res
-        out = []
-        for r in res:
-            if r.key == self.key and self.mode == "missing":
-                out.append(GetResult(r.key, False))
-                if stop_at_miss:
-                    break
-            elif r.key == self.key and self.mode == "corrupt":
-                out.append(GetResult(r.key, True, r.tier, r.data[: len(r.data) // 2]))
-            else:
-                out.append(r)
-        return out
+        j = keys.index(self.key)
+        if j >= res.found or not res.sizes[j]:
+            return res
+        sizes, codes = list(res.sizes), bytearray(res.tier_codes)
+        if self.mode == "missing":
+            for i in range(j, len(keys) if stop_at_miss else j + 1):
+                sizes[i], codes[i] = 0, 0
+            found = j if stop_at_miss else res.found - 1
+        else:
+            half = sizes[j] // 2
+            view = host_view(out, writable=True).array
+            start = offsets[j] if offsets is not None else sum(sizes[:j])
+            view[start + half:start + sizes[j]] = 0
+            sizes[j], found = half, res.found
+        return GetIntoResult(found, sizes, bytes(codes))
 
-    def put(self, blocks, timeout=None):
+    def put_from(self, keys, src, *, sizes=None, offsets=None, timeout=None):
         self.put_started.set()
-        if self.put_delay_s:
-            time.sleep(self.put_delay_s)
+        self.puts_released.wait(60)
         if self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
-        return self.inner.put(blocks, timeout=timeout)
+        return self.inner.put_from(keys, src, sizes=sizes, offsets=offsets, timeout=timeout)
 
     def delete(self, keys, timeout=None):
         return self.inner.delete(keys, timeout=timeout)

@@ -67,7 +67,7 @@ def tp2_scenarios(tp: TPGroup, address: str, address_b: str, stop_request, stopp
     def hide_on_rank1(rec: TurnRecord) -> None:
         if rec.turn == 3 and tp.rank == 1:
             keys = BlockKeyer(namespace(TINY, engine("c"))).keys(rec.prompt)
-            faulty.arm("missing", key=keys[4], after_gets=2)
+            faulty.arm("missing", key=keys[4], after_gets=1)     # layers 1-3 (layer 0 loads fine)
         if rec.turn == 4:
             faulty.disarm()
 
