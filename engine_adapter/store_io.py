@@ -1,9 +1,9 @@
 """Every block data-path call of the engine plugins (vLLM connector, SGLang backend).
 
-One place on purpose: the plugins never call the client's data methods themselves, so
-switching from today's byte-returning ``lookup`` / ``get`` / ``put`` to the batch-first
-``get_into(keys, out)`` / ``put_from(keys, src)`` (copy straight into the caller's buffer,
-through shared memory on the same node) changes this module only.
+One place on purpose: the plugins never call the client's data methods themselves. The
+data moves with the batch-first ``get_into(keys, out)`` / ``put_from(keys, src)``: one
+copy straight between the caller's buffer and the daemon's shared arena on the same node,
+raw gRPC frames otherwise.
 
 Buffers are *row per block*: ``out`` / ``src`` are host (CPU) numpy arrays or torch
 tensors, C-contiguous, whose first axis has one row per key; row ``i`` holds block
@@ -23,7 +23,6 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -93,32 +92,15 @@ def load_blocks(client: KVStoreClient, keys: Sequence[bytes], out, *,
         ValueError: ``out`` is not a host, contiguous, writable buffer with enough rows.
         kvstore.errors.KVStoreError: the store failed (e.g. ``StoreUnavailable``).
 
-    A block too short for ``ranges`` makes today's daemon refuse the whole Get
-    (INVALID_ARGUMENT); the blocks are then asked one by one so only that one misses.
+    One batch call (:meth:`KVStoreClient.get_into`: through the shared arena on the
+    same node, else raw gRPC frames); a block too short for ``ranges`` is a miss.
     """
     if not keys:
         return []
     rows = _byte_rows(out, len(keys), writable=True)
-    ranges = list(ranges) if ranges else None
-    try:
-        results = client.get(list(keys), ranges=ranges, timeout=timeout_s)
-    except InvalidRequest:
-        if not ranges or len(keys) == 1:
-            raise
-        # the daemon refuses the whole batch when one stored block is too short for the
-        # ranges: ask per block, so only that block counts as missing
-        results = []
-        for key in keys:
-            try:
-                results.extend(client.get([key], ranges=ranges, timeout=timeout_s))
-            except InvalidRequest:
-                results.append(None)
-    ok = [False] * len(keys)
-    for i, (key, res) in enumerate(zip(keys, results)):
-        if res is not None and res.found and res.key == key and len(res.data) == rows.shape[1]:
-            rows[i] = np.frombuffer(res.data, dtype=np.uint8)
-            ok[i] = True
-    return ok
+    res = client.get_into(list(keys), rows, ranges=list(ranges) if ranges else None, stop_at_miss=False,
+                          timeout=timeout_s)
+    return [size == rows.shape[1] for size in res.sizes]
 
 
 def save_blocks(client: KVStoreClient, keys: Sequence[bytes], src, *,
@@ -138,5 +120,5 @@ def save_blocks(client: KVStoreClient, keys: Sequence[bytes], src, *,
     if not keys:
         return SaveResult(0, 0, 0)
     rows = _byte_rows(src, len(keys), writable=False)
-    reply = client.put([(bytes(k), memoryview(rows[i])) for i, k in enumerate(keys)], timeout=timeout_s)
+    reply = client.put_from([bytes(k) for k in keys], rows, timeout=timeout_s)
     return SaveResult(reply.stored, reply.already_present, reply.not_admitted)

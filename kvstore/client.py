@@ -352,7 +352,8 @@ class KVStoreClient:
         ``(len(keys), block_bytes)``), or one buffer with the blocks at ``offsets``.
         Buffers: numpy arrays, torch tensors (CPU, pinned or CUDA), any writable buffer.
 
-        With ``stop_at_miss`` (the default: a prefix) copying stops at the first miss.
+        With ``stop_at_miss`` (the default: a prefix) copying stops at the first miss. A
+        block too short for ``ranges`` counts as a miss (its layout is not the caller's).
         Same node: one Lease, one copy per block from the shared arena, then the lease is
         released in the background. Raises InvalidRequest (a buffer too small, bad
         ranges), StoreUnavailable.
@@ -390,13 +391,12 @@ class KVStoreClient:
                         continue
                     i = start + j
                     if ranges:
+                        if any(r_off + n > size for r_off, n in ranges):
+                            continue                # a block too short for the ranges: a miss
                         total = sum(n for _, n in ranges)
                         dst = bufs.slot(i, total)
                         pos = 0
                         for r_off, n in ranges:
-                            if r_off + n > size:
-                                raise errors.InvalidRequest(f"byte range ({r_off}, {n}) is outside a "
-                                                            f"{size}-byte block")
                             dst[pos:pos + n] = src[off + r_off:off + r_off + n]
                             pos += n
                         sizes[i] = total

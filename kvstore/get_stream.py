@@ -28,7 +28,7 @@ from tiers.base import check_ranges
 from tiers.errors import InvalidAccess
 
 from ._proto import kvstore_pb2 as pb
-from .errors import CorruptBlock, InvalidRequest
+from .errors import CorruptBlock
 from .manager import TierManager
 from .reads import BlockReader
 from .wire import FAILED, FOUND, FrameBuilder
@@ -146,9 +146,10 @@ def _units(plan: GetPlan) -> Iterator[_Unit]:
             continue
         try:
             total = check_ranges(plan.ranges, reader.size)
-        except InvalidAccess as e:
+        except InvalidAccess:              # a block too short for the ranges: a miss, not an error
             reader.close()
-            raise InvalidRequest(str(e)) from None
+            yield _Unit(key, None, 0, 0, 0, [], True)
+            continue
         ranges = plan.ranges or [(0, reader.size)]
         starts = [0, *accumulate(n for _, n in ranges)][:-1]
         offset = 0

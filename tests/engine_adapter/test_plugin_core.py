@@ -185,10 +185,10 @@ def test_saves_beyond_the_writer_queue_are_dropped_not_stalled():
         def __init__(self):
             self.keys = []
 
-        def put(self, blocks, timeout=None):
+        def put_from(self, keys, src, timeout=None, **kw):
             release.wait(30)
-            self.keys += [k for k, _ in blocks]
-            from kvstore.client import PutResult
+            self.keys += list(keys)
+            from kvstore.types import PutResult
             return PutResult(len(self.keys), 0, 0)
 
     layout = BlockLayout(num_layers=L, num_kv_heads=H, block_tokens=BS, head_dim=HD, dtype=torch.float32)
