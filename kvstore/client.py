@@ -467,6 +467,38 @@ class KVStoreClient:
                                       start_time=start_time if start_time is not None else time.time())
         return self._call(self._stub.ToolCallStart, req, timeout).predicted_resume_time
 
+    def session_hint(self, session_id: str, state: str = "continues", keys: Sequence[bytes] = (), *,
+                     expected_back_s: float | None = None, ttl_s: float | None = None, at: float | None = None,
+                     kv_hints: dict | None = None, timeout: float | None = None) -> float:
+        """Tell the daemon what the agent framework knows about a session (trajectory).
+
+        Args:
+            session_id: the session; state: ``"continues"``, ``"finished"`` or ``"abandoned"``.
+            keys: its prefix blocks in order (empty: as last given).
+            expected_back_s: seconds until it returns (continues; None: learned by the daemon).
+            ttl_s: keep its blocks near at most this long (seconds; None: no limit).
+            at: unix seconds the hint applies (default now).
+            kv_hints: instead of the above, a vLLM ``kv_hints`` envelope (a JSON object).
+        Returns the expected-back time (unix seconds; ``inf`` once finished or abandoned).
+        Raises InvalidRequest, FeatureDisabled.
+        """
+        states = {"continues": pb.SessionHintRequest.CONTINUES, "finished": pb.SessionHintRequest.FINISHED,
+                  "abandoned": pb.SessionHintRequest.ABANDONED}
+        if state not in states:
+            raise errors.InvalidRequest(f"state must be one of {sorted(states)}, got {state!r}")
+        import json
+        req = pb.SessionHintRequest(session_id=session_id, state=states[state], keys=list(keys),
+                                    expected_back_s=expected_back_s or 0.0, ttl_s=ttl_s or 0.0,
+                                    time=at if at is not None else time.time(),
+                                    kv_hints_json=json.dumps(kv_hints) if kv_hints is not None else "")
+        return self._call(self._stub.SessionHint, req, timeout).expected_back_time
+
+    def explain(self, keys: Sequence[bytes], timeout: float | None = None) -> pb.ExplainReply:
+        """Why the prompt with these block keys misses: the first block not stored and
+        what happened to it (``kind``, ``block``, ``text``; ``tier``/``policy``/``reason``/
+        ``time`` for an eviction)."""
+        return self._call(self._stub.Explain, pb.ExplainRequest(keys=list(keys)), timeout)
+
     def resume(self, trajectory_id: str, at: float | None = None,
                timeout: float | None = None) -> tuple[bool, float]:
         """Tell the daemon the trajectory resumed (``at``: unix seconds, default now).

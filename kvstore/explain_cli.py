@@ -19,6 +19,7 @@ import pathlib
 import sys
 from typing import Any, Callable, Sequence
 
+from .errors import KVStoreError
 from .explain import Explanation, Prompt, explain_pair
 from .keys import Namespace
 
@@ -93,10 +94,7 @@ def explain_remote(prompt: Prompt, target: str) -> Explanation:
 
     keys = prompt.block_keys()
     with KVStoreClient(target) as client:
-        explain = getattr(client, "explain", None)
-        if explain is None:
-            raise PromptError("this daemon client has no Explain RPC yet; compare two prompts instead")
-        return explain(keys)
+        return client.explain(keys)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -114,7 +112,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             result = explain_remote(prompts[0], args.target)
         else:
             raise PromptError("give two prompts, or one prompt and --target ADDR")
-    except (PromptError, ValueError) as e:
+    except (PromptError, ValueError, KVStoreError) as e:
         print(f"kvstore explain: {e}", file=sys.stderr)
         return 2
     print(result.text)

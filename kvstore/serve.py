@@ -35,6 +35,7 @@ from .health import HealthMonitor
 from .interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .policy import make_policy
+from .sessions import SessionTable
 from .server import KVStoreService, data_handler
 from .transport import channel_options
 from .units import format_size
@@ -105,7 +106,7 @@ def build_manager(cfg: Config, named: list[tuple[str, Tier]] | None = None) -> T
     for name, tier in named:
         pc = cfg.tier_policy(name)
         try:
-            policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params))
+            policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params, tier_name=name))
         except ConfigError as e:
             key = f"tiers.{name}.policy" if getattr(cfg.tiers, name).policy is not None else "policy"
             _close_all(named)
@@ -317,7 +318,7 @@ def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
     return f"{host}:{port}", None
 
 
-def _start_prefetch(cfg: Config, manager: TierManager):
+def _start_prefetch(cfg: Config, manager: TierManager, sessions):
     """The prefetch scheduler: moves blocks when ``[prefetch] enabled``; with prefetch off it
     still runs, observing only, when a policy learns from it (``next_use``). Its clock is
     monotonic: client unix times are converted on arrival (:mod:`kvstore.validate`)."""
@@ -325,9 +326,42 @@ def _start_prefetch(cfg: Config, manager: TierManager):
     if not cfg.prefetch.enabled and not any(isinstance(p, UsesReuseModel) for p in manager.policies):
         return None
     from .prefetch import PrefetchScheduler
-    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.monotonic)
+    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.monotonic, sessions=sessions)
     scheduler.start()
     return scheduler
+
+
+class Every:
+    """Calls ``fn`` every ``period_s`` seconds on a daemon thread until :meth:`stop`."""
+
+    def __init__(self, period_s: float, fn, name: str):
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.wait(period_s):
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - keep ticking; the error is logged loudly
+                    log.exception("%s failed", name)
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _eviction_log(manager: TierManager):
+    """Record recent evictions and refusals (bounded) for ``kvstore explain``; returns the
+    function that explains a prompt's keys against the store."""
+    from .explain import EvictionLog, LocalStoreView, explain_prompt
+    from .validate import to_unix
+
+    record = EvictionLog(capacity=100_000)
+    for p in manager.policies:       # times on the daemon's monotonic clock; shown as unix
+        p.listener = lambda ev: record.record(dataclasses.replace(ev, time=to_unix(ev.time)))
+    manager.writes.on_refused = lambda key: record.record_refusal(key, time.time())
+    view = LocalStoreView(manager, record)
+    return lambda keys: explain_prompt(keys, view)
 
 
 def _start_metrics(cfg: Config, manager: TierManager, monitor: HealthMonitor, hints):
@@ -400,9 +434,16 @@ def start_server(cfg: Config) -> Daemon:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
                                                         thread_name_prefix="kvstore-rpc"),
                              options=options, interceptors=interceptors)
-        hints = _start_prefetch(cfg, manager)
+        sessions = SessionTable(manager.policies)
+        hints = _start_prefetch(cfg, manager, sessions)
         if hints is not None:
             background.append(hints)
+            apply_hint = hints.session_hint
+        else:                               # hints still steer eviction; TTLs need a tick
+            def apply_hint(h):
+                return sessions.apply(h, time.monotonic())
+            background.append(Every(1.0, lambda: sessions.tick(time.monotonic()), "kvstore-sessions"))
+        explain = _eviction_log(manager)
         health_servicer = health.HealthServicer()
         monitor = HealthMonitor(manager, health_servicer)
         metrics = _start_metrics(cfg, manager, monitor, hints)
@@ -418,7 +459,8 @@ def start_server(cfg: Config) -> Daemon:
                                  stream_idle_timeout_s=cfg.server.stream_idle_timeout_s, health=monitor, info=info,
                                  default_lease_ttl_s=cfg.server.lease_ttl_s,
                                  observe=metrics.observe if metrics is not None else None,
-                                 tally=metrics.tally if metrics is not None else None)
+                                 tally=metrics.tally if metrics is not None else None,
+                                 sessions=apply_hint, explain=explain)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         server.add_generic_rpc_handlers((data_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -20,8 +20,10 @@ framing and misses.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Callable, Iterator
 
@@ -37,12 +39,17 @@ from .manager import MAX_LEASE_TTL_S, TierManager
 from .put_assembly import PutAssembler
 from .status import code_for
 from .types import BlockMeta, PutResult
-from .validate import check_keys, check_number, check_ranges, check_size, check_ttl, to_monotonic, to_unix
+from .sessions import SessionHint, SessionState
+from .validate import (MAX_CLOCK_SKEW_S, check_keys, check_number, check_ranges, check_size, check_ttl,
+                       to_monotonic, to_unix)
 from .wire import META, FrameError, decode
 
 log = logging.getLogger("kvstore.server")
 
 DATA_SERVICE = "kvstore.v1.KVStoreData"
+_STATES = {pb.SessionHintRequest.CONTINUES: SessionState.CONTINUES,
+           pb.SessionHintRequest.FINISHED: SessionState.FINISHED,
+           pb.SessionHintRequest.ABANDONED: SessionState.ABANDONED}
 DEFAULT_LEASE_TTL_S = 30.0
 
 
@@ -101,12 +108,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         info: the :class:`~kvstore._proto.kvstore_pb2.InfoReply` to answer Info with.
         observe: called with (method name, seconds, tenant) after every call (metrics).
         tally: counts Lookups per tenant (metrics), or None.
+        sessions: applies a :class:`~kvstore.sessions.SessionHint` (monotonic seconds),
+            returning the expected-back time; None: SessionHint gets FAILED_PRECONDITION.
+        explain: maps a prompt's keys to an :class:`~kvstore.explain.Explanation`.
     """
 
     def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
                  stream_idle_timeout_s: float = 30.0, health=None, info: pb.InfoReply | None = None,
-                 observe: Callable[[str, float, str], None] | None = None, tally=None,
+                 observe: Callable[[str, float, str], None] | None = None, tally=None, sessions=None,
+                 explain=None,
                  default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
@@ -119,6 +130,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.default_lease_ttl_s = default_lease_ttl_s
         self._observe = observe
         self.tally = tally
+        self.sessions = sessions
+        self.explain = explain
 
     def observe(self, method: str, seconds: float, context=None) -> None:
         """Report one call's latency (seconds) to the metrics, with the caller's tenant."""
@@ -276,6 +289,48 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         at = to_monotonic(request.time, "time")
         known, observed = self.hints.resume(space.scoped(request.trajectory_id), at)
         return pb.ResumeReply(known=known, observed_seconds=observed)
+
+    @_unary
+    def SessionHint(self, request: pb.SessionHintRequest, context) -> pb.SessionHintReply:
+        space = self._space(context)
+        if self.sessions is None:
+            raise errors.FeatureDisabled("session hints are off (no session table)")
+        if len(request.session_id) > 1024:
+            raise errors.InvalidRequest("session_id is limited to 1024 characters")
+        at = to_monotonic(request.time, "time")
+        keys = tuple(space.internal_many(check_keys(request.keys)))
+        for name in ("expected_back_s", "ttl_s"):
+            check_number(getattr(request, name), name, low=0.0, high=MAX_CLOCK_SKEW_S)
+        skipped: list[str] = []
+        if request.kv_hints_json:
+            import json
+            from .kv_hints import session_hints
+            try:
+                envelope = json.loads(request.kv_hints_json)
+            except ValueError as e:
+                raise errors.InvalidRequest(f"kv_hints_json is not JSON: {e}") from None
+            hints, skipped = session_hints(envelope, keys, at)
+            hints = [dataclasses.replace(h, session_id=space.scoped(h.session_id)) for h in hints]
+        else:
+            hints = [SessionHint(space.scoped(request.session_id), _STATES[request.state], keys,
+                                 request.expected_back_s or None, request.ttl_s or None, at)]
+        expected = math.inf
+        for h in hints:
+            expected = self.sessions(h)
+        return pb.SessionHintReply(expected_back_time=to_unix(expected) if math.isfinite(expected) else math.inf,
+                                   skipped_actions=skipped)
+
+    @_unary
+    def Explain(self, request: pb.ExplainRequest, context) -> pb.ExplainReply:
+        space = self._space(context)
+        if self.explain is None:
+            raise errors.FeatureDisabled("explain is off (no eviction log)")
+        e = self.explain(space.internal_many(check_keys(request.keys)))
+        reply = pb.ExplainReply(kind=e.kind, block=-1 if e.block is None else e.block, text=e.text)
+        if e.eviction is not None:
+            reply.tier, reply.policy, reply.reason = e.eviction.tier, e.eviction.policy, e.eviction.reason
+            reply.time = e.eviction.time
+        return reply
 
     # ------------------------------------------------------------------ same-node data plane
 

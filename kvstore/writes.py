@@ -73,6 +73,7 @@ class Writes:
         self.write_policy = write_policy
         self.writer_wait_s = writer_wait_s
         self.put_failure: tuple[float, str] | None = None
+        self.on_refused = None      # called with the key of a put no tier admitted (explain-miss)
         self._size_conflicts_logged: OrderedDict[bytes, None] = OrderedDict()
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
@@ -125,6 +126,8 @@ class Writes:
             except _NotAdmitted:
                 cat.end_claim(claim)
                 self.counters.inc("puts_not_admitted")
+                if self.on_refused is not None:
+                    self.on_refused(key)
                 return PutOutcome(key, already_present=False, not_admitted=True)
             except BaseException:
                 cat.end_claim(claim)

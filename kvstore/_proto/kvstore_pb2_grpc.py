@@ -79,6 +79,16 @@ class KVStoreStub(object):
                 request_serializer=kvstore__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.ResumeReply.FromString,
                 _registered_method=True)
+        self.SessionHint = channel.unary_unary(
+                '/kvstore.v1.KVStore/SessionHint',
+                request_serializer=kvstore__pb2.SessionHintRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.SessionHintReply.FromString,
+                _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Explain',
+                request_serializer=kvstore__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ExplainReply.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/kvstore.v1.KVStore/Lease',
                 request_serializer=kvstore__pb2.LeaseRequest.SerializeToString,
@@ -160,6 +170,18 @@ class KVStoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SessionHint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Explain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -231,6 +253,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=kvstore__pb2.ResumeRequest.FromString,
                     response_serializer=kvstore__pb2.ResumeReply.SerializeToString,
+            ),
+            'SessionHint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SessionHint,
+                    request_deserializer=kvstore__pb2.SessionHintRequest.FromString,
+                    response_serializer=kvstore__pb2.SessionHintReply.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=kvstore__pb2.ExplainRequest.FromString,
+                    response_serializer=kvstore__pb2.ExplainReply.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
@@ -496,6 +528,60 @@ class KVStore(object):
             '/kvstore.v1.KVStore/Resume',
             kvstore__pb2.ResumeRequest.SerializeToString,
             kvstore__pb2.ResumeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SessionHint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/SessionHint',
+            kvstore__pb2.SessionHintRequest.SerializeToString,
+            kvstore__pb2.SessionHintReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Explain',
+            kvstore__pb2.ExplainRequest.SerializeToString,
+            kvstore__pb2.ExplainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ except importlib.metadata.PackageNotFoundError:
                 allow_module_level=True)
 
 import vllm_support as vs  # noqa: E402
-from conftest import daemon_config  # noqa: E402  (tests/conftest.py)
+from support.daemon import daemon_config  # noqa: E402  (tests/conftest.py)
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))

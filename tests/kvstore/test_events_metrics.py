@@ -12,7 +12,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore.client import KVStoreClient
 from kvstore.serve import start_server
 from kvstore.types import BlockMeta

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import CONVERSATION_TRACE, daemon_config
+from support.daemon import CONVERSATION_TRACE, daemon_config
 from kvstore.client import KVStoreClient
 from kvstore.replay import block_token_counts, payload_for, replay, trace_key
 from kvstore.serve import start_server

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import CONVERSATION_TRACE, short_socket_dir
+from support.daemon import CONVERSATION_TRACE, short_socket_dir
 from kvstore.client import KVStoreClient
 from kvstore.replay import replay, trace_key
 from kvstore.trace import read_mooncake_trace

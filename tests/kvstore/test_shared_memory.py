@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, daemon_config
+from support.daemon import ROOT, daemon_config
 from kvstore.client import KVStoreClient
 from kvstore.errors import FeatureDisabled, Unauthenticated
 from kvstore.serve import start_server

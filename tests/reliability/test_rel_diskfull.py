@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore import errors
 from kvstore.client import KVStoreClient
 from kvstore.serve import start_server

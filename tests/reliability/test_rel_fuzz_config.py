@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore import config
 from kvstore.errors import ConfigError
 from kvstore.serve import start_server

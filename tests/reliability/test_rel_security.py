@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore import auth, config, errors
 from kvstore.auth import Authenticator, tenant_key
 from kvstore.client import KVStoreClient

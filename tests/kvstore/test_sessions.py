@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -137,3 +138,32 @@ def test_kv_hints_envelope_maps_our_action_and_the_agent_hint_rfc():
 def test_malformed_envelopes_are_invalid_requests(env):
     with pytest.raises(InvalidRequest):
         session_hints(env, [k("a"), k("b")])
+
+
+def test_session_hints_through_the_daemon_make_finished_sessions_first_victims(tmp_path):
+    """A finished session's blocks go before older blocks of a session that continues."""
+    import hashlib
+
+    import numpy as np
+
+    from support.daemon import daemon_config
+    from kvstore.client import KVStoreClient
+    from kvstore.serve import start_server
+
+    d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))
+    try:
+        def keys(tag, n):
+            return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+        a, b, c_ = keys("a", 3), keys("b", 3), keys("c", 3)
+        with KVStoreClient(d.address, timeout=30) as c:
+            c.put_from(a, np.zeros((3, 128 << 10), dtype=np.uint8))     # oldest: LRU would evict these first
+            c.put_from(b, np.zeros((3, 128 << 10), dtype=np.uint8))
+            assert c.session_hint("agent-a", "continues", a, expected_back_s=5.0) > time.time()
+            assert c.session_hint("agent-b", "finished", b) == float("inf")
+            c.put_from(c_, np.zeros((3, 128 << 10), dtype=np.uint8))   # 9 x 128 KiB > 1 MiB: 1 must go
+            assert c.lookup(a).hit_blocks == 3                         # kept: it continues
+            assert c.lookup(b).hit_blocks < 3                          # the finished session paid
+            with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+                c.session_hint("agent-x", "continues", a, expected_back_s=float("nan"))
+    finally:
+        d.stop(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 
@@ -137,11 +138,37 @@ def test_cli_bad_prompt_files_are_clear_errors(tmp_path, capsys, content, messag
     assert "p.json" in err and message in err
 
 
-def test_cli_one_prompt_needs_a_daemon_that_serves_explain(tmp_path, capsys, daemon):
+def test_cli_one_prompt_asks_the_daemon(tmp_path, capsys, daemon):
     p = tmp_path / "p.json"
     p.write_text(json.dumps({"keys": [k.hex() for k in BlockKeyer(NS).keys(tokens("q" * 32))]}))
     args = _parser().parse_args(["explain", str(p), "--target", daemon.address])
-    assert args.func(args) == 2
-    assert "Explain RPC" in capsys.readouterr().err
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.startswith("block 0 was never stored")
     args = _parser().parse_args(["explain", str(p)])
     assert args.func(args) == 2 and "--target" in capsys.readouterr().err
+
+
+def test_the_daemon_explains_an_eviction_and_a_refusal(tmp_path):
+    """Explain through the daemon: a block pushed out of a full host tier (no NVMe) is
+    named with its tier, policy and time; a block never put is never stored."""
+    import numpy as np
+
+    from support.daemon import daemon_config
+    from kvstore.client import KVStoreClient
+    from kvstore.serve import start_server
+
+    d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))
+    try:
+        keys = BlockKeyer(NS).keys(tokens("e" * NS.block_tokens * 20))          # 20 blocks
+        assert len(keys) == 20
+        with KVStoreClient(d.address, timeout=30) as c:
+            c.put_from(keys[:4], np.zeros((4, 128 << 10), dtype=np.uint8))
+            c.put_from(keys[4:12], np.zeros((8, 128 << 10), dtype=np.uint8))   # pushes blocks 0..3 out
+            r = c.explain(keys)
+            assert (r.kind, r.block, r.tier, r.policy) == ("evicted", 0, "host", "lru")
+            assert "block 0 evicted from host at " in r.text and "by lru" in r.text
+            assert abs(r.time - time.time()) < 600
+            r = c.explain(keys[4:12] + keys[12:])
+            assert (r.kind, r.block) == ("never_stored", 8)
+    finally:
+        d.stop(0)
