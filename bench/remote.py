@@ -140,6 +140,7 @@ def tier_rates(tier, raw: Raw, size: int, batch: int, total: int) -> dict:
     rates = {"tier put": timed_rounds(put, size * batch, total)}
     for k in list(tier._own):                                # drop them, outside the timing
         tier.free(k)
+    tier.flush(60)
     keys = [key(10**6, i) for i in range(batch)]
     assert tier.put_many([(k, b) for k, b in zip(keys, blocks)]) == [True] * batch
 
@@ -157,12 +158,14 @@ def tier_rates(tier, raw: Raw, size: int, batch: int, total: int) -> dict:
         for k in list(tier._own):
             if k != keys[0]:
                 tier.free(k)
+        tier.flush(60)
 
         def get2(_r=0):
             assert tier.read_into(keys[0], outs[0]) == size
         rates["tier get (read_into)"] = timed_rounds(get2, size, total)
     for k in list(tier._own):
         tier.free(k)
+    tier.flush(60)
     return rates
 
 
