@@ -8,7 +8,9 @@ the records of misses: :func:`proto_batches` for ``Get`` (protobuf), :func:`raw_
 for ``GetRaw`` (:mod:`kvstore.wire`).
 
 A block that fails while it is being sent (every copy corrupt) gets a ``FAILED`` record
-at the offset reached; the client drops what it received of it.
+at the offset reached; the client drops what it received of it. Blocks held only in the
+cluster are paged into the host arena in one batch before the first piece is read, and
+reported with tier ``REMOTE``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from tiers.base import check_ranges
+from tiers.base import TierKind, check_ranges
 from tiers.errors import InvalidAccess
 
 from ._proto import kvstore_pb2 as pb
@@ -72,8 +74,10 @@ def sub_ranges(ranges: Sequence[tuple[int, int]], starts: Sequence[int], offset:
 def pieces(plan: GetPlan) -> Iterator[Piece]:
     """Every requested block as pieces, in key order (a miss is one empty piece)."""
     m = plan.manager
+    paged = m.reads.page_in([plan.internal(k) for k in plan.keys], prefix=plan.stop_at_miss)
     for key in plan.keys:
-        reader = m.reader(plan.internal(key))
+        internal = plan.internal(key)
+        reader = m.reads.reader(internal, remote=False)
         if reader is None:
             yield Piece(key, 0, 0, 0, 0, b"")
             if plan.stop_at_miss:
@@ -91,6 +95,8 @@ def pieces(plan: GetPlan) -> Iterator[Piece]:
                 n = min(plan.step, total - offset)
                 buf = np.empty(n, dtype=np.uint8)
                 tier = int(reader.read_into(buf, sub_ranges(ranges, starts, offset, n) if n else [(0, 0)]))
+                if internal in paged:
+                    tier = int(TierKind.REMOTE)
                 yield Piece(key, FOUND, tier, total, offset, buf)
                 offset += n
                 if total == 0:

@@ -83,8 +83,9 @@ class Leases:
         """Pin blocks for a client that reads them in place, for ``ttl_s`` seconds.
 
         A block in HBM is located by its IPC handle when ``device`` (the client is on the
-        GPU), else in the shared host arena; a block only in a lower tier is promoted into
-        the arena first. With ``prefix`` the grant ends at the first miss. The grant also
+        GPU), else in the shared host arena; a block only in a lower tier (or only in the
+        cluster) is brought into the arena first. With ``prefix`` the grant ends at the
+        first miss. The grant also
         ends early (``LeaseGrant.resume_at``) once ``max_bytes`` (default a quarter of the
         arena) are leased or a promotion finds no room: the client releases, then asks
         for the rest. Raises InvalidRequest (bad key, TTL), KVStoreError when no tier can
@@ -97,6 +98,7 @@ class Leases:
         if self._shared is None and not (device and self._device is not None):
             raise KVStoreError("no tier can be read in place by clients (no shared host arena or HBM tier)")
         cat = self.catalogue
+        self.manager.reads.page_in(keys, prefix=prefix)    # blocks only in the cluster: one batch
         if max_bytes is None:
             max_bytes = self.tiers[self._shared].capacity_bytes // 4 if self._shared is not None else 1 << 62
         blocks: list[LeasedBlock] = []

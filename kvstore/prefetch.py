@@ -63,6 +63,8 @@ DEFAULT_HOP_BANDWIDTH: dict[tuple[TierKind, TierKind], float] = {
     (TierKind.NVME, TierKind.HOST): 1.5e9,
     (TierKind.HBM, TierKind.HOST): 64e9,
     (TierKind.HOST, TierKind.NVME): 4e9,
+    (TierKind.REMOTE, TierKind.HOST): 0.8e9,   # Mooncake over loopback TCP (docs/remote_tier.md)
+    (TierKind.REMOTE, TierKind.HBM): 0.8e9,
 }
 """Bytes per second per (source, destination) hop, before any measurement."""
 
@@ -124,6 +126,7 @@ class _Waiting:
     started: bool = False            # some promotion for this wait has begun
     done_at: float = 0.0             # when the last transfer of the promotion finishes
     seq: int = 0
+    paged_in: bool = False           # blocks only in the cluster were asked for
 
 
 class PrefetchScheduler:
@@ -237,7 +240,7 @@ class PrefetchScheduler:
 
         ``assume``: plan for the worst plausible case, every block (even one in tier 0
         now, which may be demoted while it waits) one hop away in tier ``assume``, or
-        where it is when that is slower (NVMe).
+        where it is when that is slower (NVMe, the cluster).
         """
         dst = self.manager.tier_kind(0)
         total = 0.0
@@ -245,7 +248,7 @@ class PrefetchScheduler:
             src = self._source_kind(key)
             if src is None:
                 continue
-            if assume is not None and src != TierKind.NVME:
+            if assume is not None and src not in (TierKind.NVME, TierKind.REMOTE):
                 src = assume
             if src == dst:
                 continue
@@ -456,16 +459,38 @@ class PrefetchScheduler:
         self._account_removed()
         return ok
 
+    def _page_in(self, keys: Sequence[bytes]) -> bool:
+        """Ask for blocks held only in the cluster (the trajectory ran on another node) to
+        be paged into the host arena, in the background (this thread holds the scheduler
+        lock); the (REMOTE, HOST) hop's bandwidth is measured. True when some were asked
+        for: the promotion is then retried once they are here."""
+        cluster = self.manager.cluster
+        if cluster is None:
+            return False
+        if all((loc := self.manager.locate(k)) is not None and loc[1] != cluster.index for k in keys):
+            return False
+        hop = (TierKind.REMOTE, TierKind.HOST)
+
+        def measured(paged: set[bytes], seconds: float) -> None:
+            nbytes = sum(self._size_of(k) for k in paged)
+            if self.measure_bandwidth and nbytes and seconds > 0:
+                with self._lock:
+                    self.bandwidth[hop] = 0.8 * self.bandwidth.get(hop, 1e9) + 0.2 * (nbytes / seconds)
+        cluster.pull_ahead(keys, measured)
+        return True
+
     def _promote(self, w: _Waiting, now: float) -> None:
         """Bring ``w``'s blocks into tier 0, head first; retry later if room ran out."""
         w.promoted = w.started = True
         dst = self.manager.tier_kind(0)
         done = max(now, w.done_at)
         blocked = False
+        if not w.paged_in:
+            w.paged_in = blocked = self._page_in(w.keys)    # retried once the cluster's blocks are here
         protected = self._protected(w, now)
         for key in w.keys:                # head first: a partial promotion still hits
             src = self._source_kind(key)
-            if src is None or src == dst:
+            if src is None or src == dst or src == TierKind.REMOTE:    # the cluster's: paged in above
                 continue
             nbytes = self._size_of(key)
             if not self._make_room(w, nbytes, now, protected):

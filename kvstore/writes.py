@@ -153,6 +153,8 @@ class Writes:
         for i, tier in enumerate(self.tiers):
             if only is not None and i != only:
                 continue
+            if tier.capabilities.remote is not None:
+                continue    # the cluster gets blocks by demotion or publishing, never a put's first copy
             if not self.policies[i].admit(key, nbytes, now):
                 continue
             admitted = True
@@ -233,6 +235,8 @@ class Writes:
             self._placement.kick_if_full(pending.tier)
             if self.write_policy == WRITE_THROUGH:
                 for j in range(pending.tier + 1, len(self.tiers)):
+                    if self.tiers[j].capabilities.remote is not None:
+                        continue    # the cluster: batched at the end of the put call (Cluster.put_done)
                     try:    # acknowledged only once every lower copy exists (crash-safe)
                         self._placement.copy_locked(entry, pending.tier, j, "write_through")
                         self.counters.inc("write_through_copies")
@@ -262,5 +266,7 @@ class Writes:
             self.abort_put(outcome.pending)
             raise
         self.commit_put(outcome.pending)
+        if self.manager.cluster is not None:
+            self.manager.cluster.put_done([key])
         return True
 
