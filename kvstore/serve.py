@@ -35,6 +35,7 @@ from .health import HealthMonitor
 from .interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .policy import make_policy
+from .remote_config import build_remote_tier, cluster_options
 from .server import KVStoreService, data_handler
 from .transport import channel_options
 from .units import format_size
@@ -92,6 +93,8 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
                 out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
             except (ValueError, NotImplementedError, OSError, TierError) as e:
                 raise ConfigError(f"tiers.nvme: {e}") from None
+        if t.remote.enabled:       # the cluster, last; returns at once even with the master down
+            out.append(("remote", build_remote_tier(t.remote)))
     except BaseException:
         _close_all(out)
         raise
@@ -111,7 +114,8 @@ def build_manager(cfg: Config, named: list[tuple[str, Tier]] | None = None) -> T
             _close_all(named)
             raise ConfigError(f"{key}.params: {e}") from None
     return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True,
-                       watermarks=(cfg.policy.low_watermark, cfg.policy.high_watermark))
+                       watermarks=(cfg.policy.low_watermark, cfg.policy.high_watermark),
+                       cluster=cluster_options(cfg.tiers.remote))
 
 
 @dataclasses.dataclass
