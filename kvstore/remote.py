@@ -187,11 +187,11 @@ class Cluster:
         with self._lock:
             for k in dict.fromkeys(absent):
                 ev = self._inflight.get(k)
-                if ev is None:
+                if ev is not None:
+                    theirs.append(ev)           # another request is paging it in: wait for that
+                elif cat.claim(k) is None:      # (a client writing it now: a miss, as without a cluster)
                     self._inflight[k] = threading.Event()
                     mine.append(k)
-                else:
-                    theirs.append(ev)
         pulled: set[bytes] = set()
         stop_at: bytes | None = None
         try:

@@ -64,34 +64,39 @@ class Publisher:
     # ------------------------------------------------------------------ the batch copy
 
     def publish_now(self, keys: Sequence[bytes]) -> int:
-        """Copy the blocks of ``keys`` not yet in the cluster there now, in batches;
-        returns how many were stored. Never raises for a cluster failure (counted in
-        ``remote_publish_failed``)."""
+        """Copy the blocks of ``keys`` not yet in the cluster there now, in batches (each
+        pinned only while it is copied); returns how many were stored. Never raises for a
+        cluster failure (counted in ``remote_publish_failed``)."""
+        stored = 0
+        batch: list[bytes] = []
+        total = 0
+        for key in dict.fromkeys(keys):
+            loc = self.m.locate(key)
+            if loc is None:
+                continue
+            if batch and total + loc[0] + OBJECT_OVERHEAD > self.c.chunk_bytes:
+                stored += self._publish_keys(batch)
+                batch, total = [], 0
+            batch.append(key)
+            total += loc[0] + OBJECT_OVERHEAD
+        if batch:
+            stored += self._publish_keys(batch)
+        return stored
+
+    def _publish_keys(self, keys: list[bytes]) -> int:
         cat = self.m.catalogue
         entries: list[Entry] = []
         with cat.lock:
-            for key in dict.fromkeys(keys):
+            for key in keys:
                 e = cat.get(key)
                 if e is not None and self.c.index not in e.tiers and not self.c.paging(key):
                     cat.pin_entry(e)
                     entries.append(e)
-        stored = 0
         try:
-            batch: list[Entry] = []
-            total = 0
-            for e in entries:
-                size = e.size + OBJECT_OVERHEAD
-                if batch and total + size > self.c.chunk_bytes:
-                    stored += self._publish_batch(batch)
-                    batch, total = [], 0
-                batch.append(e)
-                total += size
-            if batch:
-                stored += self._publish_batch(batch)
+            return self._publish_batch(entries) if entries else 0
         finally:
             for e in entries:
                 cat.unpin(e)
-        return stored
 
     def _publish_batch(self, batch: list[Entry]) -> int:
         c, cat, p = self.c, self.m.catalogue, self.m.placement

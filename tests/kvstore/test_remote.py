@@ -249,3 +249,24 @@ def test_get_stream_reports_paged_in_blocks_as_remote(cluster):
     assert {t for k, t in tiers if k == K(1)} == {int(TierKind.REMOTE)}
     data = b"".join(np.asarray(p.data).tobytes() for p in got if p.key == K(1))
     assert data == payload(1, 3000) and b.tiers[-1].calls <= 3    # sizes + one batch get (+ lookup-free)
+
+
+def test_prefetch_pages_a_waiting_trajectory_in_from_the_cluster(cluster):
+    from kvstore.config import PrefetchConfig
+    from kvstore.prefetch import DEFAULT_HOP_BANDWIDTH, PrefetchScheduler
+
+    a, b = node(cluster, publish="all"), node(cluster)
+    keys = [K(i) for i in range(6)]
+    for i, k in enumerate(keys):
+        a.put(k, payload(i))
+    assert a.cluster.wait_published()
+    now = [1000.0]
+    sched = PrefetchScheduler(b, PrefetchConfig(enabled=True), clock=lambda: now[0])
+    sched.tool_call_start("t1", "search", now[0], keys)     # the trajectory ran on node A
+    now[0] += 3600.0                                          # long past its promotion time
+    sched.tick()
+    assert wait_until(lambda: all(b.tier_of(k) is TierKind.HOST for k in keys))
+    assert [bytes(b.get(k).data) for k in keys] == [payload(i) for i in range(6)]
+    assert b.counters["remote_pulled_blocks"] == 6
+    hop = (TierKind.REMOTE, TierKind.HOST)
+    assert wait_until(lambda: sched.bandwidth[hop] != DEFAULT_HOP_BANDWIDTH[hop])   # measured
