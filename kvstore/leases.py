@@ -85,10 +85,9 @@ class Leases:
         A block in HBM is located by its IPC handle when ``device`` (the client is on the
         GPU), else in the shared host arena; a block only in a lower tier (or only in the
         cluster) is brought into the arena first. With ``prefix`` the grant ends at the
-        first miss. The grant also
-        ends early (``LeaseGrant.resume_at``) once ``max_bytes`` (default a quarter of the
-        arena) are leased or a promotion finds no room: the client releases, then asks
-        for the rest. Raises InvalidRequest (bad key, TTL), KVStoreError when no tier can
+        first miss. The grant also ends early (``LeaseGrant.resume_at``) once
+        ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
+        room: the client releases, then asks for the rest. Raises InvalidRequest (bad key, TTL), KVStoreError when no tier can
         be mapped by clients.
         """
         if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN

@@ -10,6 +10,7 @@ naming the missing package, when the Mooncake wheel or libibverbs1 is absent.
 from __future__ import annotations
 
 import pathlib
+import tempfile
 import threading
 import time
 
@@ -50,11 +51,10 @@ def remote_section(master, **overrides) -> dict:
 def node_config(folder: pathlib.Path, master, *, host: str = "128MiB", write: str = "write_back",
                 listen: str | None = None, **remote) -> config.Config:
     """A daemon with a host tier (no NVMe) and the cluster tier; its files in ``folder``."""
-    from conftest import short_socket_dir
-
     folder.mkdir(parents=True, exist_ok=True)
+    sock = pathlib.Path(tempfile.mkdtemp(prefix="kvc-")) / "kvstore.sock"      # short: unix socket paths
     return config.from_dict({
-        "server": {"listen": listen or f"unix:{short_socket_dir()}/kvstore.sock", "workers": 8},
+        "server": {"listen": listen or f"unix:{sock}", "workers": 8},
         "tiers": {"host": {"capacity": host}, "nvme": {"enabled": False},
                   "remote": remote_section(master, **remote)},
         "policy": {"write": write},
