@@ -13,11 +13,18 @@ under test mounts none). For each block size and batch it measures, in this orde
   (header, xxh3 checksum, staging copy, verify on every get, deadline guard), and the
   two-phase ``reserve/write/commit`` + ``read_into`` path for batch 1;
 
-and prints GB/s (1e9 B/s) with ``tier/store`` and ``tier/TE`` ratios. Puts use fresh
-keys each round (a put of an existing key is a no-op in Mooncake) and are removed
-between cases, outside the timing.
+- ``daemon``: the same bytes through two ``kvstore serve`` processes of the cluster
+  (:mod:`bench.remote_daemon`): a client of daemon B getting blocks only the cluster
+  holds (paged into B's arena), and a client of daemon A putting with write-through;
+  each next to the same call on blocks B holds itself (``local``);
 
-    python bench/remote.py [--sizes 1MiB,4MiB] [--batches 1,16] [--total 256MiB] [--repeat 3] [--json out.json]
+and prints GB/s (1e9 B/s) with ``/store`` and ``/TE`` ratios (gets against TE reads,
+puts against TE writes) and, for daemon calls, ``/local``. Puts use fresh keys each
+round (a put of an existing key is a no-op in Mooncake) and are removed between cases,
+outside the timing.
+
+    python bench/remote.py [--sizes 1MiB,4MiB] [--batches 1,16] [--total 256MiB] [--repeat 3] [--no-daemons]
+                           [--json out.json]
 """
 
 from __future__ import annotations
@@ -140,6 +147,7 @@ def tier_rates(tier, raw: Raw, size: int, batch: int, total: int) -> dict:
     rates = {"tier put": timed_rounds(put, size * batch, total)}
     for k in list(tier._own):                                # drop them, outside the timing
         tier.free(k)
+    tier.flush(60)
     keys = [key(10**6, i) for i in range(batch)]
     assert tier.put_many([(k, b) for k, b in zip(keys, blocks)]) == [True] * batch
 
@@ -157,13 +165,34 @@ def tier_rates(tier, raw: Raw, size: int, batch: int, total: int) -> dict:
         for k in list(tier._own):
             if k != keys[0]:
                 tier.free(k)
+        tier.flush(60)
 
         def get2(_r=0):
             assert tier.read_into(keys[0], outs[0]) == size
         rates["tier get (read_into)"] = timed_rounds(get2, size, total)
     for k in list(tier._own):
         tier.free(k)
+    tier.flush(60)
     return rates
+
+
+def _rows(samples: dict[tuple, list[float]]) -> list[dict]:
+    """Medians and ratios of the tier's and the daemons' figures."""
+    rows = []
+    for (size, batch, who, op), values in samples.items():
+        if who not in ("tier", "daemon") or "(local)" in op:
+            continue
+        kind = "put" if "put" in op else "get"
+        rate, store, te = (median(values), median(samples[(size, batch, "store", kind)]),
+                           median(samples[(size, batch, "te", kind)]))
+        local = 0.0
+        if who == "daemon":
+            local = median(samples[(size, batch, "daemon", op.split(" (")[0] + " (local)")])
+        rows.append({"block": size, "batch": batch, "op": op,
+                     "GBps": rate, "store_GBps": store, "te_GBps": te, "local_GBps": local,
+                     "over_store": rate / store, "over_te": rate / te, "over_local": rate / local if local else 0.0,
+                     "samples": len(values)})
+    return rows
 
 
 def main() -> int:
@@ -175,6 +204,7 @@ def main() -> int:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--total", default="256MiB", help="bytes moved per measurement")
     p.add_argument("--repeat", type=int, default=3, help="measurements per figure (the median is shown)")
+    p.add_argument("--no-daemons", action="store_true", help="skip the daemon-level figures")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     repeat = max(1, args.repeat)
@@ -184,6 +214,8 @@ def main() -> int:
         return 0
     from tiers.mooncake import MooncakeConfig, MooncakeTier
 
+    from remote_daemon import Daemons, daemon_rates
+
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     total = parse_size(args.total)
@@ -191,13 +223,16 @@ def main() -> int:
     rows = []
     with LocalMaster() as master:
         # Room for every put of a measurement (they are removed between measurements).
-        peer = LocalSegment(master, 2 * (total + span) + (256 << 20)).start()
+        peer = LocalSegment(master, 3 * (total + span) + (256 << 20)).start()
         raw = Raw(master, span)
         tier = MooncakeTier(MooncakeConfig(master=master.address, metadata_server=master.metadata_server,
                                            segment_bytes=0, capacity_bytes=8 << 30, staging_bytes=span + (8 << 20),
                                            timeout_s=5.0), name="bench", wait_connected_s=60)
         samples: dict[tuple, list[float]] = {}
+        daemons = None
         try:
+            if not args.no_daemons:
+                daemons = Daemons(master, host_bytes=total + 2 * span + (64 << 20), staging_bytes=span + (8 << 20))
             # The machine is shared and its load drifts: every repetition measures each
             # case's TE, store and tier figures back to back, and each figure is the
             # median over repetitions.
@@ -213,25 +248,27 @@ def main() -> int:
                             raw.store_get(size, batch, total, f"rawg{size}x{batch}/"))
                         for op, rate in tier_rates(tier, raw, size, batch, total).items():
                             samples.setdefault(case + ("tier", op), []).append(rate)
-            for (size, batch, who, op), values in samples.items():
-                if who != "tier":
-                    continue
-                kind = "put" if "put" in op else "get"
-                rate, store, te = (median(values), median(samples[(size, batch, "store", kind)]),
-                                   median(samples[(size, batch, "te", kind)]))
-                rows.append({"block": size, "batch": batch, "op": op, "tier_GBps": rate, "store_GBps": store,
-                             "te_GBps": te, "tier_over_store": rate / store, "tier_over_te": rate / te,
-                             "samples": len(values)})
+                        if daemons is not None:
+                            blocks = [raw.buf[i * size:(i + 1) * size] for i in range(batch)]
+                            for op, rate in daemon_rates(daemons, tier, blocks, size, batch, total).items():
+                                samples.setdefault(case + ("daemon", op), []).append(rate)
+            rows = _rows(samples)
         finally:
+            if daemons is not None:
+                daemons.close()
             tier.close()
             raw.close()
             peer.kill()
-    print(f"{'block':>6} {'batch':>5} {'op':<22} {'tier':>7} {'store':>7} {'TE':>7} {'tier/store':>10} {'tier/TE':>8}")
+    print(f"{'block':>6} {'batch':>5} {'op':<27} {'GB/s':>7} {'store':>7} {'TE':>7} {'local':>7} {'/store':>7} "
+          f"{'/TE':>6} {'/local':>7}")
     for r in rows:
-        print(f"{format_size(r['block']):>6} {r['batch']:>5} {r['op']:<22} {r['tier_GBps']:7.3f} {r['store_GBps']:7.3f} "
-              f"{r['te_GBps']:7.3f} {r['tier_over_store']:10.2f} {r['tier_over_te']:8.2f}")
+        local = f"{r['local_GBps']:7.3f}" if r["local_GBps"] else f"{'':7}"
+        ratio = f"{r['over_local']:7.2f}" if r["local_GBps"] else f"{'':7}"
+        print(f"{format_size(r['block']):>6} {r['batch']:>5} {r['op']:<27} {r['GBps']:7.3f} {r['store_GBps']:7.3f} "
+              f"{r['te_GBps']:7.3f} {local} {r['over_store']:7.2f} {r['over_te']:6.2f} {ratio}")
     print(f"GB/s (1e9 B/s), medians of {repeat} interleaved runs; store = raw Mooncake batch_put_from/"
-          "batch_get_into, TE = raw Transfer Engine batch write/read, same blocks, same run")
+          "batch_get_into, TE = raw Transfer Engine batch write/read, local = the same daemon call on blocks "
+          "the daemon holds (puts: no write-through); same blocks, same run")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

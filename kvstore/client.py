@@ -34,7 +34,7 @@ from .buffers import BlockBuffers, host_view
 from .status import error_for
 from .transport import DEFAULT_CHUNK_BYTES, DEFAULT_MESSAGE_BYTES, FRAMING_BYTES, channel_options
 from .types import BlockMeta, GetResult, LookupResult, PutResult, ReserveStatus, TierKind
-from .wire import FAILED, FOUND, META, decode, frames
+from .wire import FOUND, META, decode, frames
 
 log = logging.getLogger("kvstore.client")
 

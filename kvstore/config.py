@@ -37,6 +37,12 @@ Example (every key optional; these are the defaults unless noted)::
     io = "auto"                   # auto | gds | posix
     fsync = false                 # fsync files and index on every put (power-loss safety)
 
+    [tiers.remote]                # the cluster (Mooncake Store), the last tier; off by default
+    enabled = false               # (the keys: kvstore/remote_config.py, docs/remote_tier.md)
+    master = "127.0.0.1:50051"
+    metadata_server = "http://127.0.0.1:8080/metadata"
+    publish = "demoted"           # demoted | all (every put, in the background)
+
     [policy]
     eviction = "lru"              # default policy of every tier: lru | arc | s3fifo | next_use
     write = "write_back"          # write_back | write_through
@@ -87,6 +93,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from .errors import ConfigError
+from .remote_config import REMOTE_SIZE_FIELDS, RemoteConfig, validate_remote
 from .units import parse_size
 
 EVICTION_CHOICES = ("lru", "arc", "s3fifo", "next_use")
@@ -163,6 +170,7 @@ class TiersConfig:
     hbm: HBMConfig = field(default_factory=HBMConfig)
     host: HostConfig = field(default_factory=HostConfig)
     nvme: NVMeConfig = field(default_factory=NVMeConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
 
 @dataclass(frozen=True)
@@ -213,7 +221,7 @@ class Config:
         return TierPolicyConfig(self.policy.eviction, self.policy.params)
 
 
-_SIZE_FIELDS = {"capacity", "max_message_bytes", "max_chunk_bytes"}
+_SIZE_FIELDS = {"capacity", "max_message_bytes", "max_chunk_bytes", *REMOTE_SIZE_FIELDS}
 MAX_SIZE = (1 << 63) - 1
 """Largest size any key accepts (bytes): sizes travel as uint64 in the gRPC stats."""
 
@@ -278,7 +286,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, key)
-        elif name == "policy" and cls in (HBMConfig, HostConfig, NVMeConfig):
+        elif name == "policy" and cls in (HBMConfig, HostConfig, NVMeConfig, RemoteConfig):
             kwargs[name] = _build(TierPolicyConfig, value, key)
         else:
             kwargs[name] = _convert(path, name, value, default, f.type)
@@ -382,7 +390,8 @@ def validate(cfg: Config) -> Config:
         if getattr(t, n).capacity <= 0:
             raise ConfigError(f"tiers.{n}.capacity: must be > 0 for an enabled tier")
     _validate_policy(cfg.policy, "policy")
-    for n in ("hbm", "host", "nvme"):
+    validate_remote(t.remote)
+    for n in ("hbm", "host", "nvme", "remote"):
         override = getattr(t, n).policy
         if override is not None:
             _validate_policy(override, f"tiers.{n}.policy")

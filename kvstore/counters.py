@@ -62,6 +62,23 @@ COUNTERS: dict[str, str] = {
     "events_dropped": "KV events dropped because the publisher's queue was full",
     "leased_bytes": "payload bytes of the blocks pinned by leases",
     "leases_expired": "leases that ended by their TTL (not released)",
+    # the cluster (a remote tier, kvstore/remote.py)
+    "remote_lookups": "Lookups that asked the cluster about blocks not held here (one call each)",
+    "remote_lookup_hit_blocks": "blocks Lookup found in the cluster only",
+    "remote_lookup_failures": "cluster existence checks that failed or passed their deadline (misses)",
+    "remote_pulled_blocks": "blocks paged in from the cluster into the host arena",
+    "remote_pulled_bytes": "payload bytes paged in from the cluster",
+    "remote_pull_misses": "blocks the cluster listed that were not paged in (gone, corrupt, peer down, no room)",
+    "remote_pull_failures": "page-in calls that failed as a whole (cluster unreachable or too slow)",
+    "remote_published": "blocks copied to the cluster in the background (publish = \"all\")",
+    "remote_publish_failed": "background copies to the cluster that failed or were skipped",
+    # the remote tier's own call counters (Stats only, from tiers.remote_guard)
+    "remote_calls": "calls into the cluster client library",
+    "remote_call_failures": "of which failed (deadline passed, error, cluster unreachable)",
+    "remote_call_timeouts": "of which were abandoned at their deadline",
+    "remote_calls_refused": "calls refused at once while the cluster was unreachable (circuit open)",
+    "remote_corrupt_copies": "cluster copies that failed verification (a miss, dropped from the cluster)",
+    "remote_peer_errors": "reads a peer did not serve (a miss)",
 }
 
 _PATTERNS = [(re.compile("^" + re.escape(name).replace(re.escape("{tier}"), "[a-z0-9_]+") + "$"), name)

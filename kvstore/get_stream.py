@@ -8,23 +8,24 @@ the records of misses: :func:`proto_batches` for ``Get`` (protobuf), :func:`raw_
 for ``GetRaw`` (:mod:`kvstore.wire`).
 
 A block that fails while it is being sent (every copy corrupt) gets a ``FAILED`` record
-at the offset reached; the client drops what it received of it.
+at the offset reached; the client drops what it received of it. Blocks held only in the
+cluster are paged into the host arena in one batch before the first piece is read, and
+reported with tier ``REMOTE``.
 """
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Iterator, Sequence
 
-import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import numpy as np
 
-from tiers.base import check_ranges
+from tiers.base import TierKind, check_ranges
 from tiers.errors import InvalidAccess
 
 from ._proto import kvstore_pb2 as pb
@@ -134,13 +135,16 @@ class _Unit:
     buf: np.ndarray | None = None          # the bytes read (a view of ``pooled``)
     pooled: np.ndarray | None = None
     future: Future | None = None
+    paged: bool = False                    # paged in from the cluster for this Get
 
 
 def _units(plan: GetPlan) -> Iterator[_Unit]:
     """The pieces to read, in order: one per miss, ``ceil(total / step)`` per block."""
     m = plan.manager
+    paged = m.reads.page_in([plan.internal(k) for k in plan.keys], prefix=plan.stop_at_miss)
     for key in plan.keys:
-        reader = m.reader(plan.internal(key))
+        internal = plan.internal(key)
+        reader = m.reads.reader(internal, remote=False)
         if reader is None:
             yield _Unit(key, None, 0, 0, 0, [], True)
             continue
@@ -156,7 +160,7 @@ def _units(plan: GetPlan) -> Iterator[_Unit]:
         while True:
             n = min(plan.step, total - offset)
             sub = sub_ranges(ranges, starts, offset, n) if n else [(0, 0)]
-            yield _Unit(key, reader, total, offset, n, sub, offset + n >= total)
+            yield _Unit(key, reader, total, offset, n, sub, offset + n >= total, paged=internal in paged)
             offset += n
             if offset >= total:
                 break
@@ -209,6 +213,8 @@ def pieces(plan: GetPlan) -> Iterator[Piece]:
                             return
                     _POOL.give(u.pooled)
                 else:
+                    if u.paged:
+                        tier = int(TierKind.REMOTE)
                     yield Piece(u.key, FOUND, tier, u.total, u.offset, u.buf,
                                 release=lambda b=u.pooled: _POOL.give(b))
                 if u.last:

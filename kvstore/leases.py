@@ -68,13 +68,15 @@ class Leases:
     """Leases and shared-arena reservations of one :class:`~kvstore.manager.TierManager`."""
 
     def __init__(self, placement: Placement, shared_tier: int | None,
-                 begin_put: Callable[..., PutOutcome]):
+                 begin_put: Callable[..., PutOutcome],
+                 page_in: Callable[..., object] = lambda keys, prefix=False: set()):
         self.catalogue = placement.cat
         self.tiers = placement.tiers
         self.counters = placement.counters
         self._placement = placement
         self._shared = shared_tier
         self._begin_put = begin_put
+        self._page_in = page_in        # blocks only in the cluster into the arena (Reads.page_in)
         self._device = next((i for i, t in enumerate(self.tiers) if t.capabilities.device is not None), None)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
@@ -82,11 +84,11 @@ class Leases:
         """Pin blocks for a client that reads them in place, for ``ttl_s`` seconds.
 
         A block in HBM is located by its IPC handle when ``device`` (the client is on the
-        GPU), else in the shared host arena; a block only in a lower tier is promoted into
-        the arena first. With ``prefix`` the grant ends at the first miss. The grant also
-        ends early (``LeaseGrant.resume_at``) once ``max_bytes`` (default a quarter of the
-        arena) are leased or a promotion finds no room: the client releases, then asks
-        for the rest. Raises InvalidRequest (bad key, TTL), KVStoreError when no tier can
+        GPU), else in the shared host arena; a block only in a lower tier (or only in the
+        cluster) is brought into the arena first. With ``prefix`` the grant ends at the
+        first miss. The grant also ends early (``LeaseGrant.resume_at``) once
+        ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
+        room: the client releases, then asks for the rest. Raises InvalidRequest (bad key, TTL), KVStoreError when no tier can
         be mapped by clients.
         """
         if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN
@@ -96,6 +98,7 @@ class Leases:
         if self._shared is None and not (device and self._device is not None):
             raise KVStoreError("no tier can be read in place by clients (no shared host arena or HBM tier)")
         cat = self.catalogue
+        self._page_in(keys, prefix=prefix)    # blocks only in the cluster: one batch
         if max_bytes is None:
             max_bytes = self.tiers[self._shared].capacity_bytes // 4 if self._shared is not None else 1 << 62
         blocks: list[LeasedBlock] = []

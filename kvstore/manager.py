@@ -27,6 +27,8 @@ A block's way (see ``docs/architecture.md``):
   host arena, or HBM by CUDA IPC); blocks only in a lower tier are promoted first.
 - Pinned and leased blocks are never evicted; a delete of one hides it at once and
   frees it when the last pin goes.
+- **Cluster** (a remote tier, last): Lookup also asks the cluster, reads page blocks in
+  from it, and it receives demotions; :mod:`kvstore.remote` (:attr:`TierManager.cluster`).
 
 A copy that fails its checksum is dropped from that tier and counted in
 ``corrupt_blocks``; the block is served from another tier's copy or is a miss.
@@ -50,6 +52,7 @@ from .mover import Mover
 from .placement import Cleaner, Placement
 from .policy import AcceptsNextUse, EvictionPolicy, NoVictim, PredictsDistance, UsesReuseModel
 from .reads import BlockReader, Reads
+from .remote import Cluster, ClusterOptions
 from .types import LookupResult
 from .writes import WRITE_BACK, WRITE_THROUGH, PutOutcome, Writes
 
@@ -82,6 +85,7 @@ class TierManager:
             and reservations. False (the simulator): copies inline, deterministic.
         transfer_timeout_s: a copy waited on longer than this is abandoned (seconds).
         watermarks: ``(low, high)`` fractions of capacity for background cleaning.
+        cluster: how to use a remote tier (the last tier), when there is one.
     Raises ValueError for inconsistent arguments.
     """
 
@@ -89,7 +93,7 @@ class TierManager:
                  write_policy: str = WRITE_BACK, clock: Callable[[], float] = time.monotonic,
                  promote_on_get: bool = True, writer_wait_s: float = 30.0,
                  async_moves: bool = False, transfer_timeout_s: float = 30.0,
-                 watermarks: tuple[float, float] = (0.85, 0.95)):
+                 watermarks: tuple[float, float] = (0.85, 0.95), cluster: ClusterOptions | None = None):
         if not tiers:
             raise ValueError("the manager needs at least one tier")
         if len(tiers) != len(policies):
@@ -110,7 +114,7 @@ class TierManager:
         """Index of the tier whose memory same-node clients map (the host arena), if any."""
         self.writes = Writes(self.placement, write_policy, writer_wait_s)
         self.reads = Reads(self.placement)
-        self.leases = Leases(self.placement, self.shared_tier, self.writes.begin_put)
+        self.leases = Leases(self.placement, self.shared_tier, self.writes.begin_put, self.reads.page_in)
         # the parts' public methods, on the manager itself
         self.begin_put, self.write_chunk, self.commit_put = (self.writes.begin_put, self.writes.write_chunk,
                                                              self.writes.commit_put)
@@ -119,6 +123,10 @@ class TierManager:
             self.reads.reader, self.reads.read_into, self.reads.get, self.reads.get_many, self.reads.locate)
         self.lease, self.release, self.maintain = self.leases.lease, self.leases.release, self.leases.maintain
         self.reserve_shared, self.find_claim = self.leases.reserve_shared, self.leases.find_claim
+        self.cluster = (Cluster(self, cluster) if any(t.capabilities.remote is not None for t in self.tiers)
+                        else None)
+        """The cluster level (:mod:`kvstore.remote`) when a remote tier is configured."""
+        self.reads.cluster = self.writes.cluster = self.cluster
         self._recover()
         self._cleaner = None
         if async_moves:
@@ -176,14 +184,19 @@ class TierManager:
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Longest prefix of ``keys`` that is stored, and the fastest tier of each hit.
 
+        With a cluster, blocks after a local miss may be hits of tier ``REMOTE`` (held by
+        other nodes; one existence check with a short deadline, a failure is a miss).
         Does not count as an access for the eviction policies (the read that follows does).
         """
         hits = self.catalogue.prefix(keys)
         kinds = [int(t.kind) for t in self.tiers]
+        codes = bytes(kinds[i] for i in hits)
+        if self.cluster is not None and len(hits) < len(keys):
+            codes += self.cluster.lookup_rest(keys[len(hits):])    # the cluster, within a deadline
         self.counters.inc("lookups")
         self.counters.inc("lookup_blocks", len(keys))
-        self.counters.inc("lookup_hit_blocks", len(hits))
-        return LookupResult(len(hits), bytes(kinds[i] for i in hits))
+        self.counters.inc("lookup_hit_blocks", len(codes))
+        return LookupResult(len(codes), codes)
 
     @property
     def num_tiers(self) -> int:
@@ -328,8 +341,8 @@ class TierManager:
         """Copy every block held only in volatile tiers down to the last tier when it is
         persistent (NVMe), so a graceful stop keeps them. Bounded by ``timeout`` seconds;
         returns blocks copied."""
-        last = len(self.tiers) - 1
-        if last == 0 or self.tiers[last].volatile:
+        last = len(self.tiers) - 1 - (self.cluster is not None)    # the last local tier
+        if last <= 0 or self.tiers[last].volatile:
             return 0
         deadline = time.monotonic() + timeout
         copied = 0
@@ -355,6 +368,8 @@ class TierManager:
 
     def close(self) -> None:
         """Stop background work, finish queued transfers and close every tier."""
+        if self.cluster is not None:
+            self.cluster.close()
         if self._cleaner is not None:
             self._cleaner.stop()
         self.mover.stop(timeout=self.placement.transfer_timeout_s)

@@ -20,6 +20,10 @@ anything else                                  through one bounded bounce buffer
                                                :data:`BOUNCE_BYTES` pieces
 =============================================  =========================================
 
+A destination with the ``remote`` capability (the cluster) then gets ``send(key)``: its
+network put runs here, on the copy queue without the lock, so the commit that follows
+(under the lock) is only bookkeeping.
+
 With ``async_moves`` each pair has its own worker threads (several into a persistent
 tier: a disk takes several writes at once), so a slow NVMe write never delays a
 host-to-HBM promotion. Without it (the simulator) copies run
@@ -80,6 +84,18 @@ class Transfer:
 def copy_plan(src: Tier, dst: Tier) -> tuple[str, CopyFn]:
     """How blocks move from ``src`` to ``dst``: ``(name, copy(key))``. The destination
     holds a reservation of the block's size; the caller commits."""
+    name, copy = _byte_plan(src, dst)
+    remote = dst.capabilities.remote
+    if remote is None:
+        return name, copy
+
+    def copy_then_send(key: bytes) -> None:
+        copy(key)
+        remote.send(key)
+    return name + "+send", copy_then_send
+
+
+def _byte_plan(src: Tier, dst: Tier) -> tuple[str, CopyFn]:
     sc, dc = src.capabilities, dst.capabilities
     if sc.device is not None and dc.device_files is not None:
         dev, files = sc.device, dc.device_files

@@ -227,11 +227,19 @@ class Placement:
         if entry is None:
             return
         if not any(j > i for j in entry.tiers) and i < self.last:
+            # The cluster is best effort: when it cannot take the block, it is dropped as
+            # if there were no tier below, so a dead cluster never fails a local put.
+            best_effort = self.tiers[i + 1].capabilities.remote is not None
             for attempt in (1, 2):
                 try:
                     t = self.start_transfer_locked(entry, i, i + 1, "demoted")
-                except TierIOError:
-                    raise
+                except TierIOError as e:
+                    if not best_effort:
+                        raise
+                    log.debug("demotion of block %s to %s failed (%s); dropping it", key.hex()[:16],
+                              self.tiers[i + 1].name, e)
+                    self.counters.inc("demotions_failed")
+                    break
                 except (TierFull, NoVictim) as e:
                     log.warning("demotion of block %s to %s impossible (%s); dropping it",
                                 key.hex()[:16], self.tiers[i + 1].name, e)
@@ -246,6 +254,12 @@ class Placement:
                 self.counters.inc("demotions_failed")
                 if isinstance(t.error, terr.TierFull) and attempt == 1:
                     continue   # the disk filled up: the tier now evicts to fit, so retry once
+                if best_effort:
+                    log.debug("demotion of block %s to %s failed (%s); dropping it", key.hex()[:16],
+                              self.tiers[i + 1].name, t.error)
+                    if self.cat.raw(key) is not entry or i not in entry.tiers or entry.pins:
+                        return  # deleted, or read while the copy was tried: keep it
+                    break
                 cls = TierFull if isinstance(t.error, terr.TierFull) else TierIOError
                 raise cls(f"demotion of block {key.hex()[:16]} from {self.tiers[i].name} to "
                           f"{self.tiers[i + 1].name} failed: {t.error}")

@@ -70,6 +70,8 @@ DEFAULT_HOP_BANDWIDTH: dict[tuple[TierKind, TierKind], float] = {
     (TierKind.NVME, TierKind.HOST): 1.5e9,
     (TierKind.HBM, TierKind.HOST): 64e9,
     (TierKind.HOST, TierKind.NVME): 4e9,
+    (TierKind.REMOTE, TierKind.HOST): 0.8e9,   # Mooncake over loopback TCP (docs/remote_tier.md)
+    (TierKind.REMOTE, TierKind.HBM): 0.8e9,
 }
 """Bytes per second per (source, destination) hop, before any measurement."""
 
@@ -94,6 +96,7 @@ class _Waiting:
     started: bool = False            # some promotion for this wait has begun
     done_at: float = 0.0             # when the last transfer of the promotion finishes
     seq: int = 0
+    paged_in: bool = False           # blocks only in the cluster were asked for
 
 
 class PrefetchScheduler(PromotionMixin):

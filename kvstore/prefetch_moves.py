@@ -29,7 +29,7 @@ class PromotionMixin:
 
         ``assume``: plan for the worst plausible case, every block (even one in tier 0
         now, which may be demoted while it waits) one hop away in tier ``assume``, or
-        where it is when that is slower (NVMe).
+        where it is when that is slower (NVMe, the cluster).
         """
         dst = self.port.fast_kind()
         total = 0.0
@@ -37,7 +37,7 @@ class PromotionMixin:
             src = self.port.kind_of(key)
             if src is None:
                 continue
-            if assume is not None and src != TierKind.NVME:
+            if assume is not None and src not in (TierKind.NVME, TierKind.REMOTE):
                 src = assume
             if src == dst:
                 continue
@@ -96,6 +96,20 @@ class PromotionMixin:
         if rec is not None:
             self.stats.waste_of(rec[1], "displaced by another promotion")
 
+    def _page_in(self, keys: Sequence[bytes]) -> bool:
+        """Ask for blocks held only in the cluster (the trajectory ran on another node) to
+        be paged into the host arena, in the background (this thread holds the scheduler
+        lock); the (REMOTE, HOST) hop's bandwidth is measured. True when some were asked
+        for: the promotion is then retried once they are here."""
+        hop = (TierKind.REMOTE, TierKind.HOST)
+
+        def measured(paged: set[bytes], seconds: float) -> None:
+            nbytes = sum(self.port.size_of(k) for k in paged)
+            if self.measure_bandwidth and nbytes and seconds > 0:
+                with self._lock:
+                    self.bandwidth[hop] = 0.8 * self.bandwidth.get(hop, 1e9) + 0.2 * (nbytes / seconds)
+        return self.port.page_in(keys, measured)
+
     def _promote(self, w: _Waiting, now: float) -> None:
         """Bring ``w``'s blocks into tier 0, head first; retry later if room ran out."""
         w.promoted = w.started = True
@@ -103,10 +117,12 @@ class PromotionMixin:
         dst = port.fast_kind()
         done = max(now, w.done_at)
         blocked = False
+        if not w.paged_in:
+            w.paged_in = blocked = self._page_in(w.keys)    # retried once the cluster's blocks are here
         protected = self._protected(w, now)
         for key in w.keys:                # head first: a partial promotion still hits
             src = port.kind_of(key)
-            if src is None or src == dst:
+            if src is None or src == dst or src == TierKind.REMOTE:    # the cluster's: paged in above
                 continue
             nbytes = port.size_of(key)
             if not self._make_room(w, nbytes, now, protected):

@@ -10,9 +10,10 @@ alone. What it needs:
 - the tiers' eviction policies (:meth:`policies`), to attach the reuse model and read
   ``next_use`` distances;
 - moves: :meth:`promote` (copy up into the fastest tier), :meth:`demote` (move a
-  block out of the fastest tier) and :meth:`make_room` (demote victims chosen by the
+  block out of the fastest tier), :meth:`make_room` (demote victims chosen by the
   fastest tier's policy among blocks the scheduler does not protect, until a block
-  fits).
+  fits) and :meth:`page_in` (blocks held only in the cluster, into the host arena in the
+  background).
 
 Every method maps to one public method of the manager; none takes the manager's lock
 or chooses victims itself: :meth:`make_room` asks :meth:`TierManager.make_room` to
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 from tiers.base import TierKind
 
 from .policy import EvictionPolicy
+
 
 class ManagerPort:
     """The prefetch scheduler's view of a :class:`kvstore.manager.TierManager`."""
@@ -101,3 +103,16 @@ class ManagerPort:
             d = self.manager.distance(0, victim, now)
             return d is not None and d < need_in_s
         return self.manager.make_room(0, nbytes, protect=protected, give_up=sooner, on_moved=on_demoted)
+
+    def page_in(self, keys: Sequence[bytes], on_done: Callable[[set[bytes], float], None]) -> bool:
+        """Ask for the blocks of ``keys`` held only in the cluster to be paged into the host
+        arena in the background (:meth:`kvstore.remote.Cluster.pull_ahead`);
+        ``on_done(paged_keys, seconds)`` runs when they are. False when there is no
+        cluster or every block is local (nothing asked)."""
+        cluster = self.manager.cluster
+        if cluster is None:
+            return False
+        if all((loc := self.manager.locate(k)) is not None and loc[1] != cluster.index for k in keys):
+            return False
+        cluster.pull_ahead(keys, on_done)
+        return True

@@ -5,13 +5,15 @@ in chunks, :mod:`kvstore.get_stream`); :meth:`Reads.read_into` is one read. Each
 goes to the fastest tier holding a good copy; a copy that fails its checksum or its
 medium is dropped and counted (``corrupt_blocks``, ``read_errors``) and the next copy is
 tried, so a block is served whole and right, or is a miss. A read from a lower tier asks
-for a promotion (:meth:`kvstore.placement.Placement.promote`) when it ends.
+for a promotion (:meth:`kvstore.placement.Placement.promote`) when it ends. With a
+cluster, a block held only there is paged into the host arena first
+(:meth:`kvstore.remote.Cluster.pull`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -35,6 +37,9 @@ class Reads:
         self.counters = placement.counters
         self.tiers = placement.tiers
         self.placement = self._placement = placement
+        self.cluster = None
+        """The cluster level (:class:`kvstore.remote.Cluster`), set by the manager when a
+        remote tier is configured."""
 
     def locate(self, key: bytes) -> tuple[int, int] | None:
         """``(payload bytes, index of the fastest tier holding it)``, or None."""
@@ -42,10 +47,20 @@ class Reads:
             e = self.catalogue.get(key)
             return None if e is None else (e.size, e.tiers[0])
 
-    def reader(self, key: bytes) -> "BlockReader | None":
+    def page_in(self, keys: Sequence[bytes], prefix: bool = False) -> set[bytes]:
+        """Page blocks held only in the cluster into the host arena (no-op without one);
+        returns the keys paged in."""
+        cluster = self.cluster
+        return cluster.pull(keys, prefix=prefix) if cluster is not None else set()
+
+    def reader(self, key: bytes, *, remote: bool = True) -> "BlockReader | None":
         """Open block ``key`` for reading (pinned until :meth:`BlockReader.close`); None on
-        a miss. For reads in several pieces (a large block streamed in chunks)."""
+        a miss. For reads in several pieces (a large block streamed in chunks).
+        ``remote``: page the block in from the cluster first when only it holds it
+        (False: the caller did, with :meth:`page_in`)."""
         check_key(key)
+        if remote:
+            self.page_in([key])
         entry = self.catalogue.pin(key)
         if entry is None:
             self.counters.inc("get_misses")
@@ -76,6 +91,8 @@ class Reads:
     def get(self, key: bytes, ranges: ByteRanges | None = None) -> GetResult:
         """:meth:`read_into` a new buffer: ``GetResult.data`` is a memoryview of it (compares
         equal to bytes of the same content)."""
+        if len(key) == KEY_BYTES:
+            self.page_in([key])
         loc = self.locate(key) if len(key) == KEY_BYTES else None
         if loc is None:
             check_key(key)
@@ -92,6 +109,8 @@ class Reads:
     def get_many(self, keys: Iterable[bytes], ranges: ByteRanges | None = None,
                  stop_at_miss: bool = False) -> Iterator[GetResult]:
         """Yield :meth:`get` for each key; with ``stop_at_miss`` stop after the first miss."""
+        keys = list(keys)
+        self.page_in([k for k in keys if len(k) == KEY_BYTES], prefix=stop_at_miss)   # one batch
         for key in keys:
             result = self.get(key, ranges)
             yield result

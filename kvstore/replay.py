@@ -1,7 +1,8 @@
 """``kvstore replay``: drive a running daemon with a Mooncake-format trace.
 
 Per request, in timestamp order (as fast as possible): Lookup the request's block
-ids, Get the hit prefix (checking every byte), Put the missed blocks. Each trace
+ids, Get the hit prefix (checking every byte), Put the missed blocks. Given several
+daemons (a cluster), request ``i`` goes to daemon ``i mod n`` (round robin). Each trace
 ``hash_id`` becomes a 32-byte key (:func:`trace_key`); each block's payload is
 ``block_tokens * bytes_per_token`` bytes derived from its key (:func:`payload_for`),
 so a Get that returns another block's bytes is caught and counted in
@@ -116,9 +117,10 @@ class ReplayReport:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def replay(requests: Sequence, client: KVStoreClient, *, bytes_per_token: int = 16,
+def replay(requests: Sequence, client: KVStoreClient | Sequence[KVStoreClient], *, bytes_per_token: int = 16,
            block_tokens: int = TRACE_BLOCK_TOKENS, progress: bool = True) -> ReplayReport:
-    """Replay ``requests`` (objects with ``input_length`` and ``hash_ids``) through ``client``.
+    """Replay ``requests`` (objects with ``input_length`` and ``hash_ids``) through ``client``
+    (or clients of several daemons, round robin).
 
     Returns the :class:`ReplayReport`; when the daemon fails mid-way, the report of the
     requests done so far with ``error`` set. Raises ValueError for a request whose block
@@ -145,9 +147,11 @@ def replay(requests: Sequence, client: KVStoreClient, *, bytes_per_token: int = 
     return rep.finish()
 
 
-def _replay_requests(bar, client: KVStoreClient, rep: ReplayReport, by_tier: Counter,
+def _replay_requests(bar, clients, rep: ReplayReport, by_tier: Counter,
                      block_bytes: int, block_tokens: int, progress: bool) -> None:
-    for req in bar:
+    clients = list(clients) if isinstance(clients, (list, tuple)) else [clients]
+    for n, req in enumerate(bar):
+        client = clients[n % len(clients)]
         keys = [trace_key(h, block_bytes) for h in req.hash_ids]
         tokens = block_token_counts(req.input_length, len(keys), block_tokens)
         hit = client.lookup(keys).hit_blocks if keys else 0
@@ -203,14 +207,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if not requests:
         print(f"kvstore replay: {args.trace} holds no requests", file=sys.stderr)
         return 2
+    targets = args.target or ["unix:kvstore-data/kvstore.sock"]
+    clients: list[KVStoreClient] = []
     try:
-        with KVStoreClient(args.target, timeout=args.timeout, auth_token=args.token) as client:
-            client.wait_ready(timeout=args.wait)
-            report = replay(requests, client, bytes_per_token=args.bytes_per_token,
-                            progress=not args.quiet)
+        for target in targets:
+            clients.append(KVStoreClient(target, timeout=args.timeout, auth_token=args.token))
+            clients[-1].wait_ready(timeout=args.wait)
+        report = replay(requests, clients, bytes_per_token=args.bytes_per_token, progress=not args.quiet)
     except KVStoreError as e:
-        print(f"kvstore replay: {e} (is `kvstore serve` running on {args.target}?)", file=sys.stderr)
+        print(f"kvstore replay: {e} (is `kvstore serve` running on {', '.join(targets)}?)", file=sys.stderr)
         return 1
+    finally:
+        for c in clients:
+            c.close()
     print(report.table())
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(asdict(report), indent=2, sort_keys=True) + "\n")
@@ -224,7 +233,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "output_length, hash_ids per 512-token block) through a daemon, "
                                    "in timestamp order, as fast as possible.")
     p.add_argument("trace", type=pathlib.Path, help="trace file, e.g. ../shared/data/traces/mooncake_conversation_trace.jsonl")
-    p.add_argument("--target", default="unix:kvstore-data/kvstore.sock", help="daemon address")
+    p.add_argument("--target", action="append", default=None,
+                   help="daemon address (default unix:kvstore-data/kvstore.sock); give it again for more "
+                        "daemons of one cluster: requests go to them round robin")
     p.add_argument("--bytes-per-token", type=positive_int, default=16,
                    help="payload bytes per token (block payload = 512 x this); default 16")
     p.add_argument("--limit", type=non_negative_int, default=0,

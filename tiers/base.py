@@ -221,9 +221,15 @@ class RemoteStore(Protocol):
     circuit breaker refuses calls for a while after repeated failures), never hangs.
     """
 
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each 32-byte key, whether the cluster holds a block under it now.
+    def exists_many(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list[bool]:
+        """For each 32-byte key, whether the cluster holds a block under it now, waiting
+        ``deadline_s`` seconds at most (None: the tier's own deadline).
         Raises TierIOError, InvalidAccess (a malformed key)."""
+
+    def sizes_many(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list[int | None]:
+        """For each key, the payload bytes of the block the cluster holds under it, or None
+        (absent); one round trip. A hint (it may come from a cache): the get that
+        follows verifies. Raises TierIOError, InvalidAccess."""
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
         """Fetch whole blocks into the start of writable buffers ``outs`` (one per key,
@@ -237,6 +243,12 @@ class RemoteStore(Protocol):
         """Store ``(key, payload)`` blocks in the cluster in one batch; per item True
         when the cluster holds it afterwards (already there counts). Raises TierFull
         (beyond this node's capacity), TierIOError, InvalidAccess."""
+
+    def send(self, key: bytes) -> None:
+        """Store a fully written reservation (``reserve`` + ``write``) in the cluster now,
+        so that the ``commit`` that follows does no network I/O (the store core commits
+        under its lock). Raises BlockNotStored, InvalidAccess (not fully written),
+        TierIOError (the reservation stays until ``abort``)."""
 
 
 @dataclass(frozen=True)

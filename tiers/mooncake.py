@@ -18,6 +18,12 @@ deadline (``timeout_s`` plus ``nbytes / min_throughput``) behind a circuit break
 (:mod:`tiers.remote_guard`), and the session with the master is made in the background,
 so a master that is down at start, dies, stalls or is partitioned gives TierIOError
 quickly, never a hang or a crash. Measured behaviour: ``docs/remote_tier.md``.
+
+The calls a store core makes while holding its own lock never touch the network:
+``fits``, ``reserve``, ``write``, ``abort`` and ``free`` (removals are queued and run in
+the background); the network put of a two-phase write is :meth:`MooncakeTier.send`
+(run by the core's copy queue), after which :meth:`MooncakeTier.commit` only records
+the block.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from typing import Any, Sequence
 
 import xxhash
 
-from .base import ByteRanges, Capabilities, Tier, TierKind, byte_view, check_chunk, check_ranges, output_view
-from .errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, TierFull, TierIOError
-from .mooncake_batch import get_many_into, put_many
-from .mooncake_client import (INVALID_PARAMS, MASTER_DOWN, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, Connector,
-                              MooncakeConfig, code_name, replicate_config, store_class)
-from .remote_format import HEADER_BYTES, check_key, object_bytes, object_name, pack_header, verify
+from .base import ByteRanges, Capabilities, Tier, TierKind, byte_view, check_chunk
+from .errors import BlockExists, BlockNotStored, InvalidAccess, TierFull, TierIOError
+from .mooncake_batch import Remover, get_many_into, put_many, sizes_many
+from .mooncake_client import (MASTER_DOWN, OBJECT_ALREADY_EXISTS, Connector, MooncakeConfig, code_name,
+                              replicate_config, store_class)
+from .mooncake_read import read_into, size_of
+from .remote_format import HEADER_BYTES, check_key, object_bytes, object_name, pack_header
 from .remote_guard import CallGuard, RemoteHealth, RemoteState, RemoteTimeout
 from .staging import Lease, StagingArena
 
@@ -42,13 +49,19 @@ _KEPT: list = []            # sessions not closed because a library call may sti
 
 
 class _Pending:
-    __slots__ = ("lease", "nbytes", "written", "hasher")
+    __slots__ = ("lease", "nbytes", "written", "hasher", "sent", "abandoned")
 
     def __init__(self, lease: Lease, nbytes: int):
         self.lease = lease
         self.nbytes = nbytes
         self.written = 0
         self.hasher = xxhash.xxh3_64()
+        self.sent = False           # stored in the cluster by send(); commit only records it
+        self.abandoned = False      # a put passed its deadline: the call releases the lease
+
+    def release(self) -> None:
+        if not self.abandoned:
+            self.lease.release()
 
 
 def _master_down(rc: int) -> str | None:
@@ -94,6 +107,7 @@ class MooncakeTier(Tier):
         self._corrupt = self._peer_errors = self._oversize = 0
         self._conn = Connector(config, self._staging.address, self._staging.nbytes, name,
                                on_connect=self._guard.reset)
+        self._remover = Remover(self)
         if wait_connected_s > 0:
             self.wait_connected(wait_connected_s)
 
@@ -143,10 +157,9 @@ class MooncakeTier(Tier):
         return len(self._own)
 
     def fits(self, nbytes: int) -> bool:
-        obj = object_bytes(nbytes)
-        if self._conn.store is None or self._guard.breaker == "open":
-            return False
-        return self._used + obj <= self.config.capacity_bytes and self._staging.can_lease(obj)
+        """Whether ``nbytes`` fit in this node's share of the cluster (capacity only: an
+        unreachable cluster is not a full one; :meth:`reserve` raises TierIOError then)."""
+        return nbytes <= self.max_block_bytes and self._used + object_bytes(nbytes) <= self.config.capacity_bytes
 
     # ------------------------------------------------------------------ two-phase write
 
@@ -185,76 +198,79 @@ class MooncakeTier(Tier):
         p.hasher.update(view)
         p.written += view.nbytes
 
+    def _written(self, key: bytes) -> _Pending:
+        p = self._pending.get(key)
+        if p is None:
+            raise BlockNotStored(f"{self.name}: block {key.hex()[:16]} is not reserved")
+        if p.written != p.nbytes:
+            raise InvalidAccess(f"{key.hex()[:16]}: {p.written} of {p.nbytes} bytes written")
+        return p
+
+    def send(self, key: bytes) -> None:
+        """Store a fully written reservation in the cluster now (one ``put_from``, the
+        network part of :meth:`commit`), so that the commit that follows only records
+        it. Call it without holding locks others wait on. A block the cluster already
+        holds under this key counts as stored (keys name content).
+
+        Raises BlockNotStored, InvalidAccess (not fully written), TierIOError (the
+        cluster failed; the reservation stays until :meth:`abort`)."""
+        with self._lock:
+            p = self._written(key)
+        if not p.sent:
+            self._put_staged(key, p)
+
+    def _put_staged(self, key: bytes, p: _Pending) -> None:
+        obj = object_bytes(p.nbytes)
+        pack_header(p.lease.view, key, p.nbytes, p.hasher.intdigest())
+        try:
+            rc = self._guard.call(self._session().put_from, self._name(key), p.lease.address, obj, self._replicate,
+                                  deadline_s=self.config.deadline_s(obj), judge=_master_down,
+                                  on_abandon=p.lease.release)
+        except RemoteTimeout:
+            p.abandoned = True          # the lease goes back when the call really ends
+            raise
+        if rc not in (0, OBJECT_ALREADY_EXISTS):
+            raise TierIOError(f"{self.name}: put of {key.hex()[:16]} failed: {code_name(rc)}")
+        p.sent = True
+
     def commit(self, key: bytes) -> None:
-        """Put the staged block into the cluster (one ``put_from``). A block the cluster
-        already holds under this key counts as stored (keys name content).
+        """Make a written reservation a block of this node, putting it into the cluster
+        first unless :meth:`send` did (then this call waits on the network).
 
         Raises BlockNotStored, InvalidAccess (not fully written; the reservation stays),
         TierIOError (the reservation is dropped)."""
         with self._lock:
-            p = self._pending.get(key)
-            if p is None:
-                raise BlockNotStored(f"{self.name}: block {key.hex()[:16]} is not reserved")
-            if p.written != p.nbytes:
-                raise InvalidAccess(f"commit of {key.hex()[:16]} after {p.written} of {p.nbytes} bytes")
+            p = self._written(key)
             del self._pending[key]
-        obj = object_bytes(p.nbytes)
-        pack_header(p.lease.view, key, p.nbytes, p.hasher.intdigest())
         stored = False
         try:
-            rc = self._call_with_lease(p.lease, obj, "put_from", self._name(key), p.lease.address, obj,
-                                       self._replicate)
-            if rc not in (0, OBJECT_ALREADY_EXISTS):
-                raise TierIOError(f"{self.name}: put of {key.hex()[:16]} failed: {code_name(rc)}")
+            if not p.sent:
+                self._put_staged(key, p)
             stored = True
         finally:
             with self._lock:
                 if stored:
                     self._own[key] = p.nbytes
                 else:
-                    self._used -= obj
-
-    def _call_with_lease(self, lease: Lease, nbytes: int, method: str, *args: Any) -> int:
-        """One scalar library call on ``lease``, released afterwards (or, for a call
-        abandoned at its deadline, when it really ends)."""
-        abandoned = False
-        try:
-            store = self._session()
-            return self._guard.call(getattr(store, method), *args, deadline_s=self.config.deadline_s(nbytes),
-                                    judge=_master_down, on_abandon=lease.release)
-        except RemoteTimeout:
-            abandoned = True
-            raise
-        finally:
-            if not abandoned:
-                lease.release()
+                    self._used -= object_bytes(p.nbytes)
+            p.release()
 
     def abort(self, key: bytes) -> None:
+        """Drop a reservation. One already sent stays in the cluster, untracked here
+        (its bytes are valid under its key; another node may have put it too)."""
         with self._lock:
             p = self._pending.pop(key, None)
             if p is None:
                 return
             self._used -= object_bytes(p.nbytes)
-        p.lease.release()
+        p.release()
 
     # ------------------------------------------------------------------ reads
 
     def size_of(self, key: bytes) -> int:
         """Payload bytes of a block in the cluster (no call when this node put it).
         Raises BlockNotStored, BlockCorrupt (an object too short for a header), TierIOError."""
-        check_key(key)
-        n = self._own.get(key)
-        if n is not None:
-            return n
-        rc = self._guard.call(self._session().get_size, self._name(key), judge=_master_down)
-        if rc == OBJECT_NOT_FOUND:
-            raise BlockNotStored(f"{self.name}: block {key.hex()[:16]} is not in the cluster")
-        if rc < 0:
-            raise TierIOError(f"{self.name}: size of {key.hex()[:16]}: {code_name(rc)}")
-        if rc < HEADER_BYTES:
-            self._corrupt += 1
-            raise BlockCorrupt(f"{self.name}: remote block {key.hex()[:16]} is {rc} bytes, shorter than its header")
-        return rc - HEADER_BYTES
+        return size_of(self, key)
 
     def read_into(self, key: bytes, out: Any, ranges: ByteRanges | None = None) -> int:
         """Copy a block (or the concatenation of ``ranges`` of it) from the cluster into
@@ -267,89 +283,43 @@ class MooncakeTier(Tier):
         Raises BlockNotStored, InvalidAccess, BlockCorrupt (wrong, truncated or foreign
         copy; the caller drops it with :meth:`free`), TierIOError (master or peer down,
         deadline passed, breaker open)."""
-        size = self.size_of(key)
-        total = check_ranges(ranges, size)
-        dst = output_view(out, total)
-        obj = object_bytes(size)
-        lease = self._staging.lease(obj, wait_s=self.config.timeout_s)
-        # An object longer than ``obj`` fails with INVALID_PARAMS (it cannot be ours).
-        rc = self._read_call(lease, obj, self._name(key))
-        if rc == OBJECT_NOT_FOUND:
-            self._forget(key)
-            raise BlockNotStored(f"{self.name}: block {key.hex()[:16]} is not in the cluster")
-        if rc == INVALID_PARAMS:
-            self._corrupt += 1
-            raise BlockCorrupt(f"{self.name}: remote block {key.hex()[:16]} is longer than its {size} bytes")
-        if rc < 0:
-            self._peer_errors += 1
-            raise TierIOError(f"{self.name}: read of {key.hex()[:16]} failed: {code_name(rc)}")
-        try:
-            try:
-                payload = verify(lease.view[:rc], key, size)
-            except BlockCorrupt:
-                self._corrupt += 1
-                raise
-            if not ranges:
-                dst[:] = payload
-            else:
-                pos = 0
-                for off, length in ranges:
-                    dst[pos:pos + length] = payload[off:off + length]
-                    pos += length
-            return total
-        finally:
-            lease.release()
-
-    def _read_call(self, lease: Lease, obj: int, name: str) -> int:
-        """``get_into`` into ``lease``; on a negative code or an exception the lease is
-        released here, on success the caller releases it after verifying."""
-        try:
-            store = self._session()
-            rc = self._guard.call(store.get_into, name, lease.address, obj, deadline_s=self.config.deadline_s(obj),
-                                  judge=_master_down, on_abandon=lease.release)
-        except RemoteTimeout:
-            raise
-        except BaseException:
-            lease.release()
-            raise
-        if rc < 0:
-            lease.release()
-        return rc
+        return read_into(self, key, out, ranges)
 
     # ------------------------------------------------------------------ delete
 
     def free(self, key: bytes) -> None:
-        """Remove a block from the cluster, whichever node put it (forced: readers that
-        hold a lease may then read a reused region, which their checksum catches).
-        Raises BlockNotStored, TierIOError."""
+        """Forget a block at once and remove it from the cluster in the background,
+        whichever node put it (forced: a reader holding a lease may then read a reused
+        region, which its checksum catches). Never waits on the network, so a store
+        core may call it under its lock; :meth:`flush` waits for queued removals.
+        Raises InvalidAccess (a malformed key)."""
         check_key(key)
-        rc = self._guard.call(self._session().remove, self._name(key), True, judge=_master_down)
-        with self._lock:
-            n = self._own.pop(key, None)
-            if n is not None and rc in (0, OBJECT_NOT_FOUND):
-                self._used -= object_bytes(n)
-            elif n is not None:
-                self._own[key] = n
-        if rc == OBJECT_NOT_FOUND and n is None:
-            raise BlockNotStored(f"{self.name}: block {key.hex()[:16]} is not in the cluster")
-        if rc < 0 and rc != OBJECT_NOT_FOUND:
-            raise TierIOError(f"{self.name}: remove of {key.hex()[:16]} failed: {code_name(rc)}")
+        self._forget(key)
+        self._remover.submit(self._name(key))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait up to ``timeout_s`` seconds until every queued removal was tried."""
+        return self._remover.wait_idle(timeout_s)
 
     # ------------------------------------------------------------------ batches (RemoteStore)
 
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether the cluster holds its block now (one ``batch_is_exist``).
-        Keys this node put and the cluster lost are forgotten. Raises TierIOError,
-        InvalidAccess."""
+    def exists_many(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list[bool]:
+        """For each key, whether the cluster holds its block now (one ``batch_is_exist``,
+        waited on ``deadline_s`` seconds at most, default ``timeout_s``). Keys this node
+        put and the cluster lost are forgotten. Raises TierIOError, InvalidAccess."""
         names = [self._name(k) for k in keys]
         if not names:
             return []
-        rcs = self._guard.call(self._session().batch_is_exist, names, judge=_any_error)
+        rcs = self._guard.call(self._session().batch_is_exist, names, deadline_s=deadline_s, judge=_any_error)
         found = [rc == 1 for rc in rcs]
         for key, hit in zip(keys, found):
             if not hit and key in self._own:
                 self._forget(key)
         return found
+
+    def sizes_many(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list[int | None]:
+        """See :meth:`tiers.base.RemoteStore.sizes_many` (one ``batch_get_replica_desc``)."""
+        return sizes_many(self, keys, deadline_s)
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
         """See :meth:`tiers.base.RemoteStore.get_many_into`. Fetches with
@@ -377,6 +347,21 @@ class MooncakeTier(Tier):
                             self._used, self._staging.used_bytes, self._corrupt, self._peer_errors, self._oversize,
                             stats)
 
+    def problem(self) -> str | None:
+        """What keeps the cluster from serving this node now (not connected, circuit
+        open), or None. No network call."""
+        h = self.health
+        if h.state is RemoteState.HEALTHY:
+            return None
+        if h.state is RemoteState.CONNECTING:
+            return f"not connected to the Mooncake master {h.master} ({h.last_error})"
+        if h.state is RemoteState.OPEN:
+            return (f"cluster unreachable, calls refused for {h.guard.open_for_s:.1f}s after "
+                    f"{h.guard.consecutive_failures} failures (last: {h.last_error})")
+        if h.state is RemoteState.HALF_OPEN:
+            return f"cluster unreachable, probing (last: {h.last_error})"
+        return "closed"
+
     def close(self) -> None:
         """End the session and drop the staging buffer. Calls abandoned at their deadline
         are waited for first (up to ``4 * timeout_s``, at least 5 s): closing the library's
@@ -384,11 +369,12 @@ class MooncakeTier(Tier):
         session and the buffer are kept alive instead (leaked) and a warning is logged."""
         if self._conn.closed:
             return
+        self._remover.stop(self.config.timeout_s)
         store = self._conn.detach()
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
         for p in pending:
-            p.lease.release()
+            p.release()
         idle = self._guard.wait_idle(max(5.0, 4 * self.config.timeout_s))
         ended = store is None
         if store is not None and idle:

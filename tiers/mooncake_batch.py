@@ -1,19 +1,24 @@
-"""Batched gets and puts of the Mooncake remote tier (:class:`tiers.mooncake.MooncakeTier`).
+"""Batched calls of the Mooncake remote tier (:class:`tiers.mooncake.MooncakeTier`).
 
 On a local miss the daemon asks the cluster for many blocks at once; each batch here
 is as few library calls as the staging buffer allows (one ``batch_get_into`` or
 ``batch_put_from`` per staging-full of blocks), each bounded by the tier's deadline.
+Block sizes come from one ``batch_get_replica_desc`` call (:func:`sizes_many`), and
+removals run in the background, batched (:class:`Remover`), so that freeing a block
+never waits on the network.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .base import byte_view
 from .errors import BlockCorrupt, InvalidAccess, TierFull, TierIOError
 from .mooncake_client import INVALID_PARAMS, MASTER_DOWN, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, code_name
-from .remote_format import check_key, encode_into, object_bytes, verify
+from .remote_format import HEADER_BYTES, check_key, encode_into, object_bytes, verify
 from .remote_guard import RemoteTimeout
 from .staging import Lease, StagingArena, StagingBusy
 
@@ -196,4 +201,85 @@ def put_many(tier: "MooncakeTier", items: Sequence[tuple[bytes, Any]]) -> list[b
     return results
 
 
-__all__ = ["get_many_into", "put_many"]
+def sizes_many(tier: "MooncakeTier", keys: Sequence[bytes], deadline_s: float | None = None) -> list[int | None]:
+    """Payload bytes of each block the cluster holds (None: absent, or an object too
+    short to be a block), from one ``batch_get_replica_desc`` call. The library may
+    answer from its metadata cache, so a size is a hint: the get that follows
+    verifies. Raises TierIOError (unreachable, deadline, breaker open), InvalidAccess."""
+    names = [tier._name(k) for k in keys]
+    if not names:
+        return []
+    descs = tier._guard.call(tier._session().batch_get_replica_desc, names, deadline_s=deadline_s)
+    out: list[int | None] = []
+    for name in names:
+        size = None
+        for replica in descs.get(name, ()):
+            if replica.is_memory_replica() and replica.status.name == "COMPLETE":
+                size = int(replica.get_memory_descriptor().buffer_descriptor.size)
+                break
+        out.append(size - HEADER_BYTES if size is not None and size >= HEADER_BYTES else None)
+    return out
+
+
+class Remover:
+    """Removes objects from the cluster on a background thread, up to ``batch`` names
+    per forced ``batch_remove``, so a caller holding a lock never waits on the network.
+    A removal that fails (cluster unreachable) is dropped: the object is then gone
+    with the master anyway, or left to the cluster's own eviction (its bytes stay
+    valid under its key). ``failed`` counts names not removed."""
+
+    def __init__(self, tier: "MooncakeTier", batch: int = 256):
+        self._tier = tier
+        self._batch = batch
+        self._names: collections.deque[str] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopped = False
+        self.failed = 0
+        self._thread = threading.Thread(target=self._run, name=f"{tier.name}-remove", daemon=True)
+        self._thread.start()
+
+    def submit(self, name: str) -> None:
+        with self._cond:
+            if not self._stopped:
+                self._names.append(name)
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._names and not self._stopped:
+                    self._cond.wait()
+                if self._stopped and not self._names:
+                    return
+                names = [self._names.popleft() for _ in range(min(self._batch, len(self._names)))]
+                self._busy = True
+            try:
+                store = self._tier._session()
+                self._tier._guard.call(store.batch_remove, names, True, judge=_all_master_down)
+            except TierIOError as exc:
+                self.failed += len(names)
+                log.info("%s: %d remote removals dropped: %s", self._tier.name, len(names), exc)
+            except Exception:                          # never let the thread die
+                self.failed += len(names)
+                log.exception("%s: remote removal failed", self._tier.name)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until every submitted removal was tried."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._names and not self._busy, timeout_s)
+
+    def stop(self, timeout_s: float) -> None:
+        """Try what is queued (up to ``timeout_s`` seconds), then end the thread."""
+        self.wait_idle(timeout_s)
+        with self._cond:
+            self._stopped = True
+            self._names.clear()
+            self._cond.notify_all()
+
+
+__all__ = ["Remover", "get_many_into", "put_many", "sizes_many"]
