@@ -9,8 +9,11 @@ up; the lower copy stays, so a later demotion is free). Every copy is one
 
 **Off the put path** (``async_moves``, the daemon): a :class:`Cleaner` thread watches
 each tier's watermarks. When a tier other than the last holds more than
-``high_watermark`` of its capacity, it copies its coldest dirty blocks (policy order)
-down until the free and clean bytes reach ``1 - low_watermark`` of the capacity. A put
+``high_watermark`` of its capacity, it copies its coldest dirty blocks down until the
+free and clean bytes reach ``1 - low_watermark`` of the capacity: in the tier policy's
+order while its next dirty block is near the front (:data:`CLEAN_SCAN`), else the least
+recently used dirty block (a per-tier list of dirty blocks kept in access order), so a
+tier whose coldest blocks are all clean already costs no scan per cleaned block. A put
 into a full tier then evicts a clean block, which costs a free and no I/O; it waits
 for a demotion only when no clean block is left (a burst faster than the disk),
 bounded by ``transfer_timeout_s``. The last tier's victims leave the store, which
@@ -27,8 +30,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from tiers import errors as terr
 from tiers.base import Tier
@@ -40,6 +44,10 @@ from .mover import Mover, Transfer
 from .policy import EvictionPolicy, NoVictim
 
 log = logging.getLogger("kvstore.placement")
+
+CLEAN_SCAN = 256
+"""Blocks the cleaner lets a policy look at to find its next dirty victim before it
+takes the least recently used dirty block instead."""
 
 CLEAN_WAIT_S = 5.0
 """How long a put that found no clean victim waits for the cleaner's demotions before it
@@ -78,6 +86,8 @@ class Placement:
         self._moving: dict[tuple[bytes, int], Transfer] = {}
         self._resident = [0] * len(self.tiers)      # payload bytes of committed copies per tier
         self._dirty = [0] * len(self.tiers)         # of which held by no lower tier
+        self._dirty_keys: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self.tiers]
+        """Per tier, its dirty blocks, least recently used first."""
         self.cleaner: Cleaner | None = None
 
     # ------------------------------------------------------------------ bookkeeping
@@ -93,8 +103,10 @@ class Placement:
         if before != after:
             if before >= 0:
                 self._dirty[before] -= entry.size
+                self._dirty_keys[before].pop(entry.key, None)
             if after >= 0:
                 self._dirty[after] += entry.size
+                self._dirty_keys[after][entry.key] = None
         return result
 
     def added(self, entry: Entry, i: int, reason: str, meta=None) -> None:
@@ -113,6 +125,7 @@ class Placement:
             entry.meta = replace(meta, token_ids=()) if meta.token_ids else meta
         if i < self.last:
             self._dirty[i] += size
+            self._dirty_keys[i][key] = None
         self.added(entry, i, reason, meta)
         return entry
 
@@ -152,6 +165,9 @@ class Placement:
         now = self.clock()
         for i in entry.tiers:
             self.policies[i].access(entry.key, now)
+        d = self._dirty_tier(entry)
+        if d >= 0 and entry.key in self._dirty_keys[d]:
+            self._dirty_keys[d].move_to_end(entry.key)
 
     def count_read(self, tier: Tier, nbytes: int) -> None:
         """Count a read of ``nbytes`` served from ``tier``."""
@@ -172,6 +188,11 @@ class Placement:
 
     def dirty_bytes(self, i: int) -> int:
         return self._dirty[i]
+
+    def dirty_keys(self, i: int) -> Iterator[bytes]:
+        """Tier ``i``'s dirty blocks (held by no lower tier), least recently used first
+        (lock held; do not change placement while iterating)."""
+        return iter(self._dirty_keys[i])
 
     # ------------------------------------------------------------------ eviction
 
@@ -430,6 +451,10 @@ class Placement:
             return t
 
 
+class _ScanBudgetSpent(Exception):
+    """The policy looked at :data:`CLEAN_SCAN` blocks without finding a dirty one."""
+
+
 class Cleaner:
     """Background watermark keeper of a :class:`Placement` (see the module docstring).
 
@@ -505,6 +530,23 @@ class Cleaner:
             e = raw(key)
             return e is not None and e.pins == 0 and not e.deleted and e.tiers[-1] == i and key not in chosen
 
+        looked = [0]
+
+        def dirty_near_front(key: bytes) -> bool:
+            looked[0] += 1
+            if looked[0] > CLEAN_SCAN:
+                raise _ScanBudgetSpent
+            return dirty(key)
+
+        def next_victim() -> bytes | None:
+            looked[0] = 0
+            try:
+                return policy.victim(dirty_near_front, incoming=None, now=p.clock())
+            except NoVictim:
+                return None
+            except _ScanBudgetSpent:      # the policy's coldest blocks are clean already
+                return next((k for k in p.dirty_keys(i) if dirty(k)), None)
+
         def settle(t) -> None:
             p.run_transfer(t, wait=True)
             done["moving"] -= t.entry.size
@@ -519,9 +561,8 @@ class Cleaner:
                     clean = p.resident_bytes(i) - p.dirty_bytes(i) + done["moving"]
                     if free + clean >= (1.0 - p.low) * cap:
                         break
-                    try:
-                        victim = policy.victim(dirty, incoming=None, now=p.clock())
-                    except NoVictim:
+                    victim = next_victim()
+                    if victim is None:
                         break
                     chosen.add(victim)
                     try:

@@ -95,3 +95,37 @@ def test_without_a_clean_block_a_put_waits_for_the_demotion_then_succeeds():
         if nvme.write_gate is not None:
             nvme.write_gate.set()
         m.close()
+
+
+def test_cleaner_does_not_rescan_a_clean_front_for_every_block(monkeypatch):
+    """Once the policy's coldest blocks are all clean, each further block is found in the
+    list of dirty blocks, not by the policy looking past every clean block again."""
+    import kvstore.placement as placement_mod
+    monkeypatch.setattr(placement_mod, "CLEAN_SCAN", 16)
+    m, host, nvme = make(host_blocks=3000, nvme_blocks=4000)
+    looked = [0]
+    policy = m.placement.policies[0]
+    victim = policy.victim
+
+    def counting_victim(evictable, incoming=None, now=0.0):
+        def counted(key):
+            looked[0] += 1
+            return evictable(key)
+        return victim(counted, incoming, now)
+    monkeypatch.setattr(policy, "victim", counting_victim)
+    try:
+        for i in range(2700):                      # 90% > 80%: free 10% + clean must reach 50%
+            m.put(K(i), payload(i))
+        wait_for(lambda: m.counters["precleaned"] >= 1200, "the first cleaning")
+        m.drain(DEADLINE)
+        looked[0] = 0
+        for i in range(2700, 2850):                # 150 more: 150 more blocks to clean
+            m.put(K(i), payload(i))
+        wait_for(lambda: m.counters["precleaned"] >= 1350, "the second cleaning")
+        m.drain(DEADLINE)
+        assert set(nvme.data) == {K(i) for i in range(1350)}     # still least recently used first
+        assert m.placement.dirty_bytes(0) == 1500 * BLOCK
+        # 150 blocks, each: at most 17 looks by the policy (past 1200+ clean ones before)
+        assert looked[0] <= 150 * 17 + 100
+    finally:
+        m.close()
