@@ -27,6 +27,15 @@ from .errors import ConfigError
 # --------------------------------------------------------------------------- tools
 
 
+def check_sample(seconds: float) -> float:
+    """An observed duration as a float; raises ValueError unless it is finite and >= 0
+    (a NaN or an infinity would poison every later prediction of the tool)."""
+    seconds = float(seconds)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a tool-call duration must be a finite number of seconds >= 0, got {seconds!r}")
+    return seconds
+
+
 class DurationEstimator(abc.ABC):
     """One tool's duration distribution, learned online from observed durations (seconds)."""
 
@@ -68,7 +77,7 @@ class WindowQuantile(DurationEstimator):
         self._n = 0
 
     def observe(self, seconds: float) -> None:
-        self._window.append(float(seconds))
+        self._window.append(check_sample(seconds))
         self._n += 1
 
     @staticmethod
@@ -111,7 +120,7 @@ class LogNormalFit(DurationEstimator):
         self._n = 0
 
     def observe(self, seconds: float) -> None:
-        x = math.log(max(float(seconds), 1e-6))
+        x = math.log(max(check_sample(seconds), 1e-6))
         self._n += 1
         if self._n == 1:
             self._mu, self._var = x, 0.0
@@ -161,12 +170,14 @@ class ToolPredictor:
         window: observations remembered per tool (``prefetch.window``).
         default_s: prediction (seconds) before anything was observed.
         min_samples: observations a tool needs before its own estimate is used.
+        max_tools: tools with their own estimator (names come from clients); past it the
+            least recently observed tool's estimator is dropped (it falls back to the pool).
     Raises:
         ConfigError: unknown ``kind``.
     """
 
     def __init__(self, kind: str = "quantile", window: int = 64, default_s: float = 1.0,
-                 min_samples: int = 3):
+                 min_samples: int = 3, max_tools: int = 1024):
         if kind not in ESTIMATORS:
             raise ConfigError(f"prefetch.predictor: unknown predictor {kind!r} "
                               f"(known: {', '.join(sorted(ESTIMATORS))})")
@@ -174,7 +185,8 @@ class ToolPredictor:
         self.window = window
         self.default_s = default_s
         self.min_samples = min_samples
-        self._tools: dict[str, DurationEstimator] = {}
+        self.max_tools = max_tools
+        self._tools: OrderedDict[str, DurationEstimator] = OrderedDict()   # least recently observed first
         self._pooled = ESTIMATORS[kind](window * 4)
 
     def _estimator(self, tool: str) -> DurationEstimator | None:
@@ -184,12 +196,17 @@ class ToolPredictor:
         return self._pooled if self._pooled.count else None
 
     def observe(self, tool: str, seconds: float) -> None:
-        """Record that a call of ``tool`` took ``seconds``."""
-        if not seconds > 0:
+        """Record that a call of ``tool`` took ``seconds`` (0 carries no information and is
+        skipped). Raises ValueError for a duration that is not finite or is negative."""
+        if check_sample(seconds) == 0:
             return
         est = self._tools.get(tool)
         if est is None:
             est = self._tools[tool] = ESTIMATORS[self.kind](self.window)
+            while len(self._tools) > self.max_tools:
+                self._tools.popitem(last=False)
+        else:
+            self._tools.move_to_end(tool)
         est.observe(seconds)
         self._pooled.observe(seconds)
 
@@ -268,12 +285,13 @@ class ReuseModel:
         horizon_s: oldest age the model reasons about (seconds); older is "never".
         window: learning samples kept per class (recent ones).
         refresh_every: requests between recomputations of the tables.
-        max_records: records remembered (the shadow map of keys is bounded by them).
+        max_records: records remembered; max_keys: keys mapped to records. The oldest
+            records are forgotten past either bound, or past ``horizon_s``.
         bins: number of log-spaced age bins between ``min_age_s`` and ``horizon_s``.
     """
 
     def __init__(self, turn_buckets: int = 4, horizon_s: float = 3600.0, window: int = 4096,
-                 refresh_every: int = 64, max_records: int = 200_000, bins: int = 28,
+                 refresh_every: int = 64, max_records: int = 200_000, max_keys: int = 2_000_000, bins: int = 28,
                  min_age_s: float = 0.25, prior_beta: float = 0.5, smoothing: float = 4.0,
                  growth_buckets: Sequence[int] = (4, 16)):
         if turn_buckets < 1:
@@ -291,6 +309,7 @@ class ReuseModel:
         self.smoothing = smoothing
         self.refresh_every = refresh_every
         self.max_records = max_records
+        self.max_keys = max_keys
         self.edges = [0.0] + list(np.geomspace(min_age_s, horizon_s, bins))
         self._edges_np = np.asarray(self.edges)
         self._widths = np.diff(self._edges_np)
@@ -391,7 +410,8 @@ class ReuseModel:
         recs = self._records
         while recs:
             rid, rec = next(iter(recs.items()))
-            if len(recs) <= self.max_records and now - rec.t0 <= self.horizon_s:
+            if (len(recs) <= self.max_records and len(self._record_of) <= self.max_keys
+                    and now - rec.t0 <= self.horizon_s):
                 break
             del recs[rid]
             for k in rec.keys:
