@@ -232,7 +232,10 @@ class KVStoreClient:
             reply = self._put_raw(frames(items, limit, self.chunk_bytes), timeout=timeout or self.timeout,
                                   metadata=self._metadata)
         except grpc.RpcError as e:
-            raise error_for(e) from None
+            refused = _refused_put_reply(e)
+            if refused is None:
+                raise error_for(e) from None
+            reply = refused
         return _put_result(reply)
 
     def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
@@ -462,6 +465,20 @@ class KVStoreClient:
         req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
         reply = self._call(self._stub.Resume, req, timeout)
         return reply.known, reply.observed_seconds
+
+
+def _refused_put_reply(err: grpc.RpcError) -> pb.PutReply | None:
+    """The PutReply a put refused for a size conflict carries in its trailer (ALREADY_EXISTS,
+    see ``kvstore.server.PUT_REPLY_TRAILER``), or None for any other failure."""
+    if not isinstance(err, grpc.Call) or err.code() is not grpc.StatusCode.ALREADY_EXISTS:
+        return None
+    for name, value in err.trailing_metadata() or ():
+        if name == "kvstore-put-reply-bin":
+            try:
+                return pb.PutReply.FromString(value)
+            except Exception:  # noqa: BLE001 - a malformed trailer: report the status instead
+                return None
+    return None
 
 
 def _put_result(reply: pb.PutReply) -> PutResult:

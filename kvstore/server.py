@@ -86,6 +86,34 @@ def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
                        not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
 
 
+PUT_REPLY_TRAILER = "kvstore-put-reply-bin"
+"""Trailing metadata of a Put refused for a size conflict: the serialized PutReply (what
+the other blocks of the call did), so a client can tell which blocks were stored."""
+
+
+def _finish_put(asm: PutAssembler, context) -> pb.PutReply:
+    """The reply of a finished put stream. A block refused for a size conflict fails the
+    call with ALREADY_EXISTS (:class:`~kvstore.errors.SizeConflict`, first writer wins);
+    the other blocks of the call are stored and the reply travels in the trailer."""
+    reply = _put_reply(asm.finish(), asm.detail)
+    if reply.size_conflicts:
+        context.set_trailing_metadata(((PUT_REPLY_TRAILER, reply.SerializeToString()),))
+        raise errors.SizeConflict(f"{reply.detail} ({reply.size_conflicts} blocks refused; {reply.stored} "
+                                  f"stored, {reply.already_present} already present)")
+    return reply
+
+
+MAX_NAME_CHARS = 1024
+"""Longest trajectory id or tool name a hint may carry (characters)."""
+
+
+def _check_names(trajectory_id: str, tool: str = "") -> None:
+    if not trajectory_id:
+        raise errors.InvalidRequest("trajectory_id must not be empty")
+    if len(trajectory_id) > MAX_NAME_CHARS or len(tool) > MAX_NAME_CHARS:
+        raise errors.InvalidRequest(f"trajectory_id and tool are limited to {MAX_NAME_CHARS} characters")
+
+
 class KVStoreService(pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.manager.TierManager`.
 
@@ -140,7 +168,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             for batch in touch(request_iterator):
                 for c in well_formed(batch).chunks:
                     asm.chunk(c.key, c.total_size, c.offset, c.data)
-            return _put_reply(asm.finish(), asm.detail)
+            return _finish_put(asm, context)
 
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
@@ -148,7 +176,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with PutAssembler(self.manager, space.internal) as asm:
             for c in request.chunks:
                 asm.chunk(c.key, c.total_size, c.offset, c.data)
-            return _put_reply(asm.finish(), asm.detail)
+            return _finish_put(asm, context)
 
     def put_raw(self, frames: Iterator[bytes], context) -> bytes:
         """``PutRaw``: raw frames in, a serialized PutReply out."""
@@ -163,7 +191,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         raise errors.InvalidRequest(f"PutRaw: {e}") from None
                     for r in records:
                         asm.chunk(r.key, r.total, r.offset, r.data)
-                return _put_reply(asm.finish(), asm.detail).SerializeToString()
+                return _finish_put(asm, context).SerializeToString()
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "PutRaw")
         finally:
@@ -244,10 +272,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
         space = self._space(context)
         self._need_hints()
-        if not request.trajectory_id:
-            raise errors.InvalidRequest("trajectory_id must not be empty")
-        if len(request.trajectory_id) > 1024 or len(request.tool) > 1024:
-            raise errors.InvalidRequest("trajectory_id and tool are limited to 1024 characters")
+        _check_names(request.trajectory_id, request.tool)
         start = to_monotonic(request.start_time, "start_time")
         keys = space.internal_many(check_keys(request.keys))
         predicted = self.hints.tool_call_start(space.scoped(request.trajectory_id), request.tool, start, keys)
@@ -257,6 +282,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
         space = self._space(context)
         self._need_hints()
+        _check_names(request.trajectory_id)
         at = to_monotonic(request.time, "time")
         known, observed = self.hints.resume(space.scoped(request.trajectory_id), at)
         return pb.ResumeReply(known=known, observed_seconds=observed)
@@ -266,11 +292,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
         space = self._space(context)
-        for lease_id in request.release:
-            self.manager.release(lease_id, space.tenant)
         ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
         keys = check_keys(request.keys)
         internal = space.internal_many(keys)
+        for lease_id in request.release:    # after the checks: a refused call changes nothing
+            self.manager.release(lease_id, space.tenant)
         try:
             grant = self.manager.lease(internal, ttl, space.tenant, prefix=request.prefix, device=request.device,
                                        max_bytes=request.max_bytes or None)
