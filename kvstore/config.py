@@ -5,7 +5,8 @@ Example (every key optional; these are the defaults unless noted)::
     [server]
     listen = "unix:kvstore-data/kvstore.sock"   # or "127.0.0.1:50051" (TCP, loopback)
     max_message_bytes = "64MiB"   # gRPC send/receive limit per message
-    max_chunk_bytes = "1MiB"      # largest payload in one Get message (measured: larger is slower)
+    max_chunk_bytes = "1MiB"      # largest payload in one Get message (measured: larger is slower;
+                                  # default: 1MiB, or max_message_bytes - 16KiB when that is less)
     workers = 32                  # gRPC thread pool size (a Put stream holds one while it runs)
     stream_idle_timeout_s = 30.0  # cancel a Put stream that sends nothing for this long
     auth_token = ""               # bearer token required on every call when set
@@ -365,7 +366,13 @@ def validate(cfg: Config) -> Config:
 
 def from_dict(data: Mapping[str, Any]) -> Config:
     """Build and validate a Config from a parsed TOML table."""
-    return validate(_build(Config, dict(data), ""))
+    cfg = _build(Config, dict(data), "")
+    server = data.get("server")
+    if not (isinstance(server, dict) and "max_chunk_bytes" in server):
+        # not given: 1 MiB, or what fits below a smaller max_message_bytes
+        chunk = max(1, min(cfg.server.max_chunk_bytes, cfg.server.max_message_bytes - (16 << 10)))
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, max_chunk_bytes=chunk))
+    return validate(cfg)
 
 
 def loads(text: str) -> Config:

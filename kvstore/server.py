@@ -36,6 +36,7 @@ from .interceptors import StreamWatchdog, well_formed
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .put_assembly import PutAssembler
 from .status import code_for
+from .transport import FRAMING_BYTES
 from .types import PutResult
 from .validate import check_keys, check_number, check_ranges, check_size, check_ttl, to_monotonic, to_unix
 from .wire import FrameError, decode
@@ -47,6 +48,11 @@ DEFAULT_LEASE_TTL_S = 30.0
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, grpc.RpcError):
+        # the call already failed in the transport (a client message over the size limit,
+        # a cancelled stream): grpc has sent the status; nothing is wrong with the daemon
+        log.info("%s: the call ended in the transport: %s", method, context.code() or "cancelled")
+        return
     code = code_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
@@ -206,7 +212,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         step = self.max_chunk_bytes
         if request.max_chunk_bytes:
             step = min(step, int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1)))
-        limit = min(self.max_message_bytes, step + (64 << 10))
+        # a message holds one piece and its framing: it fits the client's limit whenever
+        # the client asks for pieces FRAMING_BYTES below it (kvstore.transport)
+        limit = min(self.max_message_bytes, step + FRAMING_BYTES)
         return GetPlan(self.manager, keys, space.internal, ranges, request.stop_at_miss, step, limit)
 
     @_streaming
