@@ -55,6 +55,9 @@ Example (every key optional; these are the defaults unless noted)::
     lead_time_s = 0.05
     quantile = 0.1                # the prefix must be back in HBM by this quantile of the tool's duration
     window = 64
+    expire_factor = 10.0          # a trajectory that has not resumed after this many times its tool's
+    max_wait_s = 3600.0           # predicted (median) duration, or after max_wait_s, stops waiting
+    max_waiting = 65536           # most trajectories waiting (and most recently resumed ones kept)
 
     [server]                      # (continued)
     lease_ttl_s = 30.0            # default lease / reservation TTL of the same-node path
@@ -163,6 +166,9 @@ class PrefetchConfig:
     lead_time_s: float = 0.05
     quantile: float = 0.1
     window: int = 64
+    expire_factor: float = 10.0
+    max_wait_s: float = 3600.0
+    max_waiting: int = 65536
 
 
 @dataclass(frozen=True)
@@ -361,6 +367,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"prefetch.lead_time_s: must be >= 0, got {p.lead_time_s}")
     if p.window < 1:
         raise ConfigError(f"prefetch.window: must be >= 1, got {p.window}")
+    if not 1.0 <= p.expire_factor <= 1e6:
+        raise ConfigError(f"prefetch.expire_factor: must be in [1, 1e6], got {p.expire_factor}")
+    if not 0.0 < p.max_wait_s <= 7 * 24 * 3600:
+        raise ConfigError(f"prefetch.max_wait_s: must be in (0, 604800] seconds, got {p.max_wait_s}")
+    if not 1 <= p.max_waiting <= 1 << 24:
+        raise ConfigError(f"prefetch.max_waiting: must be in [1, 16777216], got {p.max_waiting}")
     return cfg
 
 

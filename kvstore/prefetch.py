@@ -30,6 +30,17 @@ the bytes it promoted that were evicted before use (waste), and the error of its
 resume-time predictions. With ``enabled = false`` it only observes (requests,
 predictions, readiness) and moves nothing.
 
+**Bounded state.** A trajectory that never resumes *expires* ``expire_factor`` times
+its tool's predicted (median) duration after its call started, at most ``max_wait_s``
+later: it leaves the waiting table, nothing is promoted for it again, and a late
+Resume still teaches the predictor (the last ``max_waiting`` expired calls are
+remembered by tool and start time only). At most ``max_waiting`` trajectories wait
+(past it the one due to expire first expires now) and at most ``max_waiting`` recently
+resumed ones are protected; the due-time heap is compacted when stale entries
+outnumber live ones; error statistics keep running sums and a fixed-size reservoir
+(:data:`RESERVOIR`). Every time is on the scheduler's clock (``time.monotonic`` in the
+daemon: stepping the wall clock moves nothing).
+
 The daemon calls :meth:`PrefetchScheduler.tool_call_start` / :meth:`resume` from its
 gRPC handlers, :meth:`observe_request` from Lookup (it feeds the ``next_use`` policy's
 :class:`~kvstore.predictor.ReuseModel`), and runs :meth:`start` (a background thread
@@ -42,6 +53,7 @@ import collections
 import heapq
 import logging
 import math
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -68,6 +80,10 @@ DEFAULT_HOP_BANDWIDTH: dict[tuple[TierKind, TierKind], float] = {
 
 _PROMOTE, _REFRESH = 0, 1
 
+RESERVOIR = 4096
+"""Prediction errors kept for the medians of :meth:`PrefetchStats.summary` (a uniform
+sample of all resumes: Vitter 1985, "Random sampling with a reservoir", Algorithm R)."""
+
 
 @dataclass
 class PrefetchStats:
@@ -83,8 +99,25 @@ class PrefetchStats:
     wasted_bytes: int = 0             # promoted, evicted from HBM before use, or never used
     demoted_blocks: int = 0
     promotions_blocked: int = 0       # no room without evicting a protected block
-    abs_error_s: list[float] = field(default_factory=list)
-    rel_error: list[float] = field(default_factory=list)
+    expired: int = 0                  # waiting trajectories dropped without a resume
+    resumes_expired: int = 0          # resumes of expired trajectories (learned from, not scored)
+    abs_error_s: list[float] = field(default_factory=list)     # reservoir of |predicted - actual| (s)
+    rel_error: list[float] = field(default_factory=list)       # the same resumes' relative errors
+    errors_seen: int = 0
+    abs_error_sum_s: float = 0.0
+    _rng: random.Random = field(default_factory=lambda: random.Random(0), repr=False, compare=False)
+
+    def add_error(self, abs_error_s: float, rel_error: float) -> None:
+        """One resume's prediction error, kept in O(:data:`RESERVOIR`) memory."""
+        self.errors_seen += 1
+        self.abs_error_sum_s += abs_error_s
+        if len(self.abs_error_s) < RESERVOIR:
+            self.abs_error_s.append(abs_error_s)
+            self.rel_error.append(rel_error)
+            return
+        j = self._rng.randrange(self.errors_seen)
+        if j < RESERVOIR:
+            self.abs_error_s[j], self.rel_error[j] = abs_error_s, rel_error
 
     @property
     def ready_rate(self) -> float:
@@ -105,7 +138,8 @@ class PrefetchStats:
             "promoted_blocks": self.promoted_blocks, "promoted_bytes": self.promoted_bytes,
             "wasted_bytes": self.wasted_bytes, "waste": self.waste,
             "demoted_blocks": self.demoted_blocks, "promotions_blocked": self.promotions_blocked,
-            "prediction_mae_s": sum(errs) / len(errs) if errs else 0.0,
+            "expired": self.expired, "resumes_expired": self.resumes_expired,
+            "prediction_mae_s": self.abs_error_sum_s / self.errors_seen if self.errors_seen else 0.0,
             "prediction_median_abs_error_s": errs[len(errs) // 2] if errs else 0.0,
             "prediction_median_rel_error": rel[len(rel) // 2] if rel else 0.0,
         }
@@ -124,6 +158,7 @@ class _Waiting:
     started: bool = False            # some promotion for this wait has begun
     done_at: float = 0.0             # when the last transfer of the promotion finishes
     seq: int = 0
+    expires_at: float = math.inf     # dropped from the waiting table then, resumed or not
 
 
 class PrefetchScheduler:
@@ -135,7 +170,8 @@ class PrefetchScheduler:
             (``quantile`` | ``lognormal``), ``lead_time_s`` (seconds the promotion should
             finish before the need), ``quantile`` (of the tool's duration at which the
             blocks must be back, e.g. 0.1), ``window`` (observations per tool).
-        clock: time source in seconds (``time.time`` in the daemon, virtual in the simulator).
+        clock: time source in seconds (``time.monotonic`` in the daemon, virtual in the
+            simulator); every time passed in is on this clock.
         hop_bandwidth: bytes/s per (source kind, destination kind); defaults
             :data:`DEFAULT_HOP_BANDWIDTH`. Replaced by measurements when
             ``measure_bandwidth`` is on.
@@ -162,7 +198,7 @@ class PrefetchScheduler:
     """
 
     def __init__(self, manager: TierManager, prefetch_config: PrefetchConfig | None = None,
-                 clock: Callable[[], float] = time.time, *,
+                 clock: Callable[[], float] = time.monotonic, *,
                  hop_bandwidth: Mapping[tuple[TierKind, TierKind], float] | None = None,
                  measure_bandwidth: bool = True, headroom_fraction: float = 0.0,
                  active_protect_s: float = 30.0, reuse_model: ReuseModel | None = None,
@@ -196,7 +232,9 @@ class PrefetchScheduler:
         self._waiting: dict[str, _Waiting] = {}
         self._due: list[tuple[float, int, str, int]] = []   # (time, seq, trajectory, action)
         self._seq = 0
-        self._active: dict[str, tuple[float, list[bytes]]] = {}   # resumed: (time, keys)
+        self._active: dict[str, tuple[float, list[bytes]]] = {}   # resumed: (time, keys), oldest first
+        self._expiry: list[tuple[float, int, str]] = []            # (expires_at, seq, trajectory)
+        self._expired: OrderedDict[str, tuple[str, float]] = OrderedDict()   # trajectory -> (tool, start)
         self._promoted: dict[bytes, tuple[str, int]] = {}          # key -> (trajectory, bytes)
         self._link_free: dict[tuple[TierKind, TierKind], float] = {}
         self._thread: threading.Thread | None = None
@@ -206,8 +244,8 @@ class PrefetchScheduler:
 
     def _on_event(self, event: BlockEvent) -> None:
         """Catalogue events (the manager's lock is held: only queue them)."""
-        if event.kind == "removed" and event.tier == self._fast_name:
-            self._removed.append(event.key)
+        if event.kind == "removed" and event.tier == self._fast_name and event.key in self._promoted:
+            self._removed.append(event.key)      # only promoted keys matter: bounded by them
 
     def _account_removed(self) -> None:
         """Promoted blocks that left tier 0 before their trajectory resumed are waste."""
@@ -284,9 +322,13 @@ class PrefetchScheduler:
         time (seconds, same clock): the median of the tool's learned duration."""
         now = self.clock()
         start = start_time if start_time else now
+        if not math.isfinite(start):
+            raise ValueError(f"tool call start time {start!r} is not a finite number of seconds")
         with self._lock:
+            self._expire(now)
             self.stats.tool_calls += 1
             self._active.pop(trajectory_id, None)
+            self._expired.pop(trajectory_id, None)
             old = self._waiting.pop(trajectory_id, None)
             if old is not None:
                 self._release(old)
@@ -296,7 +338,12 @@ class PrefetchScheduler:
             self._seq += 1
             w = _Waiting(trajectory_id, tool, start, keys, median, ready_by, ready_by, seq=self._seq)
             w.promote_at = ready_by - self.transfer_seconds(keys, assume=TierKind.HOST)
+            w.expires_at = start + min(self.config.max_wait_s, self.config.expire_factor * (median - start))
             self._waiting[trajectory_id] = w
+            heapq.heappush(self._expiry, (w.expires_at, w.seq, trajectory_id))
+            while len(self._waiting) > self.config.max_waiting:
+                self._expire(now, force=True)
+            self._compact()
             if self.enabled:
                 heapq.heappush(self._due, (w.promote_at, w.seq, trajectory_id, _PROMOTE))
                 heapq.heappush(self._due, (max(median, now) + self.refresh_s, w.seq, trajectory_id, _REFRESH))
@@ -311,23 +358,62 @@ class PrefetchScheduler:
         the readiness / waste / error statistics.
         """
         now = time if time else self.clock()
+        if not math.isfinite(now):
+            raise ValueError(f"resume time {now!r} is not a finite number of seconds")
         with self._lock:
+            self._expire(now)
             w = self._waiting.pop(trajectory_id, None)
             if w is None:
-                self.stats.resumes_unknown += 1
-                return False, 0.0
+                late = self._expired.pop(trajectory_id, None)
+                if late is None:
+                    self.stats.resumes_unknown += 1
+                    return False, 0.0
+                observed = max(now - late[1], 0.0)     # expired while waiting: still learn from it
+                self.predictor.observe(late[0], observed)
+                self.stats.resumes_expired += 1
+                return True, observed
             observed = max(now - w.start, 0.0)
             self.predictor.observe(w.tool, observed)
             st = self.stats
             st.resumes += 1
             err = w.predicted_resume - now
-            st.abs_error_s.append(abs(err))
-            st.rel_error.append(abs(err) / observed if observed > 0 else 0.0)
+            st.add_error(abs(err), abs(err) / observed if observed > 0 else 0.0)
             if self.is_ready(w.keys, now, w):
                 st.resumes_ready += 1
             self._release(w, used=True)
             self._active[trajectory_id] = (now, w.keys)
+            while len(self._active) > self.config.max_waiting:
+                del self._active[next(iter(self._active))]
             return True, observed
+
+    def _expire(self, now: float, force: bool = False) -> None:
+        """Drop the waiting trajectories whose time is up (lock held); with ``force``, the
+        one due to expire first, whatever the time (the table is over its bound)."""
+        heap = self._expiry
+        while heap and (force or heap[0][0] <= now):
+            _, seq, tid = heapq.heappop(heap)
+            w = self._waiting.get(tid)
+            if w is None or w.seq != seq:
+                continue
+            del self._waiting[tid]
+            self._release(w)
+            self.stats.expired += 1
+            self._expired[tid] = (w.tool, w.start)
+            while len(self._expired) > self.config.max_waiting:
+                self._expired.popitem(last=False)
+            log.debug("trajectory %s expired after waiting %.1f s for tool %s", tid, now - w.start, w.tool)
+            force = False
+
+    def _compact(self) -> None:
+        """Rebuild the heaps when entries of resumed or expired trajectories (dropped
+        lazily) outnumber the live ones, so their size stays O(waiting trajectories)."""
+        live = 2 * len(self._waiting) + 64
+        if len(self._due) > 4 * live:
+            self._due = [e for e in self._due if (w := self._waiting.get(e[2])) is not None and w.seq == e[1]]
+            heapq.heapify(self._due)
+        if len(self._expiry) > 2 * live:
+            self._expiry = [e for e in self._expiry if (w := self._waiting.get(e[2])) is not None and w.seq == e[1]]
+            heapq.heapify(self._expiry)
 
     def is_ready(self, keys: Sequence[bytes], now: float, w: _Waiting | None = None) -> bool:
         """Whether all of ``keys`` are in tier 0 and any promotion of them has finished."""
@@ -372,16 +458,22 @@ class PrefetchScheduler:
             return math.inf
 
     def tick(self, now: float | None = None) -> None:
-        """Do the work due at ``now`` (seconds): promotions whose start time has come,
-        renewed hints (and re-promotions) for trajectories waiting past their predicted
-        resume, and demotions when tier 0's free space is below the headroom."""
-        if not self.enabled:
-            return
+        """Do the work due at ``now`` (seconds): expiry of trajectories waiting too long
+        (also when only observing), promotions whose start time has come, renewed hints
+        (and re-promotions) for trajectories waiting past their predicted resume, and
+        demotions when tier 0's free space is below the headroom."""
         now = self.clock() if now is None else now
         with self._lock:
+            self._expire(now)
+            active = self._active                 # oldest resume first
+            while active:
+                tid, (t, _) = next(iter(active.items()))
+                if now - t <= self.active_protect_s:
+                    break
+                del active[tid]
+            if not self.enabled:
+                return
             self._expect_cache = {}
-            for tid in [tid for tid, (t, _) in self._active.items() if now - t > self.active_protect_s]:
-                del self._active[tid]
             while self._due and self._due[0][0] <= now:
                 _, seq, tid, action = heapq.heappop(self._due)
                 w = self._waiting.get(tid)
