@@ -402,7 +402,7 @@ class KVStoreClient:
                 part = keys[start:start + per]
                 reply = self._call(self._stub.Lease, pb.LeaseRequest(
                     keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss, release=release), timeout)
-                release = [reply.lease_id]
+                release = [reply.lease_id] if reply.lease_id else []
                 for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
                     if not code:
                         continue

@@ -57,6 +57,7 @@ COUNTERS: dict[str, str] = {
     "leases_granted": "leases granted",
     "leased_blocks": "blocks pinned by leases",
     "leases_expired": "leases that ended by their TTL (not released)",
+    "leases_refused": "Lease calls that granted nothing: MAX_LEASES leases were alive",
 }
 
 _PATTERNS = [(re.compile("^" + re.escape(name).replace(re.escape("{tier}"), "[a-z0-9_]+") + "$"), name)

@@ -59,6 +59,13 @@ WRITE_THROUGH = "write_through"
 MAX_LEASE_TTL_S = 600.0
 """Longest lease or reservation a client may ask for (seconds)."""
 
+MAX_LEASES = 65536
+"""Most leases alive at once; past it a Lease grants nothing (``resume_at`` 0: the client
+reads by gRPC instead), counted in ``leases_refused``. Never ends a lease early."""
+
+MAX_SIZE_CONFLICTS_LOGGED = 4096
+"""Keys remembered so that each size conflict is logged once (oldest forgotten first)."""
+
 
 @dataclass
 class PutOutcome:
@@ -329,7 +336,7 @@ class TierManager:
         self.counters.inc("puts_size_conflict")
         if key not in self._size_conflicts_logged:
             self._size_conflicts_logged[key] = None
-            if len(self._size_conflicts_logged) > 4096:
+            if len(self._size_conflicts_logged) > MAX_SIZE_CONFLICTS_LOGGED:
                 self._size_conflicts_logged.popitem(last=False)
             log.warning("put of block %s with %d bytes refused: it is stored with %d bytes (first writer wins)",
                         key.hex()[:16], asked, stored)
@@ -569,8 +576,9 @@ class TierManager:
         the arena first. With ``prefix`` the grant ends at the first miss. The grant also
         ends early (``LeaseGrant.resume_at``) once ``max_bytes`` (default a quarter of the
         arena) are leased or a promotion finds no room: the client releases, then asks
-        for the rest. Raises InvalidRequest (bad key, TTL), KVStoreError when no tier can
-        be mapped by clients.
+        for the rest. A grant that holds no block creates no lease (``lease_id`` empty);
+        with :data:`MAX_LEASES` alive it grants nothing (``resume_at`` 0). Raises
+        InvalidRequest (bad key, TTL), KVStoreError when no tier can be mapped by clients.
         """
         if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN
             raise InvalidRequest(f"lease ttl must be in (0, {MAX_LEASE_TTL_S}] seconds, got {ttl_s}")
@@ -579,6 +587,9 @@ class TierManager:
         if self._shared is None and not (device and self._device is not None):
             raise KVStoreError("no tier can be read in place by clients (no shared host arena or HBM tier)")
         cat = self.catalogue
+        if cat.num_leases >= MAX_LEASES:
+            self.counters.inc("leases_refused")
+            return LeaseGrant("", (), ttl_s, resume_at=0)
         if max_bytes is None:
             max_bytes = self.tiers[self._shared].capacity_bytes // 4 if self._shared is not None else 1 << 62
         blocks: list[LeasedBlock] = []
@@ -605,6 +616,8 @@ class TierManager:
                 held.append(entry)
                 blocks.append(block)
                 leased += block.size
+            if not held:                 # misses only (or no room yet): nothing to hold
+                return LeaseGrant("", tuple(blocks), ttl_s, resume_at)
             with cat.lock:
                 lease = cat.lease(held, ttl_s, owner)
         except BaseException:
@@ -886,4 +899,4 @@ class BlockReader:
 
 
 __all__ = ["BlockReader", "LeaseGrant", "LeasedBlock", "PutOutcome", "TierManager", "TierUsage", "WRITE_BACK",
-           "WRITE_THROUGH", "MAX_LEASE_TTL_S"]
+           "WRITE_THROUGH", "MAX_LEASE_TTL_S", "MAX_LEASES"]
