@@ -242,73 +242,9 @@ def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
             port = server.add_secure_port(listen, creds)
         else:
             port = server.add_insecure_port(listen)
-    except RuntimeError as e:   # grpc raises when the address is in use
-        raise ConfigError(f"server.listen: cannot bind {listen} (in use, or not an address here): {e}") from None
-    if port == 0:
-        raise ConfigError(f"server.listen: cannot bind {listen}")
-    host = listen.rsplit(":", 1)[0]
-    return f"{host}:{port}", None
-
-
-def _claim_unix_socket(listen: str) -> _UnixSocket:
-    path = listen[len("unix:"):]
-    if path.startswith("//"):
-        path = path[2:]
-    p = pathlib.Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"server.listen: cannot create {str(p.parent)!r}: {e.strerror}") from None
-    lock_path = p.with_name(p.name + ".lock")
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise ConfigError(f"server.listen: cannot create {str(lock_path)!r}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ConfigError(f"server.listen: another daemon is serving on {listen} "
-                          f"(it holds {lock_path})") from None
-    if os.path.lexists(p):
-        st = p.lstat()
-        if not stat.S_ISSOCK(st.st_mode):
-            os.close(fd)
-            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
-            raise ConfigError(f"server.listen: {str(p)!r} is {kind}, not a socket; refusing to replace it")
-        p.unlink()   # a socket left by a daemon that died: nobody holds the lock
-    return _UnixSocket(p, fd)
-
-
-def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
-    """Bind ``[server] listen``; returns the address and, for unix sockets, the claim."""
-    listen = cfg.server.listen
-    if listen.startswith("unix:"):
-        sock = _claim_unix_socket(listen)
-        old_umask = os.umask(0o077)  # socket created 0600: only this user may connect
-        try:
-            port = server.add_insecure_port(f"unix:{sock.path}")
-        except RuntimeError as e:
-            sock.release()
-            raise ConfigError(f"server.listen: cannot bind {listen}: {e}") from None
-        finally:
-            os.umask(old_umask)
-        if port == 0:
-            sock.release()
-            raise ConfigError(f"server.listen: cannot bind {listen}")
-        os.chmod(sock.path, 0o600)
-        sock.inode = sock.path.stat().st_ino
-        return f"unix:{sock.path}", sock
-    s = cfg.server
-    try:
-        if s.tls_cert:
-            creds = grpc.ssl_server_credentials(
-                [(pathlib.Path(s.tls_key).read_bytes(), pathlib.Path(s.tls_cert).read_bytes())])
-            port = server.add_secure_port(listen, creds)
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as e:   # grpc raises when the address is in use
-        raise ConfigError(f"server.listen: cannot bind {listen} (in use, or not an address here): {e}") from None
+    except RuntimeError as e:   # grpc raises when the address is in use (SO_REUSEPORT is off)
+        raise ConfigError(f"server.listen: cannot bind {listen}: the port is in use (another kvstore daemon "
+                          f"serving it?) or the address is not on this machine ({e})") from None
     if port == 0:
         raise ConfigError(f"server.listen: cannot bind {listen}")
     host = listen.rsplit(":", 1)[0]
@@ -359,6 +295,7 @@ def start_server(cfg: Config) -> Daemon:
         auth = Authenticator.from_config(cfg.server)
         interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
         interceptors.append(RequestDecodeInterceptor())
+        # SO_REUSEPORT off: a second daemon on the same TCP port is refused, not served beside it
         options = channel_options(cfg.server.max_message_bytes) + [("grpc.so_reuseport", 0)]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
                                                         thread_name_prefix="kvstore-rpc"),
@@ -367,7 +304,8 @@ def start_server(cfg: Config) -> Daemon:
         if hints is not None:
             background.append(hints)
         health_servicer = health.HealthServicer()
-        monitor = HealthMonitor(manager, health_servicer)
+        folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
+        monitor = HealthMonitor(manager, health_servicer, folders=folders)
         info = pb.InfoReply(version=__version__, block_tokens=cfg.blocks.block_tokens, key_hash=cfg.blocks.hash,
                             max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=MAX_LEASE_TTL_S)
         service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes,
