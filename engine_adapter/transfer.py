@@ -55,6 +55,10 @@ class BlockStore(Protocol):
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int: ...
 
+    def check_block_tokens(self, block_tokens: int) -> None:
+        """Raise :class:`kvstore.errors.InvalidRequest` when the node is configured for
+        another block size (``[blocks] block_tokens``)."""
+
 
 @dataclass(frozen=True)
 class LayerLoad:

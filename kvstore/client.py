@@ -163,8 +163,9 @@ class KVStoreClient:
         return self._info
 
     def check_block_tokens(self, block_tokens: int) -> None:
-        """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is not
-        ``block_tokens`` (keys computed with another block size never hit)."""
+        """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is set and is not
+        ``block_tokens`` (keys computed with another block size never hit the blocks of
+        the node's other clients). Raises StoreUnavailable when the node does not answer."""
         node = self.info().block_tokens
         if node and node != block_tokens:
             raise errors.InvalidRequest(f"this client cuts prompts into {block_tokens}-token blocks but the node "

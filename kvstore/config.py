@@ -17,8 +17,9 @@ Example (every key optional; these are the defaults unless noted)::
     alice = "token-of-alice"      # each tenant gets a private key space (kvstore/auth.py)
 
     [blocks]
-    block_tokens = 512            # tokens per block of this node's clients: published by Info,
-                                  # checked by clients that compute keys (kvstore.client)
+    block_tokens = 0              # tokens per block of this node's clients (0: not set): published
+                                  # by Info; clients cutting prompts into other blocks are refused
+                                  # (KVStoreClient.check_block_tokens: kvstore replay, the engine adapter)
     hash = "sha256"               # how keys are computed (the only choice: chained SHA-256)
 
     [tiers.hbm]                   # GPU memory; off unless a GPU is present and enabled
@@ -104,7 +105,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class BlocksConfig:
-    block_tokens: int = 512
+    block_tokens: int = 0
     hash: str = "sha256"
 
 
@@ -335,8 +336,8 @@ def validate(cfg: Config) -> Config:
         value = getattr(s, name)
         if value and not os.access(value, os.R_OK):
             raise ConfigError(f"server.{name}: cannot read {value!r}")
-    if cfg.blocks.block_tokens < 1:
-        raise ConfigError(f"blocks.block_tokens: must be >= 1, got {cfg.blocks.block_tokens}")
+    if not 0 <= cfg.blocks.block_tokens <= 1 << 20:
+        raise ConfigError(f"blocks.block_tokens: must be in [1, 1048576] (0: not set), got {cfg.blocks.block_tokens}")
     if cfg.blocks.hash != "sha256":
         raise ConfigError(f"blocks.hash: {cfg.blocks.hash!r} is not supported (keys are chained SHA-256: "
                           "\"sha256\")")

@@ -30,7 +30,7 @@ from tiers.base import TierKind
 from .cliargs import non_negative_int, positive_int
 from .client import KVStoreClient
 from .trace import TRACE_BLOCK_TOKENS, block_key
-from .errors import KVStoreError, TierFull
+from .errors import InvalidRequest, KVStoreError, TierFull
 from .units import format_size
 
 
@@ -122,13 +122,15 @@ def replay(requests: Sequence, client: KVStoreClient, *, bytes_per_token: int = 
 
     Returns the :class:`ReplayReport`; when the daemon fails mid-way, the report of the
     requests done so far with ``error`` set. Raises ValueError for a request whose block
-    count does not match its length.
+    count does not match its length, InvalidRequest (before anything is sent) when the
+    node's ``[blocks] block_tokens`` is set to another block size.
     A Put refused with RESOURCE_EXHAUSTED is counted in ``put_failures``, not raised.
     """
     from tqdm import tqdm
 
     if bytes_per_token <= 0:
         raise ValueError("bytes_per_token must be > 0")
+    client.check_block_tokens(block_tokens)
     block_bytes = block_tokens * bytes_per_token
     rep = ReplayReport(bytes_per_token=bytes_per_token, block_tokens=block_tokens)
     by_tier: Counter[str] = Counter()
@@ -208,6 +210,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             client.wait_ready(timeout=args.wait)
             report = replay(requests, client, bytes_per_token=args.bytes_per_token,
                             progress=not args.quiet)
+    except InvalidRequest as e:       # the node is configured for another block size
+        print(f"kvstore replay: {e}", file=sys.stderr)
+        return 2
     except KVStoreError as e:
         print(f"kvstore replay: {e} (is `kvstore serve` running on {args.target}?)", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ import time
 from typing import Sequence
 
 from kvstore import config
-from kvstore.errors import StoreUnavailable
+from kvstore.errors import InvalidRequest, StoreUnavailable
 from kvstore.types import GetResult, LookupResult
 from tiers.base import TierKind, check_ranges
 
@@ -38,6 +38,11 @@ class MemoryStore:
         self.blocks: dict[bytes, bytes] = {}
         self.lock = threading.Lock()
         self.calls: list[str] = []
+        self.block_tokens = 0            # the node's [blocks] block_tokens (0: not set)
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        if self.block_tokens and self.block_tokens != block_tokens:
+            raise InvalidRequest(f"the node is configured for {self.block_tokens}-token blocks")
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         self.calls.append("lookup")
@@ -106,6 +111,9 @@ class FaultyStore:
 
     def disarm(self) -> None:
         self.mode = None
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        self.inner.check_block_tokens(block_tokens)
 
     def lookup(self, keys, timeout=None):
         if self.mode == "down" and self.gets_since_armed >= self.after_gets:
