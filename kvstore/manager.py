@@ -664,10 +664,13 @@ class TierManager:
             cat.unpin(entry)
             raise
 
-    def _count_read(self, tier: Tier, nbytes: int) -> None:
-        self.counters.inc("reads")
+    def _count_read(self, tier: Tier, nbytes: int, block: bool = True) -> None:
+        """Count ``nbytes`` served from ``tier``; ``block``: and one block read (False for
+        the further pieces of a block read in several)."""
+        if block:
+            self.counters.inc("reads")
+            self.counters.inc(f"reads_{tier.name}")
         self.counters.inc("read_bytes", nbytes)
-        self.counters.inc(f"reads_{tier.name}")
         self.counters.inc(f"read_bytes_{tier.name}", nbytes)
 
     def release(self, lease_id: str, owner: str = "") -> bool:
@@ -848,6 +851,7 @@ class BlockReader:
         self.size = entry.size
         self._promote_from: int | None = None
         self._closed = False
+        self._counted = False
 
     def read_into(self, out: Any, ranges: ByteRanges | None = None) -> TierKind:
         """Copy the block (or ``ranges``) into ``out``; returns the tier read from.
@@ -875,7 +879,8 @@ class BlockReader:
                     if i in entry.tiers:
                         m._placement.drop_copy(entry, i, "corrupt" if corrupt else "failed")
                 continue
-            m._count_read(tier, total)
+            m._count_read(tier, total, block=not self._counted)   # one read per block, bytes per piece
+            self._counted = True
             if i > 0 and m.promote_on_get:
                 self._promote_from = i
             return tier.kind
