@@ -24,9 +24,10 @@ TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_l
 
 
 def engine(tenant: str = "", **kw) -> EngineConfig:
-    """Engine settings of the tests: 16-token blocks, short timeouts."""
+    """Engine settings of the tests: 16-token blocks, timeouts generous enough for a saturated
+    machine (a test that wants a timeout sets a short one and makes the store hang)."""
     base = dict(model_id="tiny-llama-test", block_tokens=16, num_cache_blocks=64, tenant=tenant,
-                load_timeout_s=5.0, store_timeout_s=5.0)
+                load_timeout_s=60.0, store_timeout_s=60.0)
     base.update(kw)
     return EngineConfig(**base)
 
@@ -88,8 +89,10 @@ class FaultyStore:
 
     Modes: ``"missing"`` (``key`` reported not found; with ``in_lookup`` the Lookup also
     stops before it), ``"corrupt"`` (``key``'s bytes
-    truncated), ``"down"`` (StoreUnavailable), ``"hang"`` (sleeps ``hang_s`` then
-    StoreUnavailable, like a deadline). ``put_delay_s`` delays every Put.
+    truncated), ``"down"`` (StoreUnavailable), ``"hang"`` (waits until :meth:`release`
+    or ``hang_s``, then StoreUnavailable, like a deadline; ``hanging`` is set meanwhile).
+    ``hold_puts()`` makes every Put wait until :meth:`release` (``put_started`` is set
+    when one waits, ``put_done`` when one returned).
     """
 
     def __init__(self, inner):
@@ -100,8 +103,18 @@ class FaultyStore:
         self.gets_since_armed = 0
         self.hang_s = 0.0
         self.in_lookup = False
-        self.put_delay_s = 0.0
         self.put_started = threading.Event()
+        self.put_done = threading.Event()
+        self.hanging = threading.Event()
+        self._gate = threading.Event()
+        self._gate.set()
+
+    def hold_puts(self) -> None:
+        self._gate.clear()
+
+    def release(self) -> None:
+        """End every hang and held Put now."""
+        self._gate.set()
 
     def arm(self, mode: str, key: bytes | None = None, after_gets: int = 0, hang_s: float = 0.0,
             in_lookup: bool = False) -> None:
@@ -128,7 +141,10 @@ class FaultyStore:
         if active and self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
         if active and self.mode == "hang":
-            time.sleep(self.hang_s)
+            self._gate.clear()
+            self.hanging.set()
+            self._gate.wait(self.hang_s)
+            self.hanging.clear()
             raise StoreUnavailable("DEADLINE_EXCEEDED: injected")
         res = self.inner.get(keys, ranges=ranges, stop_at_miss=stop_at_miss, timeout=timeout)
         if not active or self.key is None:
@@ -147,11 +163,13 @@ class FaultyStore:
 
     def put(self, blocks, timeout=None):
         self.put_started.set()
-        if self.put_delay_s:
-            time.sleep(self.put_delay_s)
-        if self.mode == "down":
-            raise StoreUnavailable("UNAVAILABLE: injected")
-        return self.inner.put(blocks, timeout=timeout)
+        self._gate.wait(60)
+        try:
+            if self.mode == "down":
+                raise StoreUnavailable("UNAVAILABLE: injected")
+            return self.inner.put(blocks, timeout=timeout)
+        finally:
+            self.put_done.set()
 
     def delete(self, keys, timeout=None):
         return self.inner.delete(keys, timeout=timeout)

@@ -34,7 +34,7 @@ def tp1_session(tenant, client, **options):
 def run(tmp_path_factory):
     daemon = start_daemon(tmp_path_factory.mktemp("daemon_a"))
     daemon_b = start_daemon(tmp_path_factory.mktemp("daemon_b"))
-    client = KVStoreClient(daemon.address, timeout=5.0)
+    client = KVStoreClient(daemon.address, timeout=60.0)
     try:
         tp1_wrote = tp1_session("x", client)                      # read at TP=2 in the spawn
         ctx = mp.get_context("spawn")

@@ -1,6 +1,7 @@
 """Tier manager: placement, demotion, promotion, pins, accounting (in-memory tiers)."""
 
 import threading
+import time
 
 import pytest
 
@@ -255,9 +256,8 @@ def test_get_is_not_blocked_by_a_slow_demotion(moves):
     m.put(K(1), payload(1))
     t = threading.Thread(target=m.put, args=(K(2), payload(2)))   # must demote K(0) to the slow tier
     t.start()
-    for _ in range(100):
-        if m._placement._moving:
-            break
+    deadline = time.monotonic() + 60
+    while not m._placement._moving and time.monotonic() < deadline:
         threading.Event().wait(0.01)
     assert m._placement._moving, "the demotion should be in flight"
     assert bytes(m.get(K(1)).data) == payload(1)          # served while the demotion hangs
