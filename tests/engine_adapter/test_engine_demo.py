@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from ea_support import start_daemon
 from engine_adapter import demo
 
@@ -12,6 +14,7 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+@pytest.mark.slow
 def test_agent_demo_tp2_prints_turns(tmp_path, capfd):
     daemon = start_daemon(tmp_path)
     try:

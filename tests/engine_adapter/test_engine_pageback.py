@@ -125,9 +125,13 @@ def test_store_down_mid_load_recomputes_everything(baseline, caplog):
 def test_hanging_store_times_out_and_recomputes(baseline):
     store = FaultyStore(MemoryStore())
     hung_at_return = []
+
+    def after():
+        hung_at_return.append(store.hanging.is_set())
+        store.release()                       # now let the abandoned Get end
     try:
         out = two_turns(store, baseline, arm=lambda keys: store.arm("hang", after_gets=1, hang_s=120.0),
-                        load_timeout_s=0.3, after=lambda: hung_at_return.append(store.hanging.is_set()))
+                        load_timeout_s=0.3, after=after)
     finally:
         store.release()
     assert out.stats.paged_tokens == 0

@@ -16,6 +16,8 @@ from engine_adapter.session import AgentSession, SessionOptions, play_session
 from engine_adapter.tp import TPGroup, launch
 from kvstore.client import KVStoreClient
 
+pytestmark = pytest.mark.slow         # two spawned TP ranks, seven scenarios
+
 BT = 16
 SESSION = AgentSession(turns=6, system_tokens=96, observation_tokens=40, answer_tokens=8, seed=11)
 TIGHT = 1e-5     # page back vs recompute at the same TP size (fp32)

@@ -14,7 +14,8 @@ from kvstore.client import KVStoreClient
 from kvstore.replay import replay, trace_key
 from kvstore.trace import read_mooncake_trace
 
-pytestmark = pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")]
 
 N_REQUESTS = 150
 BPT = 2   # 1 KiB blocks

@@ -49,6 +49,7 @@ def sizes(s) -> dict:
             "errors": len(s.stats.abs_error_s), "tools": len(s.predictor.tools())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enabled", [True, False], ids=["prefetch", "observe-only"])
 def test_5000_never_resumed_calls_expire_and_leave_the_tables_empty(enabled):
     m, s, clock = scheduler(enabled, hbm_blocks=16, expire_factor=2.0)     # expire 20 s after the call
@@ -181,3 +182,15 @@ def test_the_size_conflict_log_is_bounded():
             m.put(k, b"b" * 32)
     assert len(m._size_conflicts_logged) == MAX_SIZE_CONFLICTS_LOGGED
     assert m.counters["puts_size_conflict"] == len(keys)
+
+
+def test_the_reuse_model_and_the_request_dedupe_table_are_bounded():
+    from kvstore.predictor import ReuseModel
+    model = ReuseModel(max_records=500, max_keys=2000)
+    for i in range(1000):                              # 1,000 requests of 8 fresh blocks each
+        model.observe_request([key(i * 8 + j, "reuse") for j in range(8)], now=float(i))
+    assert len(model._records) <= 500 and len(model._record_of) <= 2000
+    m, s, clock = scheduler(enabled=False)
+    for i in range(10_000):
+        s.observe_request([key(i, "dedupe")], now=float(i))
+    assert len(s._recent) <= 4096

@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kvstore.client import KVStoreClient
 from rel_support import DaemonProcess, is_payload_of, short_socket_dir, size_for, write_toml
 
@@ -42,6 +44,7 @@ def overhead_bound(workers: int, max_message: int) -> int:
     return 64 * MiB + workers * 2 * max_message + 64 * MiB
 
 
+@pytest.mark.slow
 def test_mixed_load_from_several_processes(tmp_path):
     socket_dir = short_socket_dir()
     address = f"unix:{socket_dir}/kvstore.sock"
