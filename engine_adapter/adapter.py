@@ -35,7 +35,7 @@ from typing import Sequence as Seq
 import torch
 
 from kernels import gather_blocks, scatter_blocks
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import BlockKeyer, chain_key
 
 from .config import EngineConfig, ModelConfig
@@ -125,7 +125,10 @@ class PageBackAdapter:
         cache: this rank's paged cache.
     Raises:
         ValueError: the TP ranks' namespaces differ (e.g. a tenant computed per rank);
-            checked with two all-reduces, so every rank must construct its adapter.
+            checked with two all-reduces, so every rank must construct its adapter; or
+            the node's ``[blocks] block_tokens`` is set to another block size than
+            ``engine.block_tokens`` (an unreachable store only logs a warning: every
+            prefill then recomputes until it answers).
     """
 
     def __init__(self, store: BlockStore | None, model: ModelConfig, engine: EngineConfig, tp: TPGroup,
@@ -134,6 +137,13 @@ class PageBackAdapter:
         self.engine = engine
         self.tp = tp
         self.cache = cache
+        if store is not None:
+            try:
+                store.check_block_tokens(engine.block_tokens)
+            except InvalidRequest as e:
+                raise ValueError(str(e)) from None
+            except KVStoreError as e:
+                log.warning("cannot check the store's block size (%s); going on", e)
         self.keyer = BlockKeyer(namespace(model, engine))
         if tp.world_size > 1:
             fp = int.from_bytes(self.keyer.root[:7], "little")

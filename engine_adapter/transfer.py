@@ -69,6 +69,10 @@ class BlockStore(Protocol):
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int: ...
 
+    def check_block_tokens(self, block_tokens: int) -> None:
+        """Raise :class:`kvstore.errors.InvalidRequest` when the node is configured for
+        another block size (``[blocks] block_tokens``)."""
+
 
 def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
     """``[l0, l1)`` layer groups of a page back: ``first`` layers, then twice as many as

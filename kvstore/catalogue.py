@@ -288,6 +288,9 @@ class Catalogue:
         lease = Lease(secrets.token_hex(16), owner, list(entries), self.clock() + ttl_s)
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+        if len(self._deadlines) > 2 * len(self._leases) + 1024:   # released leases, dropped lazily
+            self._deadlines = [d for d in self._deadlines if d[1] in self._leases]
+            heapq.heapify(self._deadlines)
         return lease
 
     def release(self, lease_id: str, owner: str) -> bool:

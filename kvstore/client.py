@@ -32,7 +32,8 @@ from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
 from .buffers import BlockBuffers, host_view
 from .status import error_for
-from .transport import DEFAULT_CHUNK_BYTES, DEFAULT_MESSAGE_BYTES, FRAMING_BYTES, channel_options
+from .transport import (DEFAULT_CHUNK_BYTES, DEFAULT_MESSAGE_BYTES, FRAMING_BYTES, channel_options,
+                        default_chunk_bytes, keys_per_request, parts)
 from .types import BlockMeta, GetResult, LookupResult, PutResult, ReserveStatus, TierKind
 from .wire import FOUND, META, decode, frames
 
@@ -76,8 +77,12 @@ class KVStoreClient:
         target: gRPC target, e.g. ``"unix:/run/kvstore.sock"`` or ``"127.0.0.1:50051"``.
         timeout: per-call deadline in seconds (loads never hang past it).
         auth_token: bearer token sent as ``authorization: Bearer <token>`` metadata.
-        chunk_bytes: largest payload piece per message (blocks above it are chunked).
-        max_message_bytes: gRPC message size limit; must not exceed the daemon's.
+        chunk_bytes: largest payload piece per message (blocks above it are chunked);
+            default 1 MiB, or ``max_message_bytes`` less 16 KiB of framing when smaller.
+        max_message_bytes: gRPC message size limit (bytes); must not exceed the daemon's
+            ``[server] max_message_bytes``. Requests listing more keys than fit are
+            split (:func:`kvstore.transport.keys_per_request`); a message the daemon
+            still refuses raises :class:`~kvstore.errors.MessageTooLarge`.
         root_certificates: PEM bytes to connect with TLS (TCP targets only).
         shared_memory: use the daemon's shared arena when it offers one (None: yes when
             possible, False: never, True: fail if it cannot).
@@ -85,9 +90,11 @@ class KVStoreClient:
     """
 
     def __init__(self, target: str, *, timeout: float = 30.0, auth_token: str = "",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+                 chunk_bytes: int | None = None, max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
                  root_certificates: bytes | None = None, shared_memory: bool | None = None,
                  lease_ttl_s: float = 30.0):
+        if chunk_bytes is None:
+            chunk_bytes = default_chunk_bytes(max_message_bytes)
         if chunk_bytes <= 0 or chunk_bytes > max_message_bytes - FRAMING_BYTES:
             raise ValueError(f"chunk_bytes must be > 0 and at least {FRAMING_BYTES} bytes below max_message_bytes")
         self.target = target
@@ -151,8 +158,9 @@ class KVStoreClient:
         return self._info
 
     def check_block_tokens(self, block_tokens: int) -> None:
-        """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is not
-        ``block_tokens`` (keys computed with another block size never hit)."""
+        """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is set and is not
+        ``block_tokens`` (keys computed with another block size never hit the blocks of
+        the node's other clients). Raises StoreUnavailable when the node does not answer."""
         node = self.info().block_tokens
         if node and node != block_tokens:
             raise errors.InvalidRequest(f"this client cuts prompts into {block_tokens}-token blocks but the node "
@@ -187,14 +195,24 @@ class KVStoreClient:
 
     # -------------------------------------------------------------- lookup, delete, stats
 
+    def _per_request(self, per_key: int = 34, extra: int = 0) -> int:
+        return keys_per_request(self.max_message_bytes, per_key, extra)
+
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         """Longest stored prefix of ``keys`` and the tier of each hit block."""
-        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys), timeout)
-        return LookupResult(reply.hit_blocks, reply.tier_codes)
+        hit, codes = 0, b""
+        for part in parts(list(keys), self._per_request()) or [[]]:
+            reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout)
+            hit += reply.hit_blocks
+            codes += reply.tier_codes
+            if reply.hit_blocks < len(part):
+                break
+        return LookupResult(hit, codes)
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
         """Delete blocks from every tier; returns how many were stored."""
-        return self._call(self._stub.Delete, pb.DeleteRequest(keys=list(keys)), timeout).deleted
+        return sum(self._call(self._stub.Delete, pb.DeleteRequest(keys=part), timeout).deleted
+                   for part in parts(list(keys), self._per_request()))
 
     def stats(self, timeout: float | None = None) -> dict:
         """Tier usage, counters and health: ``{"tiers", "counters", "serving", "problems"}``."""
@@ -238,7 +256,10 @@ class KVStoreClient:
             reply = self._put_raw(frames(items, limit, self.chunk_bytes), timeout=timeout or self.timeout,
                                   metadata=self._metadata)
         except grpc.RpcError as e:
-            raise error_for(e) from None
+            refused = _refused_put_reply(e)
+            if refused is None:
+                raise error_for(e) from None
+            reply = refused
         return _put_result(reply)
 
     def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
@@ -268,8 +289,9 @@ class KVStoreClient:
         rest: list[int] = []
         detail = ""
         batch: list[int] = []
+        per = self._per_request(per_key=34 + 11)            # a key and its size
         for i in range(len(keys) + 1):
-            if i < len(keys) and (not batch or reserved_total + lengths[i] <= budget):
+            if i < len(keys) and (not batch or reserved_total + lengths[i] <= budget and len(batch) < per):
                 batch.append(i)
                 reserved_total += lengths[i]
                 continue
@@ -336,13 +358,23 @@ class KVStoreClient:
         return results
 
     def _raw_records(self, keys, ranges, stop_at_miss, timeout):
-        req = pb.GetRequest(keys=list(keys), stop_at_miss=stop_at_miss, max_chunk_bytes=self.chunk_bytes,
-                            ranges=[pb.ByteRange(offset=o, length=n) for o, n in (ranges or ())])
-        try:
-            for frame in self._get_raw(req, timeout=timeout or self.timeout, metadata=self._metadata):
-                yield from decode(frame)
-        except grpc.RpcError as e:
-            raise error_for(e) from None
+        """The records of GetRaw calls for ``keys``, split into requests that fit the
+        message limit (with ``stop_at_miss``, no request after one that hit a miss)."""
+        byte_ranges = [pb.ByteRange(offset=o, length=n) for o, n in (ranges or ())]
+        per = self._per_request(extra=sum(r.ByteSize() + 2 for r in byte_ranges) + 16)
+        for part in parts(list(keys), per):
+            req = pb.GetRequest(keys=part, stop_at_miss=stop_at_miss, max_chunk_bytes=self.chunk_bytes,
+                                ranges=byte_ranges)
+            missed = False
+            try:
+                for frame in self._get_raw(req, timeout=timeout or self.timeout, metadata=self._metadata):
+                    for rec in decode(frame):
+                        missed = missed or rec.failed or not rec.found
+                        yield rec
+            except grpc.RpcError as e:
+                raise error_for(e) from None
+            if stop_at_miss and missed:
+                return
 
     def get_into(self, keys: Sequence[bytes], out: Any, *, ranges: Sequence[tuple[int, int]] | None = None,
                  offsets: Sequence[int] | None = None, stop_at_miss: bool = True,
@@ -380,12 +412,14 @@ class KVStoreClient:
         looked at (``len(keys)`` when done; the rest then goes by gRPC)."""
         src = arena.array
         start, release = 0, []
+        per = self._per_request(extra=128)
         try:
             while start < len(keys):
+                part = keys[start:start + per]
                 reply = self._call(self._stub.Lease, pb.LeaseRequest(
-                    keys=keys[start:], ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
+                    keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
                     release=release + self._releaser.take()), timeout)
-                release = [reply.lease_id]
+                release = [reply.lease_id] if reply.lease_id else []
                 for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
                     if not code:
                         continue
@@ -405,7 +439,10 @@ class KVStoreClient:
                         sizes[i] = size
                     codes[i] = code
                 if reply.complete:
-                    return len(keys)
+                    if start + len(part) >= len(keys) or stop_at_miss and 0 in reply.tier_codes:
+                        return len(keys)
+                    start += len(part)
+                    continue
                 if reply.resume_at == 0:
                     return start            # no progress: the arena is busy; use gRPC for the rest
                 start += reply.resume_at
@@ -567,6 +604,18 @@ def _meta_message(m: BlockMeta | None) -> pb.BlockMeta:
         return pb.BlockMeta()
     return pb.BlockMeta(engine_hash=m.engine_hash, parent_engine_hash=m.parent_engine_hash,
                         token_ids=list(m.token_ids), block_tokens=m.block_tokens, lora_name=m.lora_name)
+def _refused_put_reply(err: grpc.RpcError) -> pb.PutReply | None:
+    """The PutReply a put refused for a size conflict carries in its trailer (ALREADY_EXISTS,
+    see ``kvstore.server.PUT_REPLY_TRAILER``), or None for any other failure."""
+    if not isinstance(err, grpc.Call) or err.code() is not grpc.StatusCode.ALREADY_EXISTS:
+        return None
+    for name, value in err.trailing_metadata() or ():
+        if name == "kvstore-put-reply-bin":
+            try:
+                return pb.PutReply.FromString(value)
+            except Exception:  # noqa: BLE001 - a malformed trailer: report the status instead
+                return None
+    return None
 
 
 def _put_result(reply: pb.PutReply) -> PutResult:

@@ -5,7 +5,8 @@ Example (every key optional; these are the defaults unless noted)::
     [server]
     listen = "unix:kvstore-data/kvstore.sock"   # or "127.0.0.1:50051" (TCP, loopback)
     max_message_bytes = "64MiB"   # gRPC send/receive limit per message
-    max_chunk_bytes = "1MiB"      # largest payload in one Get message (measured: larger is slower)
+    max_chunk_bytes = "1MiB"      # largest payload in one Get message (measured: larger is slower;
+                                  # default: 1MiB, or max_message_bytes - 16KiB when that is less)
     workers = 32                  # gRPC thread pool size (a Put stream holds one while it runs)
     stream_idle_timeout_s = 30.0  # cancel a Put stream that sends nothing for this long
     auth_token = ""               # bearer token required on every call when set
@@ -16,8 +17,9 @@ Example (every key optional; these are the defaults unless noted)::
     alice = "token-of-alice"      # each tenant gets a private key space (kvstore/auth.py)
 
     [blocks]
-    block_tokens = 512            # tokens per block of this node's clients: published by Info,
-                                  # checked by clients that compute keys (kvstore.client)
+    block_tokens = 0              # tokens per block of this node's clients (0: not set): published
+                                  # by Info; clients cutting prompts into other blocks are refused
+                                  # (KVStoreClient.check_block_tokens: kvstore replay, the engine adapter)
     hash = "sha256"               # how keys are computed (the only choice: chained SHA-256)
 
     [tiers.hbm]                   # GPU memory; off unless a GPU is present and enabled
@@ -70,6 +72,9 @@ Example (every key optional; these are the defaults unless noted)::
     lead_time_s = 0.05
     quantile = 0.1                # the prefix must be back in HBM by this quantile of the tool's duration
     window = 64
+    expire_factor = 10.0          # a trajectory that has not resumed after this many times its tool's
+    max_wait_s = 3600.0           # predicted (median) duration, or after max_wait_s, stops waiting
+    max_waiting = 65536           # most trajectories waiting (and most recently resumed ones kept)
 
     [server]                      # (continued)
     lease_ttl_s = 30.0            # default lease / reservation TTL of the same-node path
@@ -117,7 +122,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class BlocksConfig:
-    block_tokens: int = 512
+    block_tokens: int = 0
     hash: str = "sha256"
 
 
@@ -180,6 +185,9 @@ class PrefetchConfig:
     lead_time_s: float = 0.05
     quantile: float = 0.1
     window: int = 64
+    expire_factor: float = 10.0
+    max_wait_s: float = 3600.0
+    max_waiting: int = 65536
 
 
 @dataclass(frozen=True)
@@ -369,8 +377,8 @@ def validate(cfg: Config) -> Config:
         value = getattr(s, name)
         if value and not os.access(value, os.R_OK):
             raise ConfigError(f"server.{name}: cannot read {value!r}")
-    if cfg.blocks.block_tokens < 1:
-        raise ConfigError(f"blocks.block_tokens: must be >= 1, got {cfg.blocks.block_tokens}")
+    if not 0 <= cfg.blocks.block_tokens <= 1 << 20:
+        raise ConfigError(f"blocks.block_tokens: must be in [1, 1048576] (0: not set), got {cfg.blocks.block_tokens}")
     if cfg.blocks.hash != "sha256":
         raise ConfigError(f"blocks.hash: {cfg.blocks.hash!r} is not supported (keys are chained SHA-256: "
                           "\"sha256\")")
@@ -414,12 +422,24 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"prefetch.lead_time_s: must be >= 0, got {p.lead_time_s}")
     if p.window < 1:
         raise ConfigError(f"prefetch.window: must be >= 1, got {p.window}")
+    if not 1.0 <= p.expire_factor <= 1e6:
+        raise ConfigError(f"prefetch.expire_factor: must be in [1, 1e6], got {p.expire_factor}")
+    if not 0.0 < p.max_wait_s <= 7 * 24 * 3600:
+        raise ConfigError(f"prefetch.max_wait_s: must be in (0, 604800] seconds, got {p.max_wait_s}")
+    if not 1 <= p.max_waiting <= 1 << 24:
+        raise ConfigError(f"prefetch.max_waiting: must be in [1, 16777216], got {p.max_waiting}")
     return cfg
 
 
 def from_dict(data: Mapping[str, Any]) -> Config:
     """Build and validate a Config from a parsed TOML table."""
-    return validate(_build(Config, dict(data), ""))
+    cfg = _build(Config, dict(data), "")
+    server = data.get("server")
+    if not (isinstance(server, dict) and "max_chunk_bytes" in server):
+        # not given: 1 MiB, or what fits below a smaller max_message_bytes
+        chunk = max(1, min(cfg.server.max_chunk_bytes, cfg.server.max_message_bytes - (16 << 10)))
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, max_chunk_bytes=chunk))
+    return validate(cfg)
 
 
 def loads(text: str) -> Config:

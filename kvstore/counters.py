@@ -5,8 +5,11 @@
 misspelt into existence. Names with ``{tier}`` exist once per configured tier (its
 name: ``hbm``, ``host``, ``nvme``, ``remote``).
 
-Units: *blocks* count whole blocks, *reads* count read operations (a ranged read of
-part of a block, e.g. one TP rank's KV heads, is one read), *bytes* count payload bytes.
+Units: *blocks* count whole blocks, *reads* count blocks served (a ranged read of part
+of a block, e.g. one TP rank's KV heads, is one read; a large block streamed in several
+pieces too), *bytes* count payload bytes, everything else counts calls or events as
+named. ``used_bytes`` of a tier (Stats ``TierStats``) is its allocation, rounded up to
+the allocator's units; ``payload_bytes`` the payload of the blocks it holds.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ COUNTERS: dict[str, str] = {
     "lookups": "Lookup calls",
     "lookup_blocks": "blocks asked for by Lookup calls",
     "lookup_hit_blocks": "blocks found by Lookup calls (longest stored prefix)",
-    "reads": "reads served (whole blocks or byte ranges of them)",
+    "reads": "blocks served by Get: one per block per call, whole or byte ranges, in any number of pieces",
     "read_bytes": "payload bytes served by reads",
-    "reads_{tier}": "reads served from this tier",
+    "reads_{tier}": "blocks served from this tier (the tier of the block's first piece)",
     "read_bytes_{tier}": "payload bytes read from this tier to serve reads",
     "get_misses": "blocks asked for by reads that were not stored",
     # puts
@@ -57,11 +60,12 @@ COUNTERS: dict[str, str] = {
     # leases
     "leases_granted": "leases granted",
     "leased_blocks": "blocks pinned by leases (clients read them in place)",
+    "leased_bytes": "payload bytes of the blocks pinned by leases",
+    "leases_expired": "leases that ended by their TTL (not released)",
+    "leases_refused": "Lease calls that granted nothing: MAX_LEASES leases were alive",
     # KV events for routers
     "events_published": "KV events sent to subscribers ([events])",
     "events_dropped": "KV events dropped because the publisher's queue was full",
-    "leased_bytes": "payload bytes of the blocks pinned by leases",
-    "leases_expired": "leases that ended by their TTL (not released)",
     # the cluster (a remote tier, kvstore/remote.py)
     "remote_lookups": "Lookups that asked the cluster about blocks not held here (one call each)",
     "remote_lookup_hit_blocks": "blocks Lookup found in the cluster only",
@@ -80,6 +84,24 @@ COUNTERS: dict[str, str] = {
     "remote_corrupt_copies": "cluster copies that failed verification (a miss, dropped from the cluster)",
     "remote_peer_errors": "reads a peer did not serve (a miss)",
 }
+
+EVENTS = {"lookups", "puts_aborted", "reservations_expired", "demotions_failed", "promotions_deduplicated",
+          "promotions_skipped", "write_through_failed", "transfers_failed", "transfers_timed_out", "read_errors",
+          "leases_granted", "leases_expired", "leases_refused", "events_published", "events_dropped",
+          "remote_lookups", "remote_lookup_failures", "remote_pull_failures", "remote_calls",
+          "remote_call_failures", "remote_call_timeouts", "remote_calls_refused", "remote_peer_errors"}
+
+
+def unit_of(name: str) -> str:
+    """The unit of a declared counter: ``bytes``, ``blocks`` (``reads``: blocks served) or
+    ``events`` (calls, failures, leases)."""
+    decl = declared(name) or name
+    if "bytes" in decl:
+        return "bytes"
+    if decl in EVENTS:
+        return "events"
+    return "blocks served" if decl.startswith("reads") else "blocks"
+
 
 _PATTERNS = [(re.compile("^" + re.escape(name).replace(re.escape("{tier}"), "[a-z0-9_]+") + "$"), name)
              for name in COUNTERS if "{tier}" in name]

@@ -29,6 +29,10 @@ log = logging.getLogger("kvstore.leases")
 MAX_LEASE_TTL_S = 600.0
 """Longest lease or reservation a client may ask for (seconds)."""
 
+MAX_LEASES = 65536
+"""Most leases alive at once; past it a Lease grants nothing (``resume_at`` 0: the client
+reads by gRPC instead), counted in ``leases_refused``. Never ends a lease early."""
+
 _NO_ROOM = object()
 
 
@@ -88,8 +92,10 @@ class Leases:
         cluster) is brought into the arena first. With ``prefix`` the grant ends at the
         first miss. The grant also ends early (``LeaseGrant.resume_at``) once
         ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
-        room: the client releases, then asks for the rest. Raises InvalidRequest (bad key, TTL), KVStoreError when no tier can
-        be mapped by clients.
+        room: the client releases, then asks for the rest. A grant that holds no block creates
+        no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
+        (``resume_at`` 0). Raises InvalidRequest (bad key, TTL), KVStoreError when no tier
+        can be mapped by clients.
         """
         if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN
             raise InvalidRequest(f"lease ttl must be in (0, {MAX_LEASE_TTL_S}] seconds, got {ttl_s}")
@@ -98,6 +104,9 @@ class Leases:
         if self._shared is None and not (device and self._device is not None):
             raise KVStoreError("no tier can be read in place by clients (no shared host arena or HBM tier)")
         cat = self.catalogue
+        if cat.num_leases >= MAX_LEASES:
+            self.counters.inc("leases_refused")
+            return LeaseGrant("", (), ttl_s, resume_at=0)
         self._page_in(keys, prefix=prefix)    # blocks only in the cluster: one batch
         if max_bytes is None:
             max_bytes = self.tiers[self._shared].capacity_bytes // 4 if self._shared is not None else 1 << 62
@@ -124,6 +133,8 @@ class Leases:
                     blocks.append(got[1])
                     state["leased"] += got[1].size
                 n += 1
+            if not held:                 # misses only (or no room yet): nothing to hold
+                return LeaseGrant("", tuple(blocks), ttl_s, state["resume_at"])
             with cat.lock:
                 lease = cat.lease(held, ttl_s, owner)
         except BaseException:

@@ -47,14 +47,14 @@ from tiers.base import Tier, TierKind
 from .catalogue import Catalogue
 from .counters import Counters
 from .errors import KVStoreError
-from .leases import MAX_LEASE_TTL_S, LeasedBlock, LeaseGrant, Leases
+from .leases import MAX_LEASE_TTL_S, MAX_LEASES, LeasedBlock, LeaseGrant, Leases
 from .mover import Mover
 from .placement import Cleaner, Placement
 from .policy import AcceptsNextUse, EvictionPolicy, NoVictim, PredictsDistance, UsesReuseModel
 from .reads import BlockReader, Reads
 from .remote import Cluster, ClusterOptions
 from .types import LookupResult
-from .writes import WRITE_BACK, WRITE_THROUGH, PutOutcome, Writes
+from .writes import MAX_SIZE_CONFLICTS_LOGGED, WRITE_BACK, WRITE_THROUGH, PutOutcome, Writes
 
 log = logging.getLogger("kvstore.manager")
 
@@ -379,4 +379,5 @@ class TierManager:
 
 
 __all__ = ["BlockReader", "LeaseGrant", "LeasedBlock", "PutOutcome", "TierManager", "TierUsage", "WRITE_BACK",
-           "WRITE_THROUGH", "MAX_LEASE_TTL_S"]
+           "WRITE_THROUGH", "MAX_LEASE_TTL_S", "MAX_LEASES",
+           "MAX_SIZE_CONFLICTS_LOGGED"]

@@ -169,12 +169,14 @@ class Placement:
         if d >= 0 and entry.key in self._dirty_keys[d]:
             self._dirty_keys[d].move_to_end(entry.key)
 
-    def count_read(self, tier: Tier, nbytes: int) -> None:
-        """Count a read of ``nbytes`` served from ``tier``."""
+    def count_read(self, tier: Tier, nbytes: int, block: bool = True) -> None:
+        """Count ``nbytes`` served from ``tier``; ``block``: and one block read (False for
+        the further pieces of a block read in several)."""
         c = self.counters
-        c.inc("reads")
+        if block:
+            c.inc("reads")
+            c.inc(f"reads_{tier.name}")
         c.inc("read_bytes", nbytes)
-        c.inc(f"reads_{tier.name}")
         c.inc(f"read_bytes_{tier.name}", nbytes)
 
     def kick_if_full(self, i: int) -> None:
@@ -272,6 +274,8 @@ class Placement:
                     if self.cat.raw(key) is not entry or i not in entry.tiers or entry.pins:
                         return  # deleted, or read again while it was copied: keep the clean copy
                     break
+                if self.cat.raw(key) is not entry or entry.deleted:
+                    return  # deleted while it was copied: nothing to demote, its room is free
                 self.counters.inc("demotions_failed")
                 if isinstance(t.error, terr.TierFull) and attempt == 1:
                     continue   # the disk filled up: the tier now evicts to fit, so retry once

@@ -126,7 +126,8 @@ class ReuseModel:
         horizon_s: oldest age the model reasons about (seconds); older is "never".
         window: learning samples kept per class (recent ones).
         refresh_every: requests between recomputations of the tables.
-        max_records: records remembered (the shadow map of keys is bounded by them).
+        max_records: records remembered; max_keys: keys mapped to records. The oldest
+            records are forgotten past either bound, or past ``horizon_s``.
         bins: number of log-spaced age bins between ``min_age_s`` and ``horizon_s``.
         min_age_s, prior_beta: the prior's smallest age bin and decreasing hazard.
         smoothing: pseudo observations pulling each class towards the pooled estimate.
@@ -139,7 +140,8 @@ class ReuseModel:
     """
 
     def __init__(self, turn_buckets: int = 4, horizon_s: float = 3600.0, window: int = 512,
-                 refresh_every: int = 64, max_records: int = 200_000, bins: int = 28,
+                 refresh_every: int = 64, max_records: int = 200_000, max_keys: int = 2_000_000,
+                 bins: int = 28,
                  min_age_s: float = 0.25, prior_beta: float = 0.5, smoothing: float = 4.0,
                  growth_buckets: Sequence[int] = (4, 16), gap_buckets: Sequence[float] = (60.0, 180.0)):
         if turn_buckets < 1:
@@ -158,6 +160,7 @@ class ReuseModel:
         self.smoothing = smoothing
         self.refresh_every = refresh_every
         self.max_records = max_records
+        self.max_keys = max_keys
         self.edges = [0.0] + list(np.geomspace(min_age_s, horizon_s, bins))
         self._edges_np = np.asarray(self.edges)
         self._widths = np.diff(self._edges_np)
@@ -263,7 +266,8 @@ class ReuseModel:
         recs = self._records
         while recs:
             rid, rec = next(iter(recs.items()))
-            if len(recs) <= self.max_records and now - rec.t0 <= self.horizon_s:
+            if (len(recs) <= self.max_records and len(self._record_of) <= self.max_keys
+                    and now - rec.t0 <= self.horizon_s):
                 break
             del recs[rid]
             for k in rec.keys:

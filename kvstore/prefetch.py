@@ -34,6 +34,17 @@ were evicted before use (waste), and the error of its resume-time predictions. W
 ``enabled = false`` it only observes (requests, predictions, hints, readiness) and
 moves nothing.
 
+**Bounded state.** A trajectory that never resumes *expires* ``expire_factor`` times
+its predicted (median) wait after its call started, at most ``max_wait_s`` later: it
+leaves the waiting table, nothing is promoted for it again, and a late Resume still
+teaches the predictor (the last ``max_waiting`` expired calls are remembered by tool and
+start time only). At most ``max_waiting`` trajectories wait (past it the one due to
+expire first expires now) and at most ``max_waiting`` recently resumed ones are
+protected; the due-time heaps are compacted when stale entries outnumber live ones;
+error statistics keep running sums and a fixed-size reservoir
+(:data:`kvstore.prefetch_stats.RESERVOIR`). Every time is on the scheduler's clock
+(``time.monotonic`` in the daemon: stepping the wall clock moves nothing).
+
 The daemon calls :meth:`PrefetchScheduler.tool_call_start` / :meth:`resume` /
 :meth:`session_hint` from its gRPC handlers, :meth:`observe_request` from Lookup (it
 feeds the ``next_use`` policy's :class:`~kvstore.predictor.ReuseModel`), and runs
@@ -97,6 +108,7 @@ class _Waiting:
     done_at: float = 0.0             # when the last transfer of the promotion finishes
     seq: int = 0
     paged_in: bool = False           # blocks only in the cluster were asked for
+    expires_at: float = math.inf     # dropped from the waiting table then, resumed or not
 
 
 class PrefetchScheduler(PromotionMixin):
@@ -108,7 +120,8 @@ class PrefetchScheduler(PromotionMixin):
             (``quantile`` | ``lognormal``), ``lead_time_s`` (seconds the promotion should
             finish before the need), ``quantile`` (of the predicted duration at which the
             blocks must be back, e.g. 0.1), ``window`` (observations per tool).
-        clock: time source in seconds (``time.time`` in the daemon, virtual in the simulator).
+        clock: time source in seconds (``time.monotonic`` in the daemon, virtual in the
+            simulator); every time passed in is on this clock.
         hop_bandwidth: bytes/s per (source kind, destination kind); defaults
             :data:`DEFAULT_HOP_BANDWIDTH`. Replaced by measurements when
             ``measure_bandwidth`` is on.
@@ -148,7 +161,7 @@ class PrefetchScheduler(PromotionMixin):
     """
 
     def __init__(self, manager, prefetch_config: PrefetchConfig | None = None,
-                 clock: Callable[[], float] = time.time, *,
+                 clock: Callable[[], float] = time.monotonic, *,
                  hop_bandwidth: Mapping[tuple[TierKind, TierKind], float] | None = None,
                  measure_bandwidth: bool = True, headroom_fraction: float = 0.0,
                  active_protect_s: float = 30.0, reuse_model: ReuseModel | None = None,
@@ -191,7 +204,9 @@ class PrefetchScheduler(PromotionMixin):
         self._waiting: dict[str, _Waiting] = {}
         self._due: list[tuple[float, int, str, int]] = []   # (time, seq, trajectory, action)
         self._seq = 0
-        self._active: dict[str, tuple[float, list[bytes]]] = {}   # resumed: (time, keys)
+        self._active: dict[str, tuple[float, list[bytes]]] = {}   # resumed: (time, keys), oldest first
+        self._expiry: list[tuple[float, int, str]] = []            # (expires_at, seq, trajectory)
+        self._expired: OrderedDict[str, tuple[str, float, float]] = OrderedDict()   # id -> (tool, start, median)
         self._promoted: dict[bytes, tuple[str, int, float]] = {}   # key -> (trajectory, bytes, ready at)
         self._link_free: dict[tuple[TierKind, TierKind], float] = {}
         self._thread: threading.Thread | None = None
@@ -229,7 +244,10 @@ class PrefetchScheduler(PromotionMixin):
         time (seconds, same clock): the median of the tool's learned duration."""
         now = self.clock()
         start = start_time if start_time else now
+        if not math.isfinite(start):
+            raise ValueError(f"tool call start time {start!r} is not a finite number of seconds")
         with self._lock:
+            self._expire(now)
             self.stats.tool_calls += 1
             median = start + self.predictor.predict(tool, 0.5)
             ready_by = start + self.predictor.predict(tool, self.config.quantile) - self.config.lead_time_s
@@ -242,7 +260,10 @@ class PrefetchScheduler(PromotionMixin):
         (seconds, same clock; ``inf`` for a finished or abandoned session)."""
         now = self.clock()
         t = hint.time if hint.time is not None else now
+        if not math.isfinite(t):
+            raise ValueError(f"session hint time {t!r} is not a finite number of seconds")
         with self._lock:
+            self._expire(now)
             self.stats.session_hints += 1
             if hint.session_id in self._waiting and hint.state != SessionState.ABANDONED:
                 self._resume(hint.session_id, t)
@@ -268,13 +289,19 @@ class PrefetchScheduler(PromotionMixin):
     def _wait(self, tid: str, tool: str, start: float, keys: list[bytes], median: float,
               ready_by: float, now: float, hint_sessions: bool = True) -> None:
         self._active.pop(tid, None)
+        self._expired.pop(tid, None)
         old = self._waiting.pop(tid, None)
         if old is not None:
             self._release(old)
         self._seq += 1
         w = _Waiting(tid, tool, start, keys, median, ready_by, ready_by, seq=self._seq)
         w.promote_at = ready_by - self.transfer_seconds(keys, assume=TierKind.HOST)
+        w.expires_at = start + min(self.config.max_wait_s, self.config.expire_factor * max(median - start, 0.0))
         self._waiting[tid] = w
+        heapq.heappush(self._expiry, (w.expires_at, w.seq, tid))
+        while len(self._waiting) > self.config.max_waiting:
+            self._expire(now, force=True)
+        self._compact()
         if hint_sessions:
             self.sessions.expect(tid, keys, median, now, hinted_at=start, calibrate=True)
         if self.enabled:
@@ -289,27 +316,40 @@ class PrefetchScheduler(PromotionMixin):
         predictor and the readiness / waste / error statistics.
         """
         now = time if time else self.clock()
+        if not math.isfinite(now):
+            raise ValueError(f"resume time {now!r} is not a finite number of seconds")
         with self._lock:
+            self._expire(now)
             return self._resume(trajectory_id, now)
+
+    def _learn(self, tool: str, start: float, median: float, observed: float) -> None:
+        """Teach the predictor one observed wait (seconds)."""
+        if tool == SESSION_TOOL:
+            hinted = median - start
+            if hinted > 0 and observed > 0:
+                self.session_ratios.observe(SESSION_TOOL, observed / hinted)
+        else:
+            self.predictor.observe(tool, observed)
 
     def _resume(self, trajectory_id: str, now: float) -> tuple[bool, float]:
         w = self._waiting.pop(trajectory_id, None)
         if w is None:
-            self.stats.resumes_unknown += 1
-            return False, 0.0
+            late = self._expired.pop(trajectory_id, None)
+            if late is None:
+                self.stats.resumes_unknown += 1
+                return False, 0.0
+            observed = max(now - late[1], 0.0)     # expired while waiting: still learn from it
+            self._learn(late[0], late[1], late[2], observed)
+            self.stats.resumes_expired += 1
+            return True, observed
         observed = max(now - w.start, 0.0)
-        if w.tool == SESSION_TOOL:
-            hinted = w.predicted_resume - w.start
-            if hinted > 0 and observed > 0:
-                self.session_ratios.observe(SESSION_TOOL, observed / hinted)
-        else:
-            self.predictor.observe(w.tool, observed)
+        self._learn(w.tool, w.start, w.predicted_resume, observed)
+        if w.tool != SESSION_TOOL:
             self.sessions.returned(trajectory_id, now)
         st = self.stats
         st.resumes += 1
         err = w.predicted_resume - now
-        st.abs_error_s.append(abs(err))
-        st.rel_error.append(abs(err) / observed if observed > 0 else 0.0)
+        st.add_error(abs(err), abs(err) / observed if observed > 0 else 0.0)
         ready = self.ready_prefix(w.keys, now)
         st.resume_blocks += len(w.keys)
         st.ready_blocks += ready
@@ -317,7 +357,38 @@ class PrefetchScheduler(PromotionMixin):
             st.resumes_ready += 1
         self._release(w, used=True)
         self._active[trajectory_id] = (now, w.keys)
+        while len(self._active) > self.config.max_waiting:
+            del self._active[next(iter(self._active))]
         return True, observed
+
+    def _expire(self, now: float, force: bool = False) -> None:
+        """Drop the waiting trajectories whose time is up (lock held); with ``force``, the
+        one due to expire first, whatever the time (the table is over its bound)."""
+        heap = self._expiry
+        while heap and (force or heap[0][0] <= now):
+            _, seq, tid = heapq.heappop(heap)
+            w = self._waiting.get(tid)
+            if w is None or w.seq != seq:
+                continue
+            del self._waiting[tid]
+            self._release(w)
+            self.stats.expired += 1
+            self._expired[tid] = (w.tool, w.start, w.predicted_resume)
+            while len(self._expired) > self.config.max_waiting:
+                self._expired.popitem(last=False)
+            log.debug("trajectory %s expired after waiting %.1f s for %s", tid, now - w.start, w.tool)
+            force = False
+
+    def _compact(self) -> None:
+        """Rebuild the heaps when entries of resumed or expired trajectories (dropped
+        lazily) outnumber the live ones, so their size stays O(waiting trajectories)."""
+        live = 2 * len(self._waiting) + 64
+        if len(self._due) > 4 * live:
+            self._due = [e for e in self._due if (w := self._waiting.get(e[2])) is not None and w.seq == e[1]]
+            heapq.heapify(self._due)
+        if len(self._expiry) > 2 * live:
+            self._expiry = [e for e in self._expiry if (w := self._waiting.get(e[2])) is not None and w.seq == e[1]]
+            heapq.heapify(self._expiry)
 
     def ready_prefix(self, keys: Sequence[bytes], now: float) -> int:
         """Blocks of the longest prefix of ``keys`` in tier 0 whose promotion finished."""
@@ -370,18 +441,24 @@ class PrefetchScheduler(PromotionMixin):
             return math.inf
 
     def tick(self, now: float | None = None) -> None:
-        """Do the work due at ``now`` (seconds): TTLs of session hints, promotions whose
+        """Do the work due at ``now`` (seconds): expiry of trajectories waiting too long and
+        TTLs of session hints (also when only observing), promotions whose
         start time has come, renewed hints (and re-promotions) for trajectories waiting
         past their predicted resume, and demotions when tier 0's free space is below
         the headroom."""
         now = self.clock() if now is None else now
         with self._lock:
+            self._expire(now)
             self.sessions.tick(now)
+            active = self._active                 # oldest resume first
+            while active:
+                tid, (t, _) = next(iter(active.items()))
+                if now - t <= self.active_protect_s:
+                    break
+                del active[tid]
             if not self.enabled:
                 return
             self._expect_cache = {}
-            for tid in [tid for tid, (t, _) in self._active.items() if now - t > self.active_protect_s]:
-                del self._active[tid]
             while self._due and self._due[0][0] <= now:
                 _, seq, tid, action = heapq.heappop(self._due)
                 w = self._waiting.get(tid)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+
+RESERVOIR = 4096
+"""Prediction errors kept for the medians of :meth:`PrefetchStats.summary` (a uniform
+sample of all resumes: Vitter 1985, "Random sampling with a reservoir", Algorithm R)."""
 
 
 @dataclass
@@ -33,8 +38,25 @@ class PrefetchStats:
     demoted_blocks: int = 0
     promotions_blocked: int = 0       # no room without evicting a protected block
     waste_by: dict[str, int] = field(default_factory=dict)   # wasted bytes per reason
-    abs_error_s: list[float] = field(default_factory=list)
-    rel_error: list[float] = field(default_factory=list)
+    expired: int = 0                  # waiting trajectories dropped without a resume
+    resumes_expired: int = 0          # resumes of expired trajectories (learned from, not scored)
+    abs_error_s: list[float] = field(default_factory=list)     # reservoir of |predicted - actual| (s)
+    rel_error: list[float] = field(default_factory=list)       # the same resumes' relative errors
+    errors_seen: int = 0
+    abs_error_sum_s: float = 0.0
+    _rng: random.Random = field(default_factory=lambda: random.Random(0), repr=False, compare=False)
+
+    def add_error(self, abs_error_s: float, rel_error: float) -> None:
+        """One resume's prediction error, kept in O(:data:`RESERVOIR`) memory."""
+        self.errors_seen += 1
+        self.abs_error_sum_s += abs_error_s
+        if len(self.abs_error_s) < RESERVOIR:
+            self.abs_error_s.append(abs_error_s)
+            self.rel_error.append(rel_error)
+            return
+        j = self._rng.randrange(self.errors_seen)
+        if j < RESERVOIR:
+            self.abs_error_s[j], self.rel_error[j] = abs_error_s, rel_error
 
     def waste_of(self, nbytes: int, reason: str) -> None:
         """Count ``nbytes`` promoted bytes as wasted for ``reason``."""
@@ -66,7 +88,8 @@ class PrefetchStats:
             "promoted_blocks": self.promoted_blocks, "promoted_bytes": self.promoted_bytes,
             "wasted_bytes": self.wasted_bytes, "waste": self.waste, "waste_by": dict(self.waste_by),
             "demoted_blocks": self.demoted_blocks, "promotions_blocked": self.promotions_blocked,
-            "prediction_mae_s": sum(errs) / len(errs) if errs else 0.0,
+            "expired": self.expired, "resumes_expired": self.resumes_expired,
+            "prediction_mae_s": self.abs_error_sum_s / self.errors_seen if self.errors_seen else 0.0,
             "prediction_median_abs_error_s": errs[len(errs) // 2] if errs else 0.0,
             "prediction_median_rel_error": rel[len(rel) // 2] if rel else 0.0,
         }

@@ -134,6 +134,7 @@ class BlockReader:
         self.size = entry.size
         self._promote_from: int | None = None
         self._closed = False
+        self._counted = False
 
     def read_into(self, out: Any, ranges: ByteRanges | None = None) -> TierKind:
         """Copy the block (or ``ranges``) into ``out``; returns the tier read from.
@@ -161,7 +162,8 @@ class BlockReader:
                     if i in entry.tiers:
                         m.placement.drop_copy(entry, i, "corrupt" if corrupt else "failed")
                 continue
-            m.placement.count_read(tier, total)
+            m.placement.count_read(tier, total, block=not self._counted)   # one read per block, bytes per piece
+            self._counted = True
             if i > 0 and m.placement.promote_on_get:
                 self._promote_from = i
             return tier.kind

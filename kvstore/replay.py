@@ -31,7 +31,7 @@ from tiers.base import TierKind
 from .cliargs import non_negative_int, positive_int
 from .client import KVStoreClient
 from .trace import TRACE_BLOCK_TOKENS, block_key
-from .errors import KVStoreError, TierFull
+from .errors import InvalidRequest, KVStoreError, TierFull
 from .units import format_size
 
 
@@ -124,13 +124,17 @@ def replay(requests: Sequence, client: KVStoreClient | Sequence[KVStoreClient], 
 
     Returns the :class:`ReplayReport`; when the daemon fails mid-way, the report of the
     requests done so far with ``error`` set. Raises ValueError for a request whose block
-    count does not match its length.
+    count does not match its length, InvalidRequest (before anything is sent) when the
+    node's ``[blocks] block_tokens`` is set to another block size.
     A Put refused with RESOURCE_EXHAUSTED is counted in ``put_failures``, not raised.
     """
     from tqdm import tqdm
 
     if bytes_per_token <= 0:
         raise ValueError("bytes_per_token must be > 0")
+    clients = list(client) if isinstance(client, (list, tuple)) else [client]
+    for c in clients:
+        c.check_block_tokens(block_tokens)
     block_bytes = block_tokens * bytes_per_token
     rep = ReplayReport(bytes_per_token=bytes_per_token, block_tokens=block_tokens)
     by_tier: Counter[str] = Counter()
@@ -138,7 +142,7 @@ def replay(requests: Sequence, client: KVStoreClient | Sequence[KVStoreClient], 
     bar = tqdm(requests, desc="replay", unit="req", disable=not progress, mininterval=1.0,
                file=sys.stderr, dynamic_ncols=True)
     try:
-        _replay_requests(bar, client, rep, by_tier, block_bytes, block_tokens, progress)
+        _replay_requests(bar, clients, rep, by_tier, block_bytes, block_tokens, progress)
     except KVStoreError as e:
         rep.error = str(e)            # the daemon went away: report what was done
     bar.close()
@@ -147,9 +151,8 @@ def replay(requests: Sequence, client: KVStoreClient | Sequence[KVStoreClient], 
     return rep.finish()
 
 
-def _replay_requests(bar, clients, rep: ReplayReport, by_tier: Counter,
+def _replay_requests(bar, clients: list[KVStoreClient], rep: ReplayReport, by_tier: Counter,
                      block_bytes: int, block_tokens: int, progress: bool) -> None:
-    clients = list(clients) if isinstance(clients, (list, tuple)) else [clients]
     for n, req in enumerate(bar):
         client = clients[n % len(clients)]
         keys = [trace_key(h, block_bytes) for h in req.hash_ids]
@@ -214,6 +217,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             clients.append(KVStoreClient(target, timeout=args.timeout, auth_token=args.token))
             clients[-1].wait_ready(timeout=args.wait)
         report = replay(requests, clients, bytes_per_token=args.bytes_per_token, progress=not args.quiet)
+    except InvalidRequest as e:       # the node is configured for another block size
+        print(f"kvstore replay: {e}", file=sys.stderr)
+        return 2
     except KVStoreError as e:
         print(f"kvstore replay: {e} (is `kvstore serve` running on {', '.join(targets)}?)", file=sys.stderr)
         return 1

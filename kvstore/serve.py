@@ -249,8 +249,9 @@ def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
             port = server.add_secure_port(listen, creds)
         else:
             port = server.add_insecure_port(listen)
-    except RuntimeError as e:   # grpc raises when the address is in use
-        raise ConfigError(f"server.listen: cannot bind {listen} (in use, or not an address here): {e}") from None
+    except RuntimeError as e:   # grpc raises when the address is in use (SO_REUSEPORT is off)
+        raise ConfigError(f"server.listen: cannot bind {listen}: the port is in use (another kvstore daemon "
+                          f"serving it?) or the address is not on this machine ({e})") from None
     if port == 0:
         raise ConfigError(f"server.listen: cannot bind {listen}")
     host = listen.rsplit(":", 1)[0]
@@ -369,6 +370,7 @@ def start_server(cfg: Config) -> Daemon:
         auth = Authenticator.from_config(cfg.server)
         interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
         interceptors.append(RequestDecodeInterceptor())
+        # SO_REUSEPORT off: a second daemon on the same TCP port is refused, not served beside it
         options = channel_options(cfg.server.max_message_bytes) + [("grpc.so_reuseport", 0)]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
                                                         thread_name_prefix="kvstore-rpc"),
@@ -384,7 +386,8 @@ def start_server(cfg: Config) -> Daemon:
             background.append(Every(1.0, lambda: sessions.tick(time.monotonic()), "kvstore-sessions"))
         explain = _eviction_log(manager)
         health_servicer = health.HealthServicer()
-        monitor = HealthMonitor(manager, health_servicer)
+        folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
+        monitor = HealthMonitor(manager, health_servicer, folders=folders)
         metrics = _start_metrics(cfg, manager, monitor, hints)
         if metrics is not None:
             background.append(metrics)

@@ -38,6 +38,7 @@ from .interceptors import StreamWatchdog, well_formed
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .put_assembly import PutAssembler
 from .status import code_for
+from .transport import FRAMING_BYTES
 from .types import BlockMeta, PutResult
 from .sessions import SessionHint, SessionState
 from .validate import (MAX_CLOCK_SKEW_S, check_keys, check_number, check_ranges, check_size, check_ttl,
@@ -54,6 +55,11 @@ DEFAULT_LEASE_TTL_S = 30.0
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, grpc.RpcError):
+        # the call already failed in the transport (a client message over the size limit,
+        # a cancelled stream): grpc has sent the status; nothing is wrong with the daemon
+        log.info("%s: the call ended in the transport: %s", method, context.code() or "cancelled")
+        return
     code = code_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
@@ -91,6 +97,34 @@ def _streaming(method: Callable) -> Callable:
 def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
     return pb.PutReply(stored=r.stored, already_present=r.already_present, bytes_stored=r.bytes_stored,
                        not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
+
+
+PUT_REPLY_TRAILER = "kvstore-put-reply-bin"
+"""Trailing metadata of a Put refused for a size conflict: the serialized PutReply (what
+the other blocks of the call did), so a client can tell which blocks were stored."""
+
+
+def _finish_put(asm: PutAssembler, context) -> pb.PutReply:
+    """The reply of a finished put stream. A block refused for a size conflict fails the
+    call with ALREADY_EXISTS (:class:`~kvstore.errors.SizeConflict`, first writer wins);
+    the other blocks of the call are stored and the reply travels in the trailer."""
+    reply = _put_reply(asm.finish(), asm.detail)
+    if reply.size_conflicts:
+        context.set_trailing_metadata(((PUT_REPLY_TRAILER, reply.SerializeToString()),))
+        raise errors.SizeConflict(f"{reply.detail} ({reply.size_conflicts} blocks refused; {reply.stored} "
+                                  f"stored, {reply.already_present} already present)")
+    return reply
+
+
+MAX_NAME_CHARS = 1024
+"""Longest trajectory id or tool name a hint may carry (characters)."""
+
+
+def _check_names(trajectory_id: str, tool: str = "") -> None:
+    if not trajectory_id:
+        raise errors.InvalidRequest("trajectory_id must not be empty")
+    if len(trajectory_id) > MAX_NAME_CHARS or len(tool) > MAX_NAME_CHARS:
+        raise errors.InvalidRequest(f"trajectory_id and tool are limited to {MAX_NAME_CHARS} characters")
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -162,7 +196,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     if c.HasField("meta"):
                         asm.meta(c.key, meta_of(c.meta))
                     asm.chunk(c.key, c.total_size, c.offset, c.data)
-            return _put_reply(asm.finish(), asm.detail)
+            return _finish_put(asm, context)
 
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
@@ -172,7 +206,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if c.HasField("meta"):
                     asm.meta(c.key, meta_of(c.meta))
                 asm.chunk(c.key, c.total_size, c.offset, c.data)
-            return _put_reply(asm.finish(), asm.detail)
+            return _finish_put(asm, context)
 
     def put_raw(self, frames: Iterator[bytes], context) -> bytes:
         """``PutRaw``: raw frames in, a serialized PutReply out."""
@@ -190,7 +224,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             asm.meta(r.key, meta_of(_decode_meta(r.data)))
                             continue
                         asm.chunk(r.key, r.total, r.offset, r.data)
-                return _put_reply(asm.finish(), asm.detail).SerializeToString()
+                return _finish_put(asm, context).SerializeToString()
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "PutRaw")
         finally:
@@ -205,7 +239,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         step = self.max_chunk_bytes
         if request.max_chunk_bytes:
             step = min(step, int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1)))
-        limit = min(self.max_message_bytes, step + (64 << 10))
+        # a message holds one piece and its framing: it fits the client's limit whenever
+        # the client asks for pieces FRAMING_BYTES below it (kvstore.transport)
+        limit = min(self.max_message_bytes, step + FRAMING_BYTES)
         return GetPlan(self.manager, keys, space.internal, ranges, request.stop_at_miss, step, limit)
 
     @_streaming
@@ -275,10 +311,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
         space = self._space(context)
         self._need_hints()
-        if not request.trajectory_id:
-            raise errors.InvalidRequest("trajectory_id must not be empty")
-        if len(request.trajectory_id) > 1024 or len(request.tool) > 1024:
-            raise errors.InvalidRequest("trajectory_id and tool are limited to 1024 characters")
+        _check_names(request.trajectory_id, request.tool)
         start = to_monotonic(request.start_time, "start_time")
         keys = space.internal_many(check_keys(request.keys))
         predicted = self.hints.tool_call_start(space.scoped(request.trajectory_id), request.tool, start, keys)
@@ -288,6 +321,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
         space = self._space(context)
         self._need_hints()
+        _check_names(request.trajectory_id)
         at = to_monotonic(request.time, "time")
         known, observed = self.hints.resume(space.scoped(request.trajectory_id), at)
         return pb.ResumeReply(known=known, observed_seconds=observed)
@@ -339,11 +373,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
         space = self._space(context)
-        for lease_id in request.release:
-            self.manager.release(lease_id, space.tenant)
         ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
         keys = check_keys(request.keys)
         internal = space.internal_many(keys)
+        for lease_id in request.release:    # after the checks: a refused call changes nothing
+            self.manager.release(lease_id, space.tenant)
         try:
             grant = self.manager.lease(internal, ttl, space.tenant, prefix=request.prefix, device=request.device,
                                        max_bytes=request.max_bytes or None)

@@ -67,6 +67,8 @@ def error_for(err: grpc.RpcError) -> errors.KVStoreError:
     name = code.name if code is not None else "UNKNOWN"
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE) and (
             code is grpc.StatusCode.OUT_OF_RANGE or _message_limit(detail)):
-        return errors.MessageTooLarge(f"{name}: {detail}")
+        hint = (" (the client's max_message_bytes must not exceed the daemon's [server] max_message_bytes)"
+                if _message_limit(detail) else "")
+        return errors.MessageTooLarge(f"{name}: {detail}{hint}")
     cls = _ERRORS.get(code, errors.KVStoreError)
     return cls(f"{name}: {detail}")

@@ -11,12 +11,22 @@ from __future__ import annotations
 import abc
 import math
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from typing import ClassVar, Sequence
 
 import numpy as np
 
 from .errors import ConfigError
+
+
+def check_sample(seconds: float) -> float:
+    """An observed duration as a float; raises ValueError unless it is finite and >= 0
+    (a NaN or an infinity would poison every later prediction of the tool)."""
+    seconds = float(seconds)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a tool-call duration must be a finite number of seconds >= 0, got {seconds!r}")
+    return seconds
+
 
 class DurationEstimator(abc.ABC):
     """One tool's duration distribution, learned online from observed durations (seconds)."""
@@ -64,7 +74,7 @@ class WindowQuantile(DurationEstimator):
         self._n = 0
 
     def observe(self, seconds: float) -> None:
-        self._window.append(float(seconds))
+        self._window.append(check_sample(seconds))
         self._n += 1
 
     @staticmethod
@@ -112,7 +122,7 @@ class LogNormalFit(DurationEstimator):
         self._n = 0
 
     def observe(self, seconds: float) -> None:
-        x = math.log(max(float(seconds), 1e-6))
+        x = math.log(max(check_sample(seconds), 1e-6))
         self._n += 1
         if self._n == 1:
             self._mu, self._var = x, 0.0
@@ -169,12 +179,14 @@ class ToolPredictor:
         window: observations remembered per tool (``prefetch.window``).
         default_s: prediction (seconds) before anything was observed.
         min_samples: observations a tool needs before its own estimate is used.
+        max_tools: tools with their own estimator (names come from clients); past it the
+            least recently observed tool's estimator is dropped (it falls back to the pool).
     Raises:
         ConfigError: unknown ``kind``.
     """
 
     def __init__(self, kind: str = "quantile", window: int = 64, default_s: float = 1.0,
-                 min_samples: int = 3):
+                 min_samples: int = 3, max_tools: int = 1024):
         if kind not in ESTIMATORS:
             raise ConfigError(f"prefetch.predictor: unknown predictor {kind!r} "
                               f"(known: {', '.join(sorted(ESTIMATORS))})")
@@ -182,7 +194,8 @@ class ToolPredictor:
         self.window = window
         self.default_s = default_s
         self.min_samples = min_samples
-        self._tools: dict[str, DurationEstimator] = {}
+        self.max_tools = max_tools
+        self._tools: OrderedDict[str, DurationEstimator] = OrderedDict()   # least recently observed first
         self._pooled = ESTIMATORS[kind](window * 4)
 
     def _estimator(self, tool: str) -> DurationEstimator | None:
@@ -192,12 +205,17 @@ class ToolPredictor:
         return self._pooled if self._pooled.count else None
 
     def observe(self, tool: str, seconds: float) -> None:
-        """Record that a call of ``tool`` took ``seconds``."""
-        if not seconds > 0:
+        """Record that a call of ``tool`` took ``seconds`` (0 carries no information and is
+        skipped). Raises ValueError for a duration that is not finite or is negative."""
+        if check_sample(seconds) == 0:
             return
         est = self._tools.get(tool)
         if est is None:
             est = self._tools[tool] = ESTIMATORS[self.kind](self.window)
+            while len(self._tools) > self.max_tools:
+                self._tools.popitem(last=False)
+        else:
+            self._tools.move_to_end(tool)
         est.observe(seconds)
         self._pooled.observe(seconds)
 
@@ -215,9 +233,13 @@ class ToolPredictor:
 
     def prob_within(self, tool: str, elapsed: float, horizon: float) -> float:
         """Conservative P(a call of ``tool`` running ``elapsed`` seconds ends within
-        ``horizon`` more seconds); 0 before any observation."""
+        ``horizon`` more seconds). Before any observation of any tool the configured
+        ``default_s`` is taken as the duration (as :meth:`predict` does): 1.0 when the
+        call would end within the horizon, else 0."""
         est = self._estimator(tool)
-        return 0.0 if est is None else est.prob_within(elapsed, horizon)
+        if est is None:
+            return 1.0 if self.predict_remaining(tool, elapsed) <= horizon else 0.0
+        return est.prob_within(elapsed, horizon)
 
     def tools(self) -> dict[str, int]:
         """Observation count per tool."""

@@ -24,7 +24,7 @@ MAX_BLOCK_BYTES = 1 << 40
 MAX_RANGES = 4096
 """Most byte ranges one Get may ask for (a TP rank asks for 2 per layer)."""
 
-MAX_CLOCK_SKEW_S = 7 * 24 * 3600.0
+MAX_CLOCK_SKEW_S = 24 * 3600.0
 """A client time further than this from the daemon's now is refused (seconds)."""
 
 
@@ -41,8 +41,10 @@ def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
 
 
 def check_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]] | None:
-    """Byte ranges of a Get: at most :data:`MAX_RANGES`, none overlapping another, so the
-    bytes returned per block never exceed the block (bounds are checked per block)."""
+    """Byte ranges of a Get: at most :data:`MAX_RANGES`, none overlapping another, none
+    ending past :data:`MAX_BLOCK_BYTES` (no block can be that long), so the bytes returned
+    per block never exceed the block. A range past the end of one stored block makes that
+    block a miss (checked per block). Raises InvalidRequest."""
     out = list(ranges)
     if not out:
         return None
@@ -50,6 +52,8 @@ def check_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]] | N
         raise InvalidRequest(f"{len(out)} byte ranges; at most {MAX_RANGES} per request")
     end = 0
     for off, length in sorted(out):
+        if off + length > MAX_BLOCK_BYTES:
+            raise InvalidRequest(f"byte range ({off}, {length}) ends past the largest block ({MAX_BLOCK_BYTES} bytes)")
         if off < end:
             raise InvalidRequest(f"byte range ({off}, {length}) overlaps another range")
         end = off + length

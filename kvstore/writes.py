@@ -31,6 +31,9 @@ log = logging.getLogger("kvstore.writes")
 WRITE_BACK = "write_back"
 WRITE_THROUGH = "write_through"
 
+MAX_SIZE_CONFLICTS_LOGGED = 4096
+"""Keys remembered so that each size conflict is logged once (oldest forgotten first)."""
+
 
 @dataclass
 class PutOutcome:
@@ -139,7 +142,7 @@ class Writes:
         self.counters.inc("puts_size_conflict")
         if key not in self._size_conflicts_logged:
             self._size_conflicts_logged[key] = None
-            if len(self._size_conflicts_logged) > 4096:
+            if len(self._size_conflicts_logged) > MAX_SIZE_CONFLICTS_LOGGED:
                 self._size_conflicts_logged.popitem(last=False)
             log.warning("put of block %s with %d bytes refused: it is stored with %d bytes (first writer wins)",
                         key.hex()[:16], asked, stored)

@@ -29,9 +29,10 @@ TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_l
 
 
 def engine(tenant: str = "", **kw) -> EngineConfig:
-    """Engine settings of the tests: 16-token blocks, short timeouts."""
+    """Engine settings of the tests: 16-token blocks, timeouts generous enough for a saturated
+    machine (a test that wants a timeout sets a short one and makes the store hang)."""
     base = dict(model_id="tiny-llama-test", block_tokens=16, num_cache_blocks=64, tenant=tenant,
-                load_timeout_s=5.0, store_timeout_s=5.0)
+                load_timeout_s=60.0, store_timeout_s=60.0)
     base.update(kw)
     return EngineConfig(**base)
 
@@ -50,6 +51,11 @@ class MemoryStore:
         self.blocks: dict[bytes, bytes] = {}
         self.lock = threading.Lock()
         self.calls: list[str] = []
+        self.block_tokens = 0            # the node's [blocks] block_tokens (0: not set)
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        if self.block_tokens and self.block_tokens != block_tokens:
+            raise InvalidRequest(f"the node is configured for {self.block_tokens}-token blocks")
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         self.calls.append("lookup")
@@ -119,7 +125,7 @@ class FaultyStore:
     blocks after it too, as the daemon does; with ``in_lookup`` the Lookup also stops
     before it), ``"corrupt"`` (only half of ``key``'s bytes delivered, the rest of its
     slot zeroed), ``"down"`` (StoreUnavailable), ``"hang"`` (waits ``hang_s`` or until
-    ``unhang`` is set, then StoreUnavailable, like a deadline). While ``puts_released``
+    ``unhang`` is set, then StoreUnavailable, like a deadline; ``hanging`` is set meanwhile). While ``puts_released``
     is clear, every put waits for it (``put_started`` tells one began).
     """
 
@@ -132,9 +138,21 @@ class FaultyStore:
         self.hang_s = 0.0
         self.in_lookup = False
         self.unhang = threading.Event()
+        self.hanging = threading.Event()             # set while a get_into hangs
         self.puts_released = threading.Event()
         self.puts_released.set()
         self.put_started = threading.Event()
+        self.put_done = threading.Event()
+        self.hanging = threading.Event()
+        self._gate = threading.Event()
+        self._gate.set()
+
+    def hold_puts(self) -> None:
+        self._gate.clear()
+
+    def release(self) -> None:
+        """End every hang and held Put now."""
+        self._gate.set()
 
     def arm(self, mode: str, key: bytes | None = None, after_gets: int = 0, hang_s: float = 0.0,
             in_lookup: bool = False) -> None:
@@ -144,6 +162,9 @@ class FaultyStore:
 
     def disarm(self) -> None:
         self.mode = None
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        self.inner.check_block_tokens(block_tokens)
 
     def lookup(self, keys, timeout=None):
         if self.mode == "down" and self.gets_since_armed >= self.after_gets:
@@ -158,7 +179,9 @@ class FaultyStore:
         if active and self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
         if active and self.mode == "hang":
+            self.hanging.set()
             self.unhang.wait(self.hang_s)
+            self.hanging.clear()
             raise StoreUnavailable("DEADLINE_EXCEEDED: injected")
         res = self.inner.get_into(keys, out, ranges=ranges, offsets=offsets, stop_at_miss=stop_at_miss,
                                   timeout=timeout)

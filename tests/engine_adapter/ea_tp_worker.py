@@ -44,7 +44,7 @@ def play(tp: TPGroup, tenant: str, client, session: AgentSession, **options) -> 
 
 def tp2_scenarios(tp: TPGroup, address: str, address_b: str, stop_request, stopped,
                   session: AgentSession) -> dict:
-    client = KVStoreClient(address, timeout=5.0)
+    client = KVStoreClient(address, timeout=60.0)
     out: dict = {}
     try:   # a namespace computed differently per rank is refused at construction
         Runner(TINY, engine(f"rank-{tp.rank}"), tp, store=client)
@@ -83,7 +83,7 @@ def tp2_scenarios(tp: TPGroup, address: str, address_b: str, stop_request, stopp
     out["rank1_lookup_miss"] = play(tp, "e", faulty, session, after_turn=lookup_miss_on_rank1)
     out["from_tp1"] = play(tp, "x", client, session)
 
-    client_b = KVStoreClient(address_b, timeout=5.0)
+    client_b = KVStoreClient(address_b, timeout=60.0)
 
     def stop_daemon(rec: TurnRecord) -> None:
         if rec.turn == 3:

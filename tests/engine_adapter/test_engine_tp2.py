@@ -16,6 +16,8 @@ from engine_adapter.session import AgentSession, SessionOptions, play_session
 from engine_adapter.tp import TPGroup, launch
 from kvstore.client import KVStoreClient
 
+pytestmark = pytest.mark.slow         # two spawned TP ranks, seven scenarios
+
 BT = 16
 SESSION = AgentSession(turns=6, system_tokens=96, observation_tokens=40, answer_tokens=8, seed=11)
 TIGHT = 1e-5     # page back vs recompute at the same TP size (fp32)
@@ -34,7 +36,7 @@ def tp1_session(tenant, client, **options):
 def run(tmp_path_factory):
     daemon = start_daemon(tmp_path_factory.mktemp("daemon_a"))
     daemon_b = start_daemon(tmp_path_factory.mktemp("daemon_b"))
-    client = KVStoreClient(daemon.address, timeout=5.0)
+    client = KVStoreClient(daemon.address, timeout=60.0)
     try:
         tp1_wrote = tp1_session("x", client)                      # read at TP=2 in the spawn
         ctx = mp.get_context("spawn")

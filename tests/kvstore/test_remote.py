@@ -263,7 +263,7 @@ def test_prefetch_pages_a_waiting_trajectory_in_from_the_cluster(cluster):
     now = [1000.0]
     sched = PrefetchScheduler(b, PrefetchConfig(enabled=True), clock=lambda: now[0], confidence=0.0)   # no tool history
     sched.tool_call_start("t1", "search", now[0], keys)     # the trajectory ran on node A
-    now[0] += 3600.0                                          # long past its promotion time
+    now[0] += 5.0                                             # past its promotion time, before its expiry
     sched.tick()
     assert wait_until(lambda: all(b.tier_of(k) is TierKind.HOST for k in keys))
     assert [bytes(b.get(k).data) for k in keys] == [payload(i) for i in range(6)]

@@ -2,7 +2,8 @@
 
     python rel_load_worker.py ADDRESS WORKER SECONDS MAX_OPS SEED OUT_JSON
 
-Runs mixed operations for at most SECONDS seconds or MAX_OPS operations:
+Runs mixed operations for SECONDS seconds (but at least MIN_OPS operations, however slow
+the machine) or MAX_OPS operations:
 put / get / lookup / delete over keys shared by every worker (put and read, never
 deleted) and keys private to this worker (put, read and deleted, so their presence is
 known exactly). Every byte read is checked against its key. Writes a JSON report.
@@ -22,6 +23,7 @@ from rel_support import is_payload_of, key, payload, size_for
 SHARED_KEYS = 48
 PRIVATE_KEYS = 24
 MIN_BLOCK, MAX_BLOCK = 4096, 192 << 10
+MIN_OPS = 200          # enough puts to fill the 8 MiB host tier whatever the machine's speed
 
 
 def shared_key(i: int) -> bytes:
@@ -46,7 +48,7 @@ def main(address: str, worker: int, seconds: float, max_ops: int, seed: int, out
     start = time.monotonic()
     with KVStoreClient(address, timeout=30, chunk_bytes=64 << 10, max_message_bytes=4 << 20) as c:
         n = 0
-        while n < max_ops and time.monotonic() - start < seconds:
+        while n < max_ops and (n < MIN_OPS or time.monotonic() - start < seconds):
             n += 1
             op = rng.choices(("put", "get", "lookup", "delete"), weights=(40, 35, 15, 10))[0]
             ops[op] += 1

@@ -21,7 +21,7 @@ from kvstore.serve import start_server
 from rel_support import key, payload, run_in_thread
 from tiers.base import TierKind
 
-DEADLINE = 20.0
+DEADLINE = 60.0
 
 LAYOUTS = {
     "host": dict(host="64MiB", nvme=None),

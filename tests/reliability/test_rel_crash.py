@@ -19,6 +19,8 @@ import shutil
 import threading
 import time
 
+import pytest
+
 from kvstore import errors
 from kvstore.client import KVStoreClient
 from rel_support import (DaemonProcess, is_payload_of, key, nvme_audit, payload, short_socket_dir,
@@ -113,6 +115,7 @@ def served_blocks(address: str, keys: list[bytes]) -> tuple[set[bytes], list[str
     return found, wrong
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_during_concurrent_puts(tmp_path):
     rng = random.Random(6_2026)
     socket_dir = short_socket_dir()

@@ -130,6 +130,7 @@ def check_error(e: ConfigError) -> None:
     assert first.startswith(known_roots) or any(s in msg for s in ("unknown key", "TOML")), msg
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=tables())
 def test_fuzz_config_tables(data):
@@ -173,6 +174,7 @@ def _toml(value) -> str:
     raise TypeError(value)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=tables(), noise=st.text(max_size=40), where=st.integers(0, 1000))
 def test_fuzz_config_text(data, noise, where):

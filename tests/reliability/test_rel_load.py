@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kvstore.client import KVStoreClient
 from rel_support import DaemonProcess, is_payload_of, short_socket_dir, size_for, write_toml
 
@@ -42,6 +44,7 @@ def overhead_bound(workers: int, max_message: int) -> int:
     return 64 * MiB + workers * 2 * max_message + 64 * MiB
 
 
+@pytest.mark.slow
 def test_mixed_load_from_several_processes(tmp_path):
     socket_dir = short_socket_dir()
     address = f"unix:{socket_dir}/kvstore.sock"
@@ -72,7 +75,7 @@ def test_mixed_load_from_several_processes(tmp_path):
                  for w in range(CLIENTS)]
         for p in procs:
             try:
-                out, _ = p.communicate(timeout=SECONDS + 90)
+                out, _ = p.communicate(timeout=SECONDS + 300)
             except subprocess.TimeoutExpired:
                 for q in procs:
                     q.kill()
@@ -103,7 +106,8 @@ def test_mixed_load_from_several_processes(tmp_path):
         visible = counters["blocks_put"] - counters.get("blocks_deleted", 0) - counters.get("blocks_dropped", 0)
         assert visible == len(expected), (visible, len(expected), counters)
         assert counters.get("corrupt_blocks", 0) == 0 and counters.get("blocks_dropped", 0) == 0
-        assert counters.get("demotions", 0) > 0, "the load never exercised demotion"
+        # copies to NVMe: by a put that needed room, or by the background cleaner ahead of it
+        assert counters.get("demotions", 0) + counters.get("precleaned", 0) > 0, "the load never demoted"
 
         ops = sum(sum(r["ops"].values()) for r in reports)
         moved = sum(r["bytes"] for r in reports)
@@ -112,7 +116,7 @@ def test_mixed_load_from_several_processes(tmp_path):
               f"{moved / elapsed / MiB:.0f} MiB/s payload; daemon RSS at start {rss_start / MiB:.0f} MiB, "
               f"peak {peak / MiB:.0f} MiB (sampled max {max(samples, default=0) / MiB:.0f} MiB), "
               f"bound {(rss_start + bound) / MiB:.0f} MiB; ops {_totals(reports)}")
-        assert ops >= CLIENTS * 50, "the load did almost nothing"
+        assert ops >= CLIENTS * worker.MIN_OPS, "a client stopped early"
         assert peak <= rss_start + bound, f"peak RSS {peak / MiB:.0f} MiB above the bound"
         assert d.stop() == 0
     finally:

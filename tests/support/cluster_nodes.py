@@ -91,6 +91,9 @@ class Timed:
         finally:
             self.seconds.append((name, time.monotonic() - t0))
 
+    def check_block_tokens(self, block_tokens):
+        return self.client.check_block_tokens(block_tokens)
+
     def lookup(self, keys, **kw):
         return self._timed("lookup", self.client.lookup, keys, **kw)
 

@@ -1,0 +1,197 @@
+"""Bounded state (issue 9, item 5): every per-client table of the daemon has a bound.
+
+The prefetch scheduler runs on a virtual clock over byte-less tiers, so thousands of
+tool calls take no real time and every verdict is a table size or a count. The manager's
+leases and size-conflict log are driven directly. docs/reliability.md lists the bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore import leases as leases_mod
+from kvstore.config import PrefetchConfig
+from kvstore.errors import SizeConflict
+from kvstore.manager import MAX_SIZE_CONFLICTS_LOGGED, TierManager
+from kvstore.policy import make_policy
+from kvstore.prefetch import PrefetchScheduler
+from kvstore.prefetch_stats import RESERVOIR
+from rel_support import MemTier, key
+from tiers.base import TierKind
+from tiers.null import NullTier
+
+BLOCK = 100
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def scheduler(enabled=True, hbm_blocks=64, predictor="lognormal", repromote=False, **cfg):
+    clock = Clock()
+    tiers = [NullTier(TierKind.HBM, hbm_blocks * BLOCK), NullTier(TierKind.HOST, 100_000 * BLOCK)]
+    m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock)
+    config = PrefetchConfig(enabled=enabled, predictor=predictor, quantile=0.5, lead_time_s=0.1, window=8, **cfg)
+    s = PrefetchScheduler(m, config, clock=clock, measure_bandwidth=False, repromote=repromote, confidence=0.0)
+    for i in range(5):                               # "search" takes 10 s
+        s.tool_call_start(f"warm-{i}", "search", 1.0, [])
+        s.resume(f"warm-{i}", 11.0)
+    s.stats.__init__()
+    return m, s, clock
+
+
+def sizes(s) -> dict:
+    return {"waiting": len(s._waiting), "due": len(s._due), "expiry": len(s._expiry), "active": len(s._active),
+            "expired": len(s._expired), "promoted": len(s._promoted),
+            "errors": len(s.stats.abs_error_s), "tools": len(s.predictor.tools())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("enabled", [True, False], ids=["prefetch", "observe-only"])
+def test_5000_never_resumed_calls_expire_and_leave_the_tables_empty(enabled):
+    m, s, clock = scheduler(enabled, hbm_blocks=8, expire_factor=2.0)      # expire 20 s after the call
+    peak: dict = {}
+    for i in range(5000):                            # one call a second, each with its own block
+        clock.t = 100.0 + i
+        k = key(i, "never")
+        m.put(k, bytes(BLOCK))                       # pushes older calls' blocks to the host tier
+        s.tool_call_start(f"T{i}", "search", clock.t, [k])
+        s.tick()
+        peak = {n: max(v, peak.get(n, 0)) for n, v in sizes(s).items()}
+    assert peak["waiting"] <= 21                     # 20 s of calls
+    assert peak["due"] <= 4 * (2 * 21 + 64) and peak["expiry"] <= 2 * (2 * 21 + 64) + 1
+    assert peak["promoted"] <= 16 + 21
+    assert peak["expired"] <= 65536 and peak["active"] == 0
+    if enabled:
+        assert s.stats.promoted_blocks > 0           # the tables were exercised
+    clock.t = 100.0 + 5000 + 21                      # past the last call's expiry
+    s.tick()
+    after = sizes(s)
+    assert after["waiting"] == 0 and after["promoted"] == 0
+    assert after["expired"] == 5000 and s.stats.expired == 5000
+    assert s.next_due() == float("inf")
+
+
+def test_max_waiting_bounds_the_table_even_within_the_expiry_time():
+    m, s, clock = scheduler(max_waiting=100)
+    clock.t = 100.0
+    for i in range(5000):
+        s.tool_call_start(f"T{i}", "search", clock.t, [])
+        assert len(s._waiting) <= 100
+    assert s.stats.expired == 4900 and len(s._expired) <= 100 and len(s._expiry) <= 2 * (2 * 100 + 64) + 1
+
+
+def test_20000_start_resume_pairs_keep_statistics_and_tables_bounded():
+    m, s, clock = scheduler()
+    for i in range(20_000):                          # a 10 s tool call every second, 10 in flight
+        clock.t = 100.0 + i
+        s.tool_call_start(f"T{i}", "search", clock.t, [])
+        if i >= 10:
+            assert s.resume(f"T{i - 10}", clock.t) == (True, pytest.approx(10.0))
+        s.tick()
+    got = sizes(s)
+    assert got["waiting"] == 10 and got["errors"] == RESERVOIR and got["tools"] == 1
+    assert got["active"] <= 31                        # resumed within active_protect_s (30 s)
+    assert got["due"] <= 4 * (2 * 10 + 64) and got["expiry"] <= 2 * (2 * 10 + 64) + 1
+    assert s.stats.resumes == 19_990 and s.stats.errors_seen == 19_990
+    assert s.stats.summary()["prediction_mae_s"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_no_re_promotion_after_expiry():
+    m, s, clock = scheduler(hbm_blocks=4, repromote=True)
+    clock.t = 100.0
+    t_keys = [key(i, "T") for i in range(2)]
+    for k in t_keys:
+        m.put(k, bytes(BLOCK))
+    s.tool_call_start("T", "search", 100.0, t_keys)   # median 10 s: expires at 200 s
+
+    def push_out(tag):
+        for i in range(4):
+            m.put(key(i, tag), bytes(BLOCK))          # LRU pushes T's blocks to the host tier
+        assert not any(k in m.tiers[0] for k in t_keys)
+    push_out("a")
+    promoted = []
+    for step in range(1, 400):                        # 0.5 s steps from 100 s to ~300 s
+        clock.t = 100.0 + step * 0.5
+        s.tick()
+        promoted.append(s.stats.promoted_blocks)
+        if clock.t in (120.0, 150.0, 220.0, 260.0):
+            push_out(f"b{clock.t}")
+    before_expiry = promoted[:199]                    # up to 199.5 s
+    after_expiry = promoted[199:]
+    assert before_expiry[-1] >= 6                     # promoted, then re-promoted after each push-out
+    assert "T" not in s._waiting and s.stats.expired == 1
+    assert after_expiry[-1] == after_expiry[0] == before_expiry[-1]     # nothing promoted after 200 s
+    assert not any(k in m.tiers[0] for k in t_keys)
+
+
+def test_a_late_resume_after_expiry_still_teaches_the_predictor():
+    m, s, clock = scheduler()
+    before = s.predictor.tools()["search"]
+    s.tool_call_start("T", "search", 100.0, [])
+    clock.t = 500.0
+    s.tick()
+    assert "T" not in s._waiting
+    assert s.resume("T", 500.0) == (True, pytest.approx(400.0))
+    assert s.predictor.tools()["search"] == before + 1 and s.stats.resumes_expired == 1
+    assert s.resume("T", 501.0) == (False, 0.0)
+
+
+# ------------------------------------------------------------------ manager tables
+
+def shared_manager():
+    from tiers.host import HostTier
+    host = HostTier(8 << 20, shared=True)
+    return TierManager([host], [make_policy("lru", host.capacity_bytes)])
+
+
+def test_leases_of_misses_hold_nothing_and_the_lease_table_is_capped(monkeypatch):
+    m = shared_manager()
+    try:
+        m.put(key(1), b"x" * 4096)
+        for i in range(2000):
+            grant = m.lease([key(i, "missing")], 30.0)
+            assert grant.lease_id == "" and not grant.blocks[0].found
+        assert m.catalogue.num_leases == 0
+        monkeypatch.setattr(leases_mod, "MAX_LEASES", 100)
+        grants = [m.lease([key(1)], 30.0) for _ in range(150)]
+        assert sum(1 for g in grants if g.lease_id) == 100 and m.catalogue.num_leases == 100
+        refused = grants[-1]
+        assert refused.lease_id == "" and refused.blocks == () and refused.resume_at == 0
+        assert m.counters["leases_refused"] == 50
+        for g in grants:
+            m.release(g.lease_id)
+        for _ in range(20_000):                       # grant and release: the deadline heap stays small
+            m.release(m.lease([key(1)], 600.0).lease_id)
+        assert m.catalogue.num_leases == 0 and len(m.catalogue._deadlines) <= 1024 + 2
+    finally:
+        m.close()
+
+
+def test_the_size_conflict_log_is_bounded():
+    tier = MemTier(TierKind.HOST, 64 << 20)
+    m = TierManager([tier], [make_policy("lru", tier.capacity_bytes)])
+    keys = [key(i, "c") for i in range(MAX_SIZE_CONFLICTS_LOGGED + 1000)]
+    for k in keys:
+        m.put(k, b"a" * 16)
+    for k in keys:
+        with pytest.raises(SizeConflict):
+            m.put(k, b"b" * 32)
+    assert len(m.writes._size_conflicts_logged) == MAX_SIZE_CONFLICTS_LOGGED
+    assert m.counters["puts_size_conflict"] == len(keys)
+
+
+def test_the_reuse_model_and_the_request_dedupe_table_are_bounded():
+    from kvstore.predictor import ReuseModel
+    model = ReuseModel(max_records=500, max_keys=2000)
+    for i in range(1000):                              # 1,000 requests of 8 fresh blocks each
+        model.observe_request([key(i * 8 + j, "reuse") for j in range(8)], now=float(i))
+    assert len(model._records) <= 500 and len(model._record_of) <= 2000
+    m, s, clock = scheduler(enabled=False)
+    for i in range(10_000):
+        s.observe_request([key(i, "dedupe")], now=float(i))
+    assert len(s._recent) <= 4096
