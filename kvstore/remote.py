@@ -331,13 +331,7 @@ class Cluster:
 
     def stats(self) -> dict[str, int]:
         """The remote tier's call counters for Stats (``remote_*``), when it keeps them."""
-        h = getattr(self.tier, "health", None)
-        if h is None:
-            return {}
-        g = h.guard
-        return {"remote_calls": g.calls, "remote_call_failures": g.failures, "remote_call_timeouts": g.timeouts,
-                "remote_calls_refused": g.rejected, "remote_corrupt_copies": h.corrupt_blocks,
-                "remote_peer_errors": h.peer_errors}
+        return {f"remote_{name}": n for name, n in self.store.call_counters().items()}
 
     def put_done(self, keys: Sequence[bytes]) -> None:
         """A put call committed ``keys`` (called at its end): with write-through, returns

@@ -49,7 +49,7 @@ import numpy as np
 
 from .errors import InvalidRequest
 from .hint_model import HintCalibration
-from .policy import AcceptsNextUse, EvictionPolicy
+from .policy import AcceptsNextUse, CalibratesHints, EvictionPolicy
 
 _SHARED = object()     # owner marker of a key used by two or more sessions
 
@@ -165,9 +165,9 @@ class SessionTable:
         self.policies = list(policies)
         self._next_use = [p for p in self.policies if isinstance(p, AcceptsNextUse)]
         self.calibration = (calibration or HintCalibration()) if calibrate else None
-        for p in self._next_use:
-            if hasattr(p, "calibration"):
-                p.calibration = self.calibration
+        for p in self.policies:
+            if isinstance(p, CalibratesHints):
+                p.use_calibration(self.calibration)
         self.default_gap_s = default_gap_s
         self.max_sessions = max_sessions
         self.max_keys = max_keys

@@ -250,6 +250,13 @@ class RemoteStore(Protocol):
         under its lock). Raises BlockNotStored, InvalidAccess (not fully written),
         TierIOError (the reservation stays until ``abort``)."""
 
+    def call_counters(self) -> dict[str, int]:
+        """Counts since start (no network call): ``calls`` into the cluster library,
+        ``call_failures`` (of which failed), ``call_timeouts`` (abandoned at their
+        deadline), ``calls_refused`` (circuit open), ``corrupt_copies`` (failed
+        verification) and ``peer_errors`` (reads a peer did not serve). A store that
+        keeps none returns an empty dict."""
+
 
 @dataclass(frozen=True)
 class Capabilities:

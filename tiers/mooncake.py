@@ -347,6 +347,13 @@ class MooncakeTier(Tier):
                             self._used, self._staging.used_bytes, self._corrupt, self._peer_errors, self._oversize,
                             stats)
 
+    def call_counters(self) -> dict[str, int]:
+        """See :meth:`tiers.base.RemoteStore.call_counters`."""
+        h = self.health
+        g = h.guard
+        return {"calls": g.calls, "call_failures": g.failures, "call_timeouts": g.timeouts,
+                "calls_refused": g.rejected, "corrupt_copies": h.corrupt_blocks, "peer_errors": h.peer_errors}
+
     def problem(self) -> str | None:
         """What keeps the cluster from serving this node now (not connected, circuit
         open), or None. No network call."""

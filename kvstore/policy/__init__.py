@@ -10,7 +10,7 @@ from . import arc  # noqa: F401  (registers "arc")
 from . import s3fifo  # noqa: F401  (registers "s3fifo")
 from . import next_use  # noqa: F401  (registers "next_use")
 from . import opt  # noqa: F401  (registers "opt")
-from .hints import AcceptsNextUse, PredictsDistance, UsesReuseModel
+from .hints import AcceptsNextUse, CalibratesHints, PredictsDistance, UsesReuseModel
 
 __all__ = ["POLICIES", "EvictionEvent", "EvictionPolicy", "NoVictim", "make_policy", "register",
-           "AcceptsNextUse", "PredictsDistance", "UsesReuseModel"]
+           "AcceptsNextUse", "CalibratesHints", "PredictsDistance", "UsesReuseModel"]

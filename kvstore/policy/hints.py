@@ -10,6 +10,8 @@ The manager never calls these; the agent-aware components do:
   (``next_use`` from tool-call predictions, ``opt`` from the simulator's oracle).
 - :class:`PredictsDistance`: the policy predicts when a resident block is needed next
   (``next_use``); prefetch uses it not to displace blocks needed sooner.
+- :class:`CalibratesHints`: the policy corrects hinted gaps with the session table's
+  learned calibration (``next_use``).
 
 Both are checked with ``isinstance`` (runtime protocols), so a policy opts in by
 defining the method; :class:`kvstore.policy.lru.LRUPolicy` and the other classic
@@ -44,3 +46,10 @@ class AcceptsNextUse(Protocol):
 class PredictsDistance(Protocol):
     def distance(self, key: bytes, now: float) -> float:
         """Predicted seconds from ``now`` until ``key`` is used again (``math.inf``: never)."""
+
+
+@runtime_checkable
+class CalibratesHints(Protocol):
+    def use_calibration(self, calibration) -> None:
+        """Correct hinted gaps with ``calibration`` (a :class:`kvstore.hint_model.HintCalibration`,
+        shared by the session table that learns it; None: take hints as given)."""

@@ -147,6 +147,11 @@ class NextUsePolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ hints
 
+    def use_calibration(self, calibration) -> None:
+        """Correct hinted gaps with ``calibration`` (a
+        :class:`kvstore.hint_model.HintCalibration`, or None: hints as given)."""
+        self.calibration = calibration
+
     def attach(self, model: ReuseModel) -> None:
         """Use ``model`` (fed with every request by the scheduler or simulator)."""
         with self._lock:

@@ -166,6 +166,9 @@ class FakeRemoteTier(Tier):
 
     # RemoteStore
 
+    def call_counters(self):
+        return {}
+
     def exists_many(self, keys, deadline_s=None):
         self._call(deadline_s)
         found = [k in self.cluster.objects for k in keys]
