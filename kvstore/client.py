@@ -9,7 +9,8 @@ Data path: on the daemon's own unix socket the client maps the daemon's shared h
 arena once (:mod:`kvstore.shm`) and copies blocks straight between it and the caller's
 buffers; gRPC carries only Lease/Release and Reserve/Commit. Elsewhere (TCP, a
 multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
-(:mod:`kvstore.wire`) on gRPC. Both paths give the same results.
+(:mod:`kvstore.wire`) on gRPC. Both paths give the same results; the first lives in
+:mod:`kvstore.client_arena`, the second in :mod:`kvstore.client_raw`.
 
 Errors: gRPC status codes become :mod:`kvstore.errors` exceptions (:mod:`kvstore.status`);
 a message over the size limit is :class:`~kvstore.errors.MessageTooLarge`, never a full
@@ -18,26 +19,22 @@ store. This module imports only types, errors, the wire format and the generated
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import grpc
-import numpy as np
 
 from . import errors
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
 from .buffers import BlockBuffers, host_view
+from .client_arena import ArenaPathMixin
+from .client_raw import RawPathMixin
 from .status import error_for
 from .transport import (DEFAULT_CHUNK_BYTES, DEFAULT_MESSAGE_BYTES, FRAMING_BYTES, channel_options,
                         default_chunk_bytes, keys_per_request, parts)
-from .types import BlockMeta, GetResult, LookupResult, PutResult, ReserveStatus, TierKind
-from .wire import FOUND, META, decode, frames
-
-log = logging.getLogger("kvstore.client")
+from .types import BlockMeta, LookupResult, PutResult, TierKind
 
 _DATA = "/kvstore.v1.KVStoreData/"
 
@@ -70,7 +67,7 @@ class GetIntoResult:
     tier_codes: bytes
 
 
-class KVStoreClient:
+class KVStoreClient(ArenaPathMixin, RawPathMixin):
     """Blocking client of one daemon.
 
     Args:
@@ -113,19 +110,13 @@ class KVStoreClient:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._get_raw = self._channel.unary_stream(_DATA + "GetRaw", request_serializer=pb.GetRequest.SerializeToString)
         self._put_raw = self._channel.stream_unary(_DATA + "PutRaw", response_deserializer=pb.PutReply.FromString)
-        self._want_shm = shared_memory
-        self._arena = None
-        self._arena_checked = False
         self._info: NodeInfo | None = None
-        self._releaser = _Releaser(self)
+        self._open_arena_path(shared_memory)
 
     # -------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        self._releaser.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        self._close_arena_path()
         self._channel.close()
 
     def __enter__(self) -> "KVStoreClient":
@@ -171,28 +162,6 @@ class KVStoreClient:
         """Whether blocks move through the daemon's shared arena (mapped on first use)."""
         return self._shm() is not None
 
-    def _shm(self):
-        if self._arena_checked:
-            return self._arena
-        self._arena_checked = True
-        if self._want_shm is False or not self.target.startswith("unix:"):
-            if self._want_shm:
-                raise errors.FeatureDisabled("shared memory needs the daemon's unix socket")
-            return None
-        info = self.info()
-        if not info.shm_socket:
-            if self._want_shm:
-                raise errors.FeatureDisabled(f"the daemon offers no shared arena: {info.shm_refused}")
-            return None
-        from .shm import ArenaMapping
-        try:
-            self._arena = ArenaMapping(info.shm_socket, self._token, timeout=self.timeout)
-        except OSError as e:
-            if self._want_shm:
-                raise errors.FeatureDisabled(f"cannot map the shared arena: {e}") from None
-            log.info("shared arena unavailable (%s); using gRPC for block data", e)
-        return self._arena
-
     # -------------------------------------------------------------- lookup, delete, stats
 
     def _per_request(self, per_key: int = 34, extra: int = 0) -> int:
@@ -231,37 +200,6 @@ class KVStoreClient:
 
     # -------------------------------------------------------------- put
 
-    def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None, *,
-            meta: Sequence[BlockMeta | None] | None = None) -> PutResult:
-        """Store blocks given as ``(key, payload)`` pairs (payload: any buffer).
-
-        A block becomes visible only when all its bytes arrived. Re-putting a stored block
-        is a no-op counted in ``already_present``. ``meta``: per block, what cache-aware
-        routers index it by (published with its KV events), or None.
-        Raises InvalidRequest (bad key/size), SizeConflict (a key stored with another
-        size; the others are stored: ``.result``), TierFull, MessageTooLarge,
-        StoreUnavailable.
-        """
-        def items():
-            metas = iter(meta) if meta is not None else None
-            for k, d in blocks:
-                m = next(metas, None) if metas is not None else None
-                if m is not None:
-                    encoded = _meta_message(m).SerializeToString()
-                    yield k, META, 0, len(encoded), encoded
-                yield k, FOUND, 0, len(memoryview(d).cast("B")), d
-        items = items()
-        limit = min(self.max_message_bytes, self.chunk_bytes + FRAMING_BYTES)   # ~1 MiB messages: faster than big ones
-        try:
-            reply = self._put_raw(frames(items, limit, self.chunk_bytes), timeout=timeout or self.timeout,
-                                  metadata=self._metadata)
-        except grpc.RpcError as e:
-            refused = _refused_put_reply(e)
-            if refused is None:
-                raise error_for(e) from None
-            reply = refused
-        return _put_result(reply)
-
     def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
                  offsets: Sequence[int] | None = None, meta: Sequence[BlockMeta | None] | None = None,
                  timeout: float | None = None) -> PutResult:
@@ -284,97 +222,9 @@ class KVStoreClient:
         if arena is None:
             return self.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))], timeout,
                             meta=meta)
-        budget = max(arena.size // 4, 1)
-        reserved_total = stored = nbytes = present = refused = conflicts = 0
-        rest: list[int] = []
-        detail = ""
-        batch: list[int] = []
-        per = self._per_request(per_key=34 + 11)            # a key and its size
-        for i in range(len(keys) + 1):
-            if i < len(keys) and (not batch or reserved_total + lengths[i] <= budget and len(batch) < per):
-                batch.append(i)
-                reserved_total += lengths[i]
-                continue
-            metas = [_meta_message(meta[j]) for j in batch] if meta is not None else []
-            reply = self._call(self._stub.Reserve, pb.ReserveRequest(
-                keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
-                meta=metas), timeout)
-            detail = detail or reply.detail
-            written = []
-            for j, status, offset in zip(batch, reply.status, reply.offsets):
-                if status == ReserveStatus.RESERVED:
-                    arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
-                    written.append(keys[j])
-                elif status == ReserveStatus.ALREADY_PRESENT:
-                    present += 1
-                elif status == ReserveStatus.NOT_ADMITTED:
-                    refused += 1
-                elif status == ReserveStatus.SIZE_CONFLICT:
-                    conflicts += 1
-                else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
-                    rest.append(j)
-            if written:
-                done = self._call(self._stub.Commit, pb.CommitRequest(keys=written), timeout)
-                stored += done.committed
-                nbytes += done.bytes_committed
-            if i == len(keys):
-                break
-            batch, reserved_total = [i], lengths[i]
-        result = PutResult(stored, present, nbytes, refused, conflicts)
-        if rest:
-            more = self.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout,
-                            meta=[meta[i] for i in rest] if meta is not None else None)
-            result = PutResult(stored + more.stored, present + more.already_present, nbytes + more.bytes_stored,
-                               refused + more.not_admitted, conflicts + more.size_conflicts)
-        if result.size_conflicts:
-            err = errors.SizeConflict(detail or f"{result.size_conflicts} blocks are stored with another size")
-            err.result = result
-            raise err
-        return result
+        return self._arena_put(arena, keys, bufs, lengths, meta, timeout)
 
     # -------------------------------------------------------------- get
-
-    def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
-            stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:
-        """Fetch blocks (or ``ranges`` of each, concatenated) as new bytes. One result per
-        key, in order (with ``stop_at_miss`` the list ends at the first miss, included).
-
-        Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
-        """
-        results: list[GetResult] = []
-        parts: list = []
-        for rec in self._raw_records(keys, ranges, stop_at_miss, timeout):
-            if rec.failed or not rec.found:     # a miss, or a block that failed mid-way
-                parts = []
-                results.append(GetResult(rec.key, False))
-                continue
-            if rec.offset == 0 and len(rec.data) == rec.total:
-                results.append(GetResult(rec.key, True, TierKind(rec.tier), bytes(rec.data)))
-                continue
-            parts.append(bytes(rec.data))
-            if rec.offset + len(rec.data) >= rec.total:
-                results.append(GetResult(rec.key, True, TierKind(rec.tier), b"".join(parts)))
-                parts = []
-        return results
-
-    def _raw_records(self, keys, ranges, stop_at_miss, timeout):
-        """The records of GetRaw calls for ``keys``, split into requests that fit the
-        message limit (with ``stop_at_miss``, no request after one that hit a miss)."""
-        byte_ranges = [pb.ByteRange(offset=o, length=n) for o, n in (ranges or ())]
-        per = self._per_request(extra=sum(r.ByteSize() + 2 for r in byte_ranges) + 16)
-        for part in parts(list(keys), per):
-            req = pb.GetRequest(keys=part, stop_at_miss=stop_at_miss, max_chunk_bytes=self.chunk_bytes,
-                                ranges=byte_ranges)
-            missed = False
-            try:
-                for frame in self._get_raw(req, timeout=timeout or self.timeout, metadata=self._metadata):
-                    for rec in decode(frame):
-                        missed = missed or rec.failed or not rec.found
-                        yield rec
-            except grpc.RpcError as e:
-                raise error_for(e) from None
-            if stop_at_miss and missed:
-                return
 
     def get_into(self, keys: Sequence[bytes], out: Any, *, ranges: Sequence[tuple[int, int]] | None = None,
                  offsets: Sequence[int] | None = None, stop_at_miss: bool = True,
@@ -405,71 +255,6 @@ class KVStoreClient:
             found += 1
         bufs.finish()
         return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
-
-    def _lease_copy(self, arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout) -> int:
-        """Copy blocks out of the shared arena, one lease at a time (a lease stops early
-        when the arena cannot hold more at once). Returns the index of the first key not
-        looked at (``len(keys)`` when done; the rest then goes by gRPC)."""
-        src = arena.array
-        start, release = 0, []
-        per = self._per_request(extra=128)
-        try:
-            while start < len(keys):
-                part = keys[start:start + per]
-                reply = self._call(self._stub.Lease, pb.LeaseRequest(
-                    keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
-                    release=release + self._releaser.take()), timeout)
-                release = [reply.lease_id] if reply.lease_id else []
-                for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
-                    if not code:
-                        continue
-                    i = start + j
-                    if ranges:
-                        if any(r_off + n > size for r_off, n in ranges):
-                            continue                # a block too short for the ranges: a miss
-                        total = sum(n for _, n in ranges)
-                        dst = bufs.slot(i, total)
-                        pos = 0
-                        for r_off, n in ranges:
-                            dst[pos:pos + n] = src[off + r_off:off + r_off + n]
-                            pos += n
-                        sizes[i] = total
-                    else:
-                        bufs.slot(i, size)[:] = src[off:off + size]
-                        sizes[i] = size
-                    codes[i] = code
-                if reply.complete:
-                    if start + len(part) >= len(keys) or stop_at_miss and 0 in reply.tier_codes:
-                        return len(keys)
-                    start += len(part)
-                    continue
-                if reply.resume_at == 0:
-                    return start            # no progress: the arena is busy; use gRPC for the rest
-                start += reply.resume_at
-            return start
-        finally:
-            for lease_id in release:
-                self._release(lease_id)
-
-    def _raw_copy(self, keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout) -> None:
-        """Copy blocks ``keys[start:]`` from raw gRPC frames."""
-        i, cur = start, None
-        for rec in self._raw_records(keys[start:], ranges, stop_at_miss, timeout):
-            if rec.failed or not rec.found:     # a miss, or a block that failed mid-way
-                sizes[i], codes[i], cur = 0, 0, None
-                i += 1
-                continue
-            if rec.offset == 0:
-                cur = bufs.slot(i, rec.total)
-            cur[rec.offset:rec.offset + len(rec.data)] = np.frombuffer(rec.data, dtype=np.uint8)
-            if rec.offset + len(rec.data) >= rec.total:
-                sizes[i], codes[i], cur = rec.total, rec.tier, None
-                i += 1
-
-    def _release(self, lease_id: str) -> None:
-        """End a lease without waiting: it rides on the next Lease call, or a background
-        thread sends it (its TTL ends it anyway)."""
-        self._releaser.add(lease_id)
 
     # -------------------------------------------------------------- leases (low level)
 
@@ -544,88 +329,6 @@ class KVStoreClient:
         reply = self._call(self._stub.Resume, req, timeout)
         return reply.known, reply.observed_seconds
 
-
-class _Releaser:
-    """Ends leases in the background: ids wait here until the next Lease call carries them
-    (``LeaseRequest.release``) or, after ``delay_s`` without one, a thread sends them in
-    one Release call. No gRPC future per lease, no wait on the data path."""
-
-    def __init__(self, client: KVStoreClient, delay_s: float = 0.002):
-        self.client = client
-        self.delay_s = delay_s
-        self._ids: list[str] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-
-    def add(self, lease_id: str) -> None:
-        with self._lock:
-            self._ids.append(lease_id)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
-                self._thread.start()
-        self._wake.set()
-
-    def take(self) -> list[str]:
-        with self._lock:
-            ids, self._ids = self._ids, []
-            return ids
-
-    def _send(self) -> None:
-        ids = self.take()
-        if not ids:
-            return
-        c = self.client
-        try:
-            c._stub.Release(pb.ReleaseRequest(lease_ids=ids), timeout=c.timeout, metadata=c._metadata)
-        except grpc.RpcError as e:      # the leases end by their TTL
-            log.debug("release of %d leases failed: %s", len(ids), e)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                break
-            time.sleep(self.delay_s)        # a Lease call coming right after carries them
-            self._send()
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.client.timeout)
-        self._send()
-
-
-def _meta_message(m: BlockMeta | None) -> pb.BlockMeta:
-    if m is None:
-        return pb.BlockMeta()
-    return pb.BlockMeta(engine_hash=m.engine_hash, parent_engine_hash=m.parent_engine_hash,
-                        token_ids=list(m.token_ids), block_tokens=m.block_tokens, lora_name=m.lora_name)
-def _refused_put_reply(err: grpc.RpcError) -> pb.PutReply | None:
-    """The PutReply a put refused for a size conflict carries in its trailer (ALREADY_EXISTS,
-    see ``kvstore.server.PUT_REPLY_TRAILER``), or None for any other failure."""
-    if not isinstance(err, grpc.Call) or err.code() is not grpc.StatusCode.ALREADY_EXISTS:
-        return None
-    for name, value in err.trailing_metadata() or ():
-        if name == "kvstore-put-reply-bin":
-            try:
-                return pb.PutReply.FromString(value)
-            except Exception:  # noqa: BLE001 - a malformed trailer: report the status instead
-                return None
-    return None
-
-
-def _put_result(reply: pb.PutReply) -> PutResult:
-    result = PutResult(reply.stored, reply.already_present, reply.bytes_stored, reply.not_admitted,
-                       reply.size_conflicts)
-    if reply.size_conflicts:
-        err = errors.SizeConflict(reply.detail or f"{reply.size_conflicts} blocks are stored with another size")
-        err.result = result
-        raise err
-    return result
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_MESSAGE_BYTES", "GetIntoResult", "KVStoreClient", "NodeInfo",

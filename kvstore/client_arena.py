@@ -1,0 +1,222 @@
+"""The client's same-node data path: blocks copied through the daemon's shared host arena.
+
+:class:`ArenaPathMixin` is mixed into :class:`kvstore.client.KVStoreClient`. It owns
+mapping the arena (:class:`kvstore.shm.ArenaMapping`, on first use), ``put_from``
+through it (Reserve, one copy into the arena, Commit), ``get_into``'s copies out of it
+under a lease, and the background release of those leases (:class:`_Releaser`). It
+uses the client's ``_call``, ``_stub``, ``_metadata``, ``_per_request``, ``info``,
+``put``, ``target``, ``timeout``, ``lease_ttl_s`` and ``_token``; blocks it cannot move
+(arena full or busy) go back to the client's gRPC path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from . import errors
+from ._proto import kvstore_pb2 as pb
+from .client_raw import _meta_message
+from .types import PutResult, ReserveStatus
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import KVStoreClient
+
+log = logging.getLogger("kvstore.client")
+
+
+class ArenaPathMixin:
+    """Blocks through the shared arena (unix-socket clients of a daemon that offers one)."""
+
+    def _open_arena_path(self, shared_memory: bool | None) -> None:
+        self._want_shm = shared_memory
+        self._arena = None
+        self._arena_checked = False
+        self._releaser = _Releaser(self)
+
+    def _close_arena_path(self) -> None:
+        self._releaser.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _shm(self):
+        if self._arena_checked:
+            return self._arena
+        self._arena_checked = True
+        if self._want_shm is False or not self.target.startswith("unix:"):
+            if self._want_shm:
+                raise errors.FeatureDisabled("shared memory needs the daemon's unix socket")
+            return None
+        info = self.info()
+        if not info.shm_socket:
+            if self._want_shm:
+                raise errors.FeatureDisabled(f"the daemon offers no shared arena: {info.shm_refused}")
+            return None
+        from .shm import ArenaMapping
+        try:
+            self._arena = ArenaMapping(info.shm_socket, self._token, timeout=self.timeout)
+        except OSError as e:
+            if self._want_shm:
+                raise errors.FeatureDisabled(f"cannot map the shared arena: {e}") from None
+            log.info("shared arena unavailable (%s); using gRPC for block data", e)
+        return self._arena
+
+    def _arena_put(self, arena, keys, bufs, lengths, meta, timeout) -> PutResult:
+        """``put_from`` through the arena: Reserve in batches of at most a quarter of it,
+        copy each reserved block in, Commit; blocks with no room now go by gRPC."""
+        budget = max(arena.size // 4, 1)
+        reserved_total = stored = nbytes = present = refused = conflicts = 0
+        rest: list[int] = []
+        detail = ""
+        batch: list[int] = []
+        per = self._per_request(per_key=34 + 11)            # a key and its size
+        for i in range(len(keys) + 1):
+            if i < len(keys) and (not batch or reserved_total + lengths[i] <= budget and len(batch) < per):
+                batch.append(i)
+                reserved_total += lengths[i]
+                continue
+            metas = [_meta_message(meta[j]) for j in batch] if meta is not None else []
+            reply = self._call(self._stub.Reserve, pb.ReserveRequest(
+                keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
+                meta=metas), timeout)
+            detail = detail or reply.detail
+            written = []
+            for j, status, offset in zip(batch, reply.status, reply.offsets):
+                if status == ReserveStatus.RESERVED:
+                    arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
+                    written.append(keys[j])
+                elif status == ReserveStatus.ALREADY_PRESENT:
+                    present += 1
+                elif status == ReserveStatus.NOT_ADMITTED:
+                    refused += 1
+                elif status == ReserveStatus.SIZE_CONFLICT:
+                    conflicts += 1
+                else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
+                    rest.append(j)
+            if written:
+                done = self._call(self._stub.Commit, pb.CommitRequest(keys=written), timeout)
+                stored += done.committed
+                nbytes += done.bytes_committed
+            if i == len(keys):
+                break
+            batch, reserved_total = [i], lengths[i]
+        result = PutResult(stored, present, nbytes, refused, conflicts)
+        if rest:
+            more = self.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout,
+                            meta=[meta[i] for i in rest] if meta is not None else None)
+            result = PutResult(stored + more.stored, present + more.already_present, nbytes + more.bytes_stored,
+                               refused + more.not_admitted, conflicts + more.size_conflicts)
+        if result.size_conflicts:
+            err = errors.SizeConflict(detail or f"{result.size_conflicts} blocks are stored with another size")
+            err.result = result
+            raise err
+        return result
+
+    def _lease_copy(self, arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout) -> int:
+        """Copy blocks out of the shared arena, one lease at a time (a lease stops early
+        when the arena cannot hold more at once). Returns the index of the first key not
+        looked at (``len(keys)`` when done; the rest then goes by gRPC)."""
+        src = arena.array
+        start, release = 0, []
+        per = self._per_request(extra=128)
+        try:
+            while start < len(keys):
+                part = keys[start:start + per]
+                reply = self._call(self._stub.Lease, pb.LeaseRequest(
+                    keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
+                    release=release + self._releaser.take()), timeout)
+                release = [reply.lease_id] if reply.lease_id else []
+                for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
+                    if not code:
+                        continue
+                    i = start + j
+                    if ranges:
+                        if any(r_off + n > size for r_off, n in ranges):
+                            continue                # a block too short for the ranges: a miss
+                        total = sum(n for _, n in ranges)
+                        dst = bufs.slot(i, total)
+                        pos = 0
+                        for r_off, n in ranges:
+                            dst[pos:pos + n] = src[off + r_off:off + r_off + n]
+                            pos += n
+                        sizes[i] = total
+                    else:
+                        bufs.slot(i, size)[:] = src[off:off + size]
+                        sizes[i] = size
+                    codes[i] = code
+                if reply.complete:
+                    if start + len(part) >= len(keys) or stop_at_miss and 0 in reply.tier_codes:
+                        return len(keys)
+                    start += len(part)
+                    continue
+                if reply.resume_at == 0:
+                    return start            # no progress: the arena is busy; use gRPC for the rest
+                start += reply.resume_at
+            return start
+        finally:
+            for lease_id in release:
+                self._release(lease_id)
+
+    def _release(self, lease_id: str) -> None:
+        """End a lease without waiting: it rides on the next Lease call, or a background
+        thread sends it (its TTL ends it anyway)."""
+        self._releaser.add(lease_id)
+
+
+class _Releaser:
+    """Ends leases in the background: ids wait here until the next Lease call carries them
+    (``LeaseRequest.release``) or, after ``delay_s`` without one, a thread sends them in
+    one Release call. No gRPC future per lease, no wait on the data path."""
+
+    def __init__(self, client: KVStoreClient, delay_s: float = 0.002):
+        self.client = client
+        self.delay_s = delay_s
+        self._ids: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease_id: str) -> None:
+        with self._lock:
+            self._ids.append(lease_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def take(self) -> list[str]:
+        with self._lock:
+            ids, self._ids = self._ids, []
+            return ids
+
+    def _send(self) -> None:
+        ids = self.take()
+        if not ids:
+            return
+        c = self.client
+        try:
+            c._stub.Release(pb.ReleaseRequest(lease_ids=ids), timeout=c.timeout, metadata=c._metadata)
+        except grpc.RpcError as e:      # the leases end by their TTL
+            log.debug("release of %d leases failed: %s", len(ids), e)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                break
+            time.sleep(self.delay_s)        # a Lease call coming right after carries them
+            self._send()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.timeout)
+        self._send()
