@@ -45,11 +45,12 @@ from typing import Callable, Iterable, Sequence
 from tiers.base import Tier, TierKind
 
 from .catalogue import Catalogue
+from .cleaner import Cleaner
 from .counters import Counters
 from .errors import KVStoreError
 from .leases import MAX_LEASE_TTL_S, MAX_LEASES, LeasedBlock, LeaseGrant, Leases
 from .mover import Mover
-from .placement import Cleaner, Placement
+from .placement import Placement
 from .policy import AcceptsNextUse, EvictionPolicy, NoVictim, PredictsDistance, UsesReuseModel
 from .reads import BlockReader, Reads
 from .remote import Cluster, ClusterOptions

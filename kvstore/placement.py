@@ -7,7 +7,7 @@ tier's victims leave the store. A block read from a lower tier is **promoted** (
 up; the lower copy stays, so a later demotion is free). Every copy is one
 :class:`kvstore.mover.Transfer`, deduplicated per ``(block, destination)``.
 
-**Off the put path** (``async_moves``, the daemon): a :class:`Cleaner` thread watches
+**Off the put path** (``async_moves``, the daemon): a :class:`~kvstore.cleaner.Cleaner` thread watches
 each tier's watermarks. When a tier other than the last holds more than
 ``high_watermark`` of its capacity, it copies its coldest dirty blocks down until the
 free and clean bytes reach ``1 - low_watermark`` of the capacity: in the tier policy's
@@ -23,16 +23,19 @@ inline, in pure policy order.
 
 All methods whose name has no ``_locked`` suffix take the catalogue lock themselves;
 ``*_locked`` ones expect it held. Waiting on a transfer releases it.
+
+This module keeps the per-tier bookkeeping (resident and dirty bytes, the dirty lists)
+and eviction; the copies themselves are :mod:`kvstore.transfers`, the background
+cleaning :mod:`kvstore.cleaner`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from tiers import errors as terr
 from tiers.base import Tier
@@ -42,6 +45,10 @@ from .counters import Counters
 from .errors import TierFull, TierIOError
 from .mover import Mover, Transfer
 from .policy import EvictionPolicy, NoVictim
+from .transfers import TransferMixin
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cleaner import Cleaner
 
 log = logging.getLogger("kvstore.placement")
 
@@ -54,7 +61,7 @@ CLEAN_WAIT_S = 5.0
 demotes a block itself (seconds)."""
 
 
-class Placement:
+class Placement(TransferMixin):
     """Moves blocks between ``tiers`` under their ``policies``.
 
     Args:
@@ -306,282 +313,3 @@ class Placement:
                     raise TierFull(f"{tier.name}: {e}") from None
             except terr.TierIOError as e:
                 raise TierIOError(f"{tier.name}: reserving {nbytes} bytes failed: {e}") from None
-
-    # ------------------------------------------------------------------ transfers
-
-    def moving(self, key: bytes, dst: int) -> Transfer | None:
-        return self._moving.get((key, dst))
-
-    def start_transfer_locked(self, entry: Entry, src: int, dst: int, reason: str) -> Transfer:
-        """Phase one of a copy: pin the block, make room in ``dst`` and reserve it.
-
-        Returns the transfer already in flight for ``(key, dst)`` if there is one.
-        Raises TierFull / NoVictim when ``dst`` cannot make room, TierIOError when an
-        earlier copy of the block to ``dst`` is stuck.
-        """
-        key = entry.key
-        existing = self._moving.get((key, dst))
-        if existing is not None:
-            if existing.abandoned:
-                raise TierIOError(f"an earlier copy of block {key.hex()[:16]} to {self.tiers[dst].name} "
-                                  "is stuck (timed out); not retrying until it returns")
-            return existing
-        if dst in entry.tiers:
-            return Transfer.finished(key, src, dst)
-        # Registered before room is made: making room may release the lock while it waits
-        # on a demotion, and another copy of this block to ``dst`` must join this one.
-        t = Transfer(key, src, dst, entry, reason=reason)
-        self._moving[(key, dst)] = t
-        entry.pins += 1  # the source copy must stay while room is made below and bytes move
-        try:
-            self.reserve_locked(dst, key, entry.size, incoming=key)
-        except BaseException as e:
-            self._moving.pop((key, dst), None)
-            t.error = e
-            t.done.set()
-            self.cat.unpin(entry)
-            self.cat.changed.notify_all()
-            raise
-        t.reserved = True
-        return t
-
-    def run_transfer(self, t: Transfer, wait: bool) -> None:
-        """Phase two: copy the bytes, then commit. Lock held on entry (released while
-        waiting). Async: the copy runs on the ``(src, dst)`` queue; with ``wait`` this
-        waits up to ``transfer_timeout_s`` (then the transfer is abandoned)."""
-        if t.done.is_set():
-            return
-        if not t.reserved:                # joined a copy still making room: wait for it
-            if wait:
-                deadline = time.monotonic() + self.transfer_timeout_s
-                while not t.done.is_set() and not t.reserved and time.monotonic() < deadline:
-                    self.cat.changed.wait(max(0.0, deadline - time.monotonic()))
-            if not t.reserved:
-                return
-        if not self.mover.async_moves:
-            self._copy_bytes(t)
-            return
-        if not t.submitted:
-            t.submitted = True
-            try:
-                self.mover.submit(t.src, t.dst, lambda: self._copy_bytes(t))
-            except RuntimeError as e:        # the mover is stopped: the store is closing
-                self._finish_locked(t, terr.TierIOError(str(e)))
-                return
-        if not wait:
-            return
-        deadline = time.monotonic() + self.transfer_timeout_s
-        while not t.done.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._abandon_locked(t)
-                return
-            self.cat.changed.wait(remaining)
-
-    def _copy_bytes(self, t: Transfer) -> None:
-        err: BaseException | None = None
-        try:
-            self.mover.copy(t.key, t.src, t.dst)
-        except BaseException as e:  # noqa: BLE001 - reported through the transfer
-            err = e
-        with self.cat.lock:
-            self._finish_locked(t, err)
-
-    def _finish_locked(self, t: Transfer, err: BaseException | None) -> None:
-        self._moving.pop((t.key, t.dst), None)
-        dst = self.tiers[t.dst]
-        entry = t.entry
-        gone = self.cat.raw(t.key) is not entry or entry.deleted     # deleted during the copy
-        if err is None and not t.abandoned and not gone:
-            try:
-                dst.commit(t.key)
-            except BaseException as e:  # noqa: BLE001
-                err = e
-        if err is not None or t.abandoned or gone:
-            dst.abort(t.key)
-            t.error = err or (terr.TierIOError(f"transfer exceeded {self.transfer_timeout_s}s")
-                              if t.abandoned else terr.TierError("the block was deleted during the copy"))
-            if err is not None or t.abandoned:
-                self.counters.inc("transfers_failed")
-                log.warning("copy of block %s from %s to %s failed: %s", t.key.hex()[:16],
-                            self.tiers[t.src].name, dst.name, t.error)
-        else:
-            self.policies[t.dst].insert(t.key, entry.size, self.clock())
-            self.add_copy(entry, t.dst, t.reason)
-            t.ok = True
-        if not t.abandoned:
-            self.cat.unpin(entry)
-        t.done.set()
-        self.cat.changed.notify_all()
-
-    def _abandon_locked(self, t: Transfer) -> None:
-        if t.abandoned or t.done.is_set():
-            return
-        t.abandoned = True
-        t.error = terr.TierIOError(f"transfer did not finish in {self.transfer_timeout_s}s")
-        self.counters.inc("transfers_timed_out")
-        self.cat.unpin(t.entry)
-
-    def copy_locked(self, entry: Entry, src: int, dst: int, reason: str) -> None:
-        """Copy a committed block from ``src`` into ``dst`` and wait for it.
-        Raises TierFull / NoVictim / TierIOError."""
-        t = self.start_transfer_locked(entry, src, dst, reason)
-        self.run_transfer(t, wait=True)
-        if not t.ok:
-            raise TierIOError(f"copy of block {entry.key.hex()[:16]} to {self.tiers[dst].name} failed: {t.error}")
-
-    def promote(self, entry: Entry, to: int, wait: bool) -> Transfer | None:
-        """Copy ``entry`` up into tier ``to`` from its fastest copy: THE promotion path
-        (after a read, by prefetch, for a lease). Deduplicated: a block already moving
-        there joins that transfer. Returns the transfer (None when no room could be made
-        without evicting pinned blocks: counted in ``promotions_skipped``)."""
-        with self.cat.lock:
-            if entry.deleted or to in entry.tiers or not entry.tiers:
-                return Transfer.finished(entry.key, to, to)
-            existing = self._moving.get((entry.key, to))
-            if existing is not None:
-                self.counters.inc("promotions_deduplicated")
-                t = existing
-            else:
-                src = entry.tiers[0]
-                try:
-                    t = self.start_transfer_locked(entry, src, to, "promoted")
-                except (TierFull, NoVictim, TierIOError) as e:
-                    self.counters.inc("promotions_skipped")
-                    log.debug("promotion of %s skipped: %s", entry.key.hex()[:16], e)
-                    return None
-                self.counters.inc("promotions")
-            self.run_transfer(t, wait=wait)
-            return t
-
-
-class _ScanBudgetSpent(Exception):
-    """The policy looked at :data:`CLEAN_SCAN` blocks without finding a dirty one."""
-
-
-class Cleaner:
-    """Background watermark keeper of a :class:`Placement` (see the module docstring).
-
-    Runs on its own thread; woken by :meth:`kick` (a put that found no clean victim,
-    a commit past the high watermark) and every ``period_s`` seconds, when it also runs
-    ``on_tick`` (the manager's lease and reservation expiry).
-    """
-
-    def __init__(self, placement: Placement, period_s: float = 0.25,
-                 on_tick: Callable[[], None] | None = None):
-        self.p = placement
-        self.period_s = period_s
-        self.on_tick = on_tick
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self.busy = False                 # a cleaning pass is copying blocks down
-        self._thread = threading.Thread(target=self._run, name="kvstore-cleaner", daemon=True)
-        placement.cleaner = self
-
-    def start(self) -> "Cleaner":
-        self._thread.start()
-        return self
-
-    def kick(self) -> None:
-        """Wake the cleaner; :attr:`busy` until its pass ends."""
-        self.busy = True
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.period_s)
-            self._wake.clear()
-            try:
-                if self.on_tick is not None:
-                    self.on_tick()
-                self.pass_once()
-            except Exception:  # noqa: BLE001 - keep cleaning; the error is logged loudly
-                log.exception("background cleaning failed")
-            finally:
-                self.busy = False
-                with self.p.cat.lock:
-                    self.p.cat.changed.notify_all()
-
-    def pass_once(self) -> int:
-        """One pass over every tier but the last; returns blocks cleaned."""
-        done = 0
-        for i, tier in enumerate(self.p.tiers):
-            if self._stop.is_set():
-                break
-            cap = tier.capacity_bytes
-            if i == self.p.last or cap <= 0 or tier.used_bytes <= self.p.high * cap:
-                continue
-            done += self._clean(i, cap)
-        return done
-
-    def _clean(self, i: int, cap: int) -> int:
-        """Copy tier ``i``'s coldest dirty blocks down, several copies in flight, until its
-        free and clean bytes reach ``1 - low`` of ``cap``. Returns blocks cleaned."""
-        p = self.p
-        tier, policy = p.tiers[i], p.policies[i]
-        raw = p.cat.raw
-        chosen: set[bytes] = set()
-        inflight: list = []
-        width = 1 if p.tiers[i + 1].volatile else max(1, p.mover.disk_workers)
-        done = {"cleaned": 0, "moving": 0}               # blocks cleaned, bytes being copied
-
-        def dirty(key: bytes) -> bool:
-            e = raw(key)
-            return e is not None and e.pins == 0 and not e.deleted and e.tiers[-1] == i and key not in chosen
-
-        looked = [0]
-
-        def dirty_near_front(key: bytes) -> bool:
-            looked[0] += 1
-            if looked[0] > CLEAN_SCAN:
-                raise _ScanBudgetSpent
-            return dirty(key)
-
-        def next_victim() -> bytes | None:
-            looked[0] = 0
-            try:
-                return policy.victim(dirty_near_front, incoming=None, now=p.clock())
-            except NoVictim:
-                return None
-            except _ScanBudgetSpent:      # the policy's coldest blocks are clean already
-                return next((k for k in p.dirty_keys(i) if dirty(k)), None)
-
-        def settle(t) -> None:
-            p.run_transfer(t, wait=True)
-            done["moving"] -= t.entry.size
-            if t.ok:
-                done["cleaned"] += 1
-                p.counters.inc("precleaned")
-        with p.cat.lock:
-            self.busy = True
-            try:
-                while not self._stop.is_set():
-                    free = cap - tier.used_bytes
-                    clean = p.resident_bytes(i) - p.dirty_bytes(i) + done["moving"]
-                    if free + clean >= (1.0 - p.low) * cap:
-                        break
-                    victim = next_victim()
-                    if victim is None:
-                        break
-                    chosen.add(victim)
-                    try:
-                        t = p.start_transfer_locked(raw(victim), i, i + 1, "demoted")
-                    except (TierFull, NoVictim, TierIOError) as e:
-                        log.debug("pre-cleaning %s skipped: %s", victim.hex()[:16], e)
-                        break
-                    p.run_transfer(t, wait=False)
-                    inflight.append(t)
-                    done["moving"] += t.entry.size
-                    if len(inflight) >= width:
-                        settle(inflight.pop(0))
-                while inflight:
-                    settle(inflight.pop(0))
-            finally:
-                self.busy = False
-                p.cat.changed.notify_all()
-        return done["cleaned"]
