@@ -13,7 +13,7 @@ import logging
 import sys
 
 COMMAND_MODULES = (
-    "kvstore.serve",          # kvstore serve
+    "kvstore.serve_cmd",      # kvstore serve
     "kvstore.replay",         # kvstore replay
     "kvstore.stats_cmd",      # kvstore stats
     "kvstore.repair_cmd",     # kvstore repair-index

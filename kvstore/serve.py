@@ -1,19 +1,16 @@
 """Daemon start-up: the one place where concrete tiers are built from the config.
 
-``kvstore serve [--config FILE]`` runs it in the foreground until SIGINT/SIGTERM.
-Tests and tools start one in-process with :func:`start_server`.
+``kvstore serve [--config FILE]`` (:mod:`kvstore.serve_cmd`) runs it in the foreground
+until SIGINT/SIGTERM. Tests and tools start one in-process with :func:`start_server`.
+The listen address is bound by :mod:`kvstore.listen`.
 """
 
 from __future__ import annotations
 
-import argparse
-import fcntl
 import dataclasses
 import logging
 import os
 import pathlib
-import signal
-import stat
 import threading
 import time
 from concurrent import futures
@@ -25,7 +22,6 @@ from tiers.base import Tier
 from tiers.errors import TierError
 
 from . import __version__
-from . import config as config_mod
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
 from .auth import Authenticator
@@ -33,6 +29,7 @@ from .config import Config
 from .errors import ConfigError
 from .health import HealthMonitor
 from .interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
+from .listen import UnixSocket, bind
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .policy import make_policy
 from .remote_config import build_remote_tier, cluster_options
@@ -134,7 +131,7 @@ class Daemon:
     health: health.HealthServicer
     monitor: HealthMonitor | None = None
     background: list = dataclasses.field(default_factory=list)
-    socket: _UnixSocket | None = None
+    socket: UnixSocket | None = None
     metrics: object = None
     events: object = None
     _stopped: bool = False
@@ -169,93 +166,6 @@ class Daemon:
     def wait(self) -> None:
         self.server.wait_for_termination()
 
-
-@dataclasses.dataclass
-class _UnixSocket:
-    """A unix socket path owned by this daemon: ``<path>.lock`` is held (flock) while it
-    serves, so a second daemon is refused even when the first is stopped or slow, and the
-    socket is removed at exit only if it is still the one this daemon created."""
-
-    path: pathlib.Path
-    lock_fd: int
-    inode: int = 0
-
-    def release(self) -> None:
-        try:
-            if self.inode and self.path.stat().st_ino == self.inode:
-                self.path.unlink()
-        except OSError:
-            pass
-        try:
-            os.close(self.lock_fd)   # releases the flock
-        except OSError:
-            pass
-
-
-def _claim_unix_socket(listen: str) -> _UnixSocket:
-    path = listen[len("unix:"):]
-    if path.startswith("//"):
-        path = path[2:]
-    p = pathlib.Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"server.listen: cannot create {str(p.parent)!r}: {e.strerror}") from None
-    lock_path = p.with_name(p.name + ".lock")
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise ConfigError(f"server.listen: cannot create {str(lock_path)!r}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ConfigError(f"server.listen: another daemon is serving on {listen} "
-                          f"(it holds {lock_path})") from None
-    if os.path.lexists(p):
-        st = p.lstat()
-        if not stat.S_ISSOCK(st.st_mode):
-            os.close(fd)
-            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a file"
-            raise ConfigError(f"server.listen: {str(p)!r} is {kind}, not a socket; refusing to replace it")
-        p.unlink()   # a socket left by a daemon that died: nobody holds the lock
-    return _UnixSocket(p, fd)
-
-
-def _bind(server: grpc.Server, cfg: Config) -> tuple[str, _UnixSocket | None]:
-    """Bind ``[server] listen``; returns the address and, for unix sockets, the claim."""
-    listen = cfg.server.listen
-    if listen.startswith("unix:"):
-        sock = _claim_unix_socket(listen)
-        old_umask = os.umask(0o077)  # socket created 0600: only this user may connect
-        try:
-            port = server.add_insecure_port(f"unix:{sock.path}")
-        except RuntimeError as e:
-            sock.release()
-            raise ConfigError(f"server.listen: cannot bind {listen}: {e}") from None
-        finally:
-            os.umask(old_umask)
-        if port == 0:
-            sock.release()
-            raise ConfigError(f"server.listen: cannot bind {listen}")
-        os.chmod(sock.path, 0o600)
-        sock.inode = sock.path.stat().st_ino
-        return f"unix:{sock.path}", sock
-    s = cfg.server
-    try:
-        if s.tls_cert:
-            creds = grpc.ssl_server_credentials(
-                [(pathlib.Path(s.tls_key).read_bytes(), pathlib.Path(s.tls_cert).read_bytes())])
-            port = server.add_secure_port(listen, creds)
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as e:   # grpc raises when the address is in use (SO_REUSEPORT is off)
-        raise ConfigError(f"server.listen: cannot bind {listen}: the port is in use (another kvstore daemon "
-                          f"serving it?) or the address is not on this machine ({e})") from None
-    if port == 0:
-        raise ConfigError(f"server.listen: cannot bind {listen}")
-    host = listen.rsplit(":", 1)[0]
-    return f"{host}:{port}", None
 
 
 def _start_prefetch(cfg: Config, manager: TierManager, sessions):
@@ -339,7 +249,7 @@ def _start_events(cfg: Config, manager: TierManager):
     return pub
 
 
-def _start_arena(cfg: Config, manager: TierManager, sock: "_UnixSocket | None", auth: Authenticator | None):
+def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, auth: Authenticator | None):
     """The shared-arena hand-out socket, or None and the reason the path is off."""
     from .shm import ArenaServer
     shared = manager.shared_tier
@@ -406,7 +316,7 @@ def start_server(cfg: Config) -> Daemon:
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         server.add_generic_rpc_handlers((data_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        address, sock = _bind(server, cfg)
+        address, sock = bind(server, cfg)
         try:
             arena, refused = _start_arena(cfg, manager, sock, auth)
             if arena is not None:
@@ -427,57 +337,3 @@ def start_server(cfg: Config) -> Daemon:
     monitor.start()
     return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
                   background=background, socket=sock, metrics=metrics, events=events)
-
-
-def _describe(daemon: Daemon) -> str:
-    lines = [f"kvstore serving on {daemon.address}"]
-    for u in daemon.manager.usage():
-        lines.append(f"  tier {u.name:5s} capacity {format_size(u.capacity_bytes):>12s}  "
-                     f"used {format_size(u.used_bytes):>12s}  blocks {u.blocks:>8d}  eviction {u.policy}")
-    recovered = daemon.manager.counters.get("blocks_recovered", 0)
-    if recovered:
-        lines.append(f"  recovered {recovered} blocks from NVMe")
-    if daemon.metrics is not None:
-        lines.append(f"  Prometheus metrics on http://{daemon.metrics.address}/metrics")
-    if daemon.events is not None:
-        lines.append(f"  KV events published on {daemon.events.endpoint}"
-                     + (f" (replay {daemon.events.replay_endpoint})" if daemon.events.replay_endpoint else ""))
-    info = daemon.service.info
-    if info.shm_socket:
-        lines.append(f"  same-node clients map the host arena through {info.shm_socket}")
-    elif info.shm_refused:
-        lines.append(f"  shared-memory path off: {info.shm_refused}")
-    return "\n".join(lines)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_mod.load(args.config)
-        if args.listen:
-            cfg = config_mod.replace(cfg, server=dataclasses.replace(cfg.server, listen=args.listen))
-        daemon = start_server(cfg)
-    except ConfigError as e:
-        log.error("%s", e)
-        return 2
-    print(_describe(daemon), flush=True)
-    done = threading.Event()
-
-    def on_signal(signum, frame):
-        log.info("signal %d: stopping", signum)
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    done.wait()
-    daemon.stop(grace=5.0)
-    print("kvstore stopped", flush=True)
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the daemon in the foreground",
-                       description="Run the kvstore daemon. Without --config, a built-in default "
-                                   "(1 GiB host tier + 16 GiB NVMe tier under ./kvstore-data) is used.")
-    p.add_argument("--config", type=pathlib.Path, default=None, help="TOML config file")
-    p.add_argument("--listen", default=None, help="override [server] listen, e.g. 127.0.0.1:50051")
-    p.set_defaults(func=cmd_serve)
