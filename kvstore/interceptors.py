@@ -7,19 +7,25 @@ requests, idle Put streams.
   handler as a :class:`MalformedRequest`, answered INVALID_ARGUMENT with the decoder's
   message instead of grpc's bare INTERNAL.
 - :class:`StreamWatchdog` cancels client streams that send nothing for too long.
+- :func:`unary_handler` / :func:`streaming_handler` wrap each handler of the service:
+  the request is checked (:func:`well_formed`), the call timed for the metrics, and
+  every failure answered with one status code (:mod:`kvstore.status`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
+from typing import Callable
 
 import grpc
 
 from .auth import Authenticator
 from .errors import InvalidRequest
+from .status import code_for
 
 log = logging.getLogger("kvstore.server")
 
@@ -41,6 +47,51 @@ def well_formed(request):
     if isinstance(request, MalformedRequest):
         raise InvalidRequest(f"request message does not decode: {request.error}")
     return request
+
+
+def abort_call(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    """End the call of handler ``method`` with the status code of ``exc``
+    (:func:`kvstore.status.code_for`; INTERNAL failures are logged with their trace)."""
+    if isinstance(exc, grpc.RpcError):
+        # the call already failed in the transport (a client message over the size limit,
+        # a cancelled stream): grpc has sent the status; nothing is wrong with the daemon
+        log.info("%s: the call ended in the transport: %s", method, context.code() or "cancelled")
+        return
+    code = code_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+        context.abort(code, f"{method}: internal error: {type(exc).__name__}: {exc}")
+    log.info("%s -> %s: %s", method, code.name, exc)
+    context.abort(code, f"{method}: {exc}")
+
+
+def unary_handler(method: Callable) -> Callable:
+    """Wrap a unary-response handler: checked request, timed call (``self.observe``),
+    failures as status codes."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            return method(self, well_formed(request), context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
+            abort_call(context, exc, method.__name__)
+        finally:
+            self.observe(method.__name__, time.perf_counter() - t0, context)
+    return wrapper
+
+
+def streaming_handler(method: Callable) -> Callable:
+    """Wrap a streaming-response handler like :func:`unary_handler`."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            yield from method(self, well_formed(request), context)
+        except Exception as exc:  # noqa: BLE001
+            abort_call(context, exc, method.__name__)
+        finally:
+            self.observe(method.__name__, time.perf_counter() - t0, context)
+    return wrapper
 
 
 def _denial_handlers(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcMethodHandler]:

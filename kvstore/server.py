@@ -1,11 +1,12 @@
 """The gRPC service: blocks (Put/Get/Lookup/Delete), leases and reservations for the
-same-node path, Stats/Info, tool-call hints.
+same-node path, Stats/Info, tool-call hints (their handlers: :mod:`kvstore.server_hints`).
 
 Runs on a thread pool (``[server] workers``): handlers copy payloads with the GIL
 released inside numpy/file I/O, and the catalogue lock is held only for catalogue
 changes. Every failure maps to one status code with a message that says what was wrong
-(:mod:`kvstore.status`); the daemon keeps serving after any bad request. Every number a
-client sends is checked before anything changes (:mod:`kvstore.validate`).
+(:mod:`kvstore.status`, through the handler wrappers of :mod:`kvstore.interceptors`);
+the daemon keeps serving after any bad request. Every number a client sends is checked
+before anything changes (:mod:`kvstore.validate`).
 
 **Tenants** (:mod:`kvstore.auth`): with ``[server.tenants]`` every client key is mapped
 to the caller's tenant key space before the manager sees it, keys in replies are the
@@ -20,10 +21,7 @@ framing and misses.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
-import math
 import time
 from typing import Callable, Iterator
 
@@ -35,63 +33,21 @@ from ._proto import kvstore_pb2_grpc as pb_grpc
 from .auth import SHARED, Authenticator, KeySpace
 from .get_stream import GetPlan, proto_batches, raw_frames
 from .interceptors import StreamWatchdog, well_formed
+from .interceptors import abort_call as _abort
+from .interceptors import streaming_handler as _streaming
+from .interceptors import unary_handler as _unary
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .put_assembly import PutAssembler
-from .status import code_for
 from .transport import FRAMING_BYTES
 from .types import BlockMeta, PutResult
-from .sessions import SessionHint, SessionState
-from .validate import (MAX_CLOCK_SKEW_S, check_keys, check_number, check_ranges, check_size, check_ttl,
-                       to_monotonic, to_unix)
+from .server_hints import HintHandlers
+from .validate import check_keys, check_number, check_ranges, check_size, check_ttl
 from .wire import META, FrameError, decode
 
 log = logging.getLogger("kvstore.server")
 
 DATA_SERVICE = "kvstore.v1.KVStoreData"
-_STATES = {pb.SessionHintRequest.CONTINUES: SessionState.CONTINUES,
-           pb.SessionHintRequest.FINISHED: SessionState.FINISHED,
-           pb.SessionHintRequest.ABANDONED: SessionState.ABANDONED}
 DEFAULT_LEASE_TTL_S = 30.0
-
-
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    if isinstance(exc, grpc.RpcError):
-        # the call already failed in the transport (a client message over the size limit,
-        # a cancelled stream): grpc has sent the status; nothing is wrong with the daemon
-        log.info("%s: the call ended in the transport: %s", method, context.code() or "cancelled")
-        return
-    code = code_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        log.exception("%s failed", method)
-        context.abort(code, f"{method}: internal error: {type(exc).__name__}: {exc}")
-    log.info("%s -> %s: %s", method, code.name, exc)
-    context.abort(code, f"{method}: {exc}")
-
-
-def _unary(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        t0 = time.perf_counter()
-        try:
-            return method(self, well_formed(request), context)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
-            _abort(context, exc, method.__name__)
-        finally:
-            self.observe(method.__name__, time.perf_counter() - t0, context)
-    return wrapper
-
-
-def _streaming(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        t0 = time.perf_counter()
-        try:
-            yield from method(self, well_formed(request), context)
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc, method.__name__)
-        finally:
-            self.observe(method.__name__, time.perf_counter() - t0, context)
-    return wrapper
 
 
 def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
@@ -116,18 +72,8 @@ def _finish_put(asm: PutAssembler, context) -> pb.PutReply:
     return reply
 
 
-MAX_NAME_CHARS = 1024
-"""Longest trajectory id or tool name a hint may carry (characters)."""
 
-
-def _check_names(trajectory_id: str, tool: str = "") -> None:
-    if not trajectory_id:
-        raise errors.InvalidRequest("trajectory_id must not be empty")
-    if len(trajectory_id) > MAX_NAME_CHARS or len(tool) > MAX_NAME_CHARS:
-        raise errors.InvalidRequest(f"trajectory_id and tool are limited to {MAX_NAME_CHARS} characters")
-
-
-class KVStoreService(pb_grpc.KVStoreServicer):
+class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.manager.TierManager`.
 
     Args:
@@ -300,74 +246,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._space(context)
         return self.info
 
-    # ------------------------------------------------------------------ hints
-
-    def _need_hints(self) -> None:
-        if self.hints is None:
-            raise errors.FeatureDisabled("tool-call hints are off: set [prefetch] enabled = true "
-                                         "or use the next_use eviction policy")
-
-    @_unary
-    def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
-        space = self._space(context)
-        self._need_hints()
-        _check_names(request.trajectory_id, request.tool)
-        start = to_monotonic(request.start_time, "start_time")
-        keys = space.internal_many(check_keys(request.keys))
-        predicted = self.hints.tool_call_start(space.scoped(request.trajectory_id), request.tool, start, keys)
-        return pb.ToolCallStartReply(predicted_resume_time=to_unix(predicted))
-
-    @_unary
-    def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
-        space = self._space(context)
-        self._need_hints()
-        _check_names(request.trajectory_id)
-        at = to_monotonic(request.time, "time")
-        known, observed = self.hints.resume(space.scoped(request.trajectory_id), at)
-        return pb.ResumeReply(known=known, observed_seconds=observed)
-
-    @_unary
-    def SessionHint(self, request: pb.SessionHintRequest, context) -> pb.SessionHintReply:
-        space = self._space(context)
-        if self.sessions is None:
-            raise errors.FeatureDisabled("session hints are off (no session table)")
-        if len(request.session_id) > 1024:
-            raise errors.InvalidRequest("session_id is limited to 1024 characters")
-        at = to_monotonic(request.time, "time")
-        keys = tuple(space.internal_many(check_keys(request.keys)))
-        for name in ("expected_back_s", "ttl_s"):
-            check_number(getattr(request, name), name, low=0.0, high=MAX_CLOCK_SKEW_S)
-        skipped: list[str] = []
-        if request.kv_hints_json:
-            import json
-            from .kv_hints import session_hints
-            try:
-                envelope = json.loads(request.kv_hints_json)
-            except ValueError as e:
-                raise errors.InvalidRequest(f"kv_hints_json is not JSON: {e}") from None
-            hints, skipped = session_hints(envelope, keys, at)
-            hints = [dataclasses.replace(h, session_id=space.scoped(h.session_id)) for h in hints]
-        else:
-            hints = [SessionHint(space.scoped(request.session_id), _STATES[request.state], keys,
-                                 request.expected_back_s or None, request.ttl_s or None, at)]
-        expected = math.inf
-        for h in hints:
-            expected = self.sessions(h)
-        return pb.SessionHintReply(expected_back_time=to_unix(expected) if math.isfinite(expected) else math.inf,
-                                   skipped_actions=skipped)
-
-    @_unary
-    def Explain(self, request: pb.ExplainRequest, context) -> pb.ExplainReply:
-        space = self._space(context)
-        if self.explain is None:
-            raise errors.FeatureDisabled("explain is off (no eviction log)")
-        e = self.explain(space.internal_many(check_keys(request.keys)))
-        reply = pb.ExplainReply(kind=e.kind, block=-1 if e.block is None else e.block, text=e.text)
-        if e.eviction is not None:
-            reply.tier, reply.policy, reply.reason = e.eviction.tier, e.eviction.policy, e.eviction.reason
-            reply.time = e.eviction.time
-        return reply
-
     # ------------------------------------------------------------------ same-node data plane
 
     @_unary
@@ -469,4 +347,3 @@ def data_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
         "GetRaw": grpc.unary_stream_rpc_method_handler(service.get_raw),
         "PutRaw": grpc.stream_unary_rpc_method_handler(service.put_raw),
     })
-
