@@ -333,6 +333,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise errors.FeatureDisabled("session hints are off (no session table)")
         if len(request.session_id) > 1024:
             raise errors.InvalidRequest("session_id is limited to 1024 characters")
+        if request.state not in _STATES:
+            raise errors.InvalidRequest(f"state: {request.state} is not a SessionHintRequest.State "
+                                        f"(CONTINUES, FINISHED, ABANDONED)")
         at = to_monotonic(request.time, "time")
         keys = tuple(space.internal_many(check_keys(request.keys)))
         for name in ("expected_back_s", "ttl_s"):
