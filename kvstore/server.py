@@ -348,6 +348,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 envelope = json.loads(request.kv_hints_json)
             except ValueError as e:
                 raise errors.InvalidRequest(f"kv_hints_json is not JSON: {e}") from None
+            except RecursionError:
+                raise errors.InvalidRequest("kv_hints_json is nested too deeply to parse") from None
             hints, skipped = session_hints(envelope, keys, at)
             hints = [dataclasses.replace(h, session_id=space.scoped(h.session_id)) for h in hints]
         else:

@@ -39,3 +39,11 @@ def test_session_hint_with_an_undefined_state_is_invalid_argument(node):
     assert "state" in err.details()
     # the daemon still serves a well-formed hint
     assert stub.SessionHint(pb.SessionHintRequest(session_id="s", keys=[key(1)]), timeout=20).expected_back_time > 0
+
+
+def test_session_hint_with_json_nested_too_deep_is_invalid_argument(node):
+    _, stub = node
+    deep = "[" * 100_000 + "]" * 100_000
+    err = refusal(stub.SessionHint, pb.SessionHintRequest(session_id="s", kv_hints_json=deep))
+    assert err.code() == INVALID
+    assert "kv_hints_json" in err.details()
