@@ -435,7 +435,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         space = self._space(context)
         m = self.manager
         committed = nbytes = 0
-        claims = [m.find_claim(space.internal(k), space.tenant) for k in check_keys(request.keys)]
+        keys = check_keys(request.keys)
+        first: dict[bytes, int] = {}
+        for i, k in enumerate(keys):     # a reservation is committed once: refuse before committing any
+            j = first.setdefault(k, i)
+            if j != i:
+                raise errors.InvalidRequest(f"keys[{i}] repeats keys[{j}]: each reservation is committed once")
+        claims = [m.find_claim(space.internal(k), space.tenant) for k in keys]
         for claim in claims:
             if request.abort:
                 m.abort_put(claim)
