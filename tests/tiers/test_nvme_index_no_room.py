@@ -63,3 +63,30 @@ def test_no_room_for_any_index_is_tier_unavailable(tmp_path, monkeypatch):
     monkeypatch.setattr(nvme_index.lmdb, "open", refuse)
     with pytest.raises(TierUnavailable, match="No space left on device"):
         NVMeTier(tmp_path / "nvme", 64 << 20)
+
+
+def test_a_tier_whose_index_cannot_be_written_at_start_opens_from_its_files(tmp_path, monkeypatch):
+    """Block files deleted while the index could not record it (a full disk): at the next
+    start the index must drop them, but the disk still refuses the write. The tier opens
+    all the same, holding exactly the blocks whose files are there (the next start that
+    can write the index brings it up to date)."""
+    path = tmp_path / "nvme"
+    t = NVMeTier(path, 64 << 20)
+    for i in range(10):
+        put(t, K(i), payload(K(i), 7000 + i))
+    t.close()
+    for i in range(5):                      # their files are gone, the index still lists them
+        os.unlink(next(path.glob(f"blocks/*/*/{K(i).hex()}")))
+
+    def no_room(self, apply):
+        raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+
+    monkeypatch.setattr(nvme_index.BlockIndex, "_txn", no_room)
+    t = NVMeTier(path, 64 << 20)
+    try:
+        assert len(t) == 5
+        assert not any(K(i) in t for i in range(5))
+        for i in range(5, 10):
+            assert read(t, K(i)) == payload(K(i), 7000 + i)
+    finally:
+        t.close()
