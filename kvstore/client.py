@@ -147,6 +147,22 @@ class KVStoreClient:
         except grpc.RpcError as e:
             raise error_for(e) from None
 
+    def _arena_call(self, method, request, timeout: float | None, arena):
+        """A Lease, Reserve or Commit naming the arena ``arena`` the client maps. Raises
+        :class:`ArenaChanged` (and forgets the mapping) when the daemon serves another
+        arena: it restarted since, and the old mapping must not be read or written."""
+        from .shm import ARENA_CHANGED, ARENA_HEADER
+        try:
+            return method(request, timeout=timeout or self.timeout,
+                          metadata=self._metadata + ((ARENA_HEADER, arena.identity),))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and ARENA_CHANGED in (e.details() or ""):
+                if self._arena is arena:
+                    self._arena, self._arena_checked, self._info = None, False, None
+                log.info("the daemon at %s serves a new shared arena (it restarted); mapping it again", self.target)
+                raise ArenaChanged(e.details()) from None
+            raise error_for(e) from None
+
     # -------------------------------------------------------------- node
 
     def info(self, timeout: float | None = None) -> NodeInfo:
@@ -296,27 +312,34 @@ class KVStoreClient:
                 reserved_total += lengths[i]
                 continue
             metas = [_meta_message(meta[j]) for j in batch] if meta is not None else []
-            reply = self._call(self._stub.Reserve, pb.ReserveRequest(
-                keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
-                meta=metas), timeout)
+            before = (present, refused, conflicts, len(rest))
+            try:
+                reply = self._arena_call(self._stub.Reserve, pb.ReserveRequest(
+                    keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
+                    meta=metas), timeout, arena)
+                written = []
+                for j, status, offset in zip(batch, reply.status, reply.offsets):
+                    if status == ReserveStatus.RESERVED:
+                        arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
+                        written.append(keys[j])
+                    elif status == ReserveStatus.ALREADY_PRESENT:
+                        present += 1
+                    elif status == ReserveStatus.NOT_ADMITTED:
+                        refused += 1
+                    elif status == ReserveStatus.SIZE_CONFLICT:
+                        conflicts += 1
+                    else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
+                        rest.append(j)
+                if written:
+                    done = self._arena_call(self._stub.Commit, pb.CommitRequest(keys=written), timeout, arena)
+                    stored += done.committed
+                    nbytes += done.bytes_committed
+            except ArenaChanged:                # the daemon restarted: this batch and the rest by gRPC
+                present, refused, conflicts, n_rest = before
+                del rest[n_rest:]
+                rest.extend(range(batch[0], len(keys)))
+                break
             detail = detail or reply.detail
-            written = []
-            for j, status, offset in zip(batch, reply.status, reply.offsets):
-                if status == ReserveStatus.RESERVED:
-                    arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
-                    written.append(keys[j])
-                elif status == ReserveStatus.ALREADY_PRESENT:
-                    present += 1
-                elif status == ReserveStatus.NOT_ADMITTED:
-                    refused += 1
-                elif status == ReserveStatus.SIZE_CONFLICT:
-                    conflicts += 1
-                else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
-                    rest.append(j)
-            if written:
-                done = self._call(self._stub.Commit, pb.CommitRequest(keys=written), timeout)
-                stored += done.committed
-                nbytes += done.bytes_committed
             if i == len(keys):
                 break
             batch, reserved_total = [i], lengths[i]
@@ -396,8 +419,17 @@ class KVStoreClient:
         sizes = [0] * len(keys)
         codes = bytearray(len(keys))
         start = 0
-        if arena is not None:
-            start = self._lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
+        for _ in range(2):
+            if arena is None:
+                break
+            try:
+                start = self._lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
+                break
+            except ArenaChanged:                # the daemon restarted: its new arena, or gRPC
+                sizes[:] = [0] * len(keys)
+                codes[:] = bytes(len(keys))
+                start = 0
+                arena = self._shm()
         if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
             self._raw_copy(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
         found = 0
@@ -416,9 +448,9 @@ class KVStoreClient:
         try:
             while start < len(keys):
                 part = keys[start:start + per]
-                reply = self._call(self._stub.Lease, pb.LeaseRequest(
+                reply = self._arena_call(self._stub.Lease, pb.LeaseRequest(
                     keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
-                    release=release + self._releaser.take()), timeout)
+                    release=release + self._releaser.take()), timeout, arena)
                 release = [reply.lease_id] if reply.lease_id else []
                 for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
                     if not code:
@@ -478,10 +510,14 @@ class KVStoreClient:
         """Pin blocks for reading in place (the shared arena, or HBM with ``device``).
         Returns the raw reply (offsets, sizes, tier codes, IPC blocks, ``resume_at``: the
         grant stopped early past ``max_bytes``, default a quarter of the arena); call
-        :meth:`release` with its ``lease_id`` when done."""
-        return self._call(self._stub.Lease, pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s,
-                                                            prefix=prefix, device=device, max_bytes=max_bytes),
-                          timeout)
+        :meth:`release` with its ``lease_id`` when done. Raises :class:`ArenaChanged` (a
+        FeatureDisabled) when the daemon restarted since :meth:`arena` was mapped: take
+        the new mapping from :meth:`arena` and lease again."""
+        request = pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
+                                  device=device, max_bytes=max_bytes)
+        if self._arena is not None:
+            return self._arena_call(self._stub.Lease, request, timeout, self._arena)
+        return self._call(self._stub.Lease, request, timeout)
 
     def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
         """End leases; returns how many were live."""
@@ -543,6 +579,11 @@ class KVStoreClient:
         req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
         reply = self._call(self._stub.Resume, req, timeout)
         return reply.known, reply.observed_seconds
+
+
+class ArenaChanged(errors.FeatureDisabled):
+    """The daemon serves another shared arena than the one this client mapped (it
+    restarted): the mapping was dropped; the next call maps the new arena."""
 
 
 class _Releaser:

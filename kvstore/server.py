@@ -37,6 +37,7 @@ from .get_stream import GetPlan, proto_batches, raw_frames
 from .interceptors import StreamWatchdog, well_formed
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .put_assembly import PutAssembler
+from .shm import ARENA_CHANGED, ARENA_HEADER
 from .status import code_for
 from .transport import FRAMING_BYTES
 from .types import BlockMeta, PutResult
@@ -166,6 +167,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.tally = tally
         self.sessions = sessions
         self.explain = explain
+        self.arena_id = ""          # the shared arena handed out (kvstore.shm.arena_identity); "": none
 
     def observe(self, method: str, seconds: float, context=None) -> None:
         """Report one call's latency (seconds) to the metrics, with the caller's tenant."""
@@ -375,9 +377,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # ------------------------------------------------------------------ same-node data plane
 
+    def _check_arena(self, context) -> None:
+        """A mapped client names its arena (:data:`~kvstore.shm.ARENA_HEADER`); one mapped
+        from another daemon (this one restarted since) would read and write the wrong
+        memory: refused (FAILED_PRECONDITION), before anything changes."""
+        for k, v in context.invocation_metadata():
+            if k == ARENA_HEADER and v != self.arena_id:
+                raise errors.FeatureDisabled(f"{ARENA_CHANGED}: the client maps arena {v}, the daemon serves "
+                                             f"{self.arena_id or 'none'} (it restarted?); map it again")
+
     @_unary
     def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
         space = self._space(context)
+        self._check_arena(context)
         ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
         keys = check_keys(request.keys)
         internal = space.internal_many(keys)
@@ -409,6 +421,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveReply:
         space = self._space(context)
+        self._check_arena(context)
         m = self.manager
         shared = m.shared_tier
         if shared is None:
@@ -433,6 +446,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
         space = self._space(context)
+        self._check_arena(context)
         m = self.manager
         committed = nbytes = 0
         keys = check_keys(request.keys)
