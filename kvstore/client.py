@@ -29,7 +29,7 @@ from . import errors
 from ._proto import kvstore_pb2 as pb
 from ._proto import kvstore_pb2_grpc as pb_grpc
 from .buffers import BlockBuffers, host_view
-from .client_arena import ArenaPathMixin
+from .client_arena import ArenaChanged, ArenaPathMixin
 from .client_raw import RawPathMixin
 from .status import error_for
 from .transport import (DEFAULT_CHUNK_BYTES, DEFAULT_MESSAGE_BYTES, FRAMING_BYTES, channel_options,
@@ -246,8 +246,17 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
         sizes = [0] * len(keys)
         codes = bytearray(len(keys))
         start = 0
-        if arena is not None:
-            start = self._lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
+        for _ in range(2):
+            if arena is None:
+                break
+            try:
+                start = self._lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
+                break
+            except ArenaChanged:                # the daemon restarted: its new arena, or gRPC
+                sizes[:] = [0] * len(keys)
+                codes[:] = bytes(len(keys))
+                start = 0
+                arena = self._shm()
         if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
             self._raw_copy(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
         found = 0
@@ -263,10 +272,14 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
         """Pin blocks for reading in place (the shared arena, or HBM with ``device``).
         Returns the raw reply (offsets, sizes, tier codes, IPC blocks, ``resume_at``: the
         grant stopped early past ``max_bytes``, default a quarter of the arena); call
-        :meth:`release` with its ``lease_id`` when done."""
-        return self._call(self._stub.Lease, pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s,
-                                                            prefix=prefix, device=device, max_bytes=max_bytes),
-                          timeout)
+        :meth:`release` with its ``lease_id`` when done. Raises :class:`ArenaChanged` (a
+        FeatureDisabled) when the daemon restarted since :meth:`arena` was mapped: take
+        the new mapping from :meth:`arena` and lease again."""
+        request = pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
+                                  device=device, max_bytes=max_bytes)
+        if self._arena is not None:
+            return self._arena_call(self._stub.Lease, request, timeout, self._arena)
+        return self._call(self._stub.Lease, request, timeout)
 
     def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
         """End leases; returns how many were live."""

@@ -21,6 +21,7 @@ import grpc
 from . import errors
 from ._proto import kvstore_pb2 as pb
 from .client_raw import _meta_message
+from .status import error_for
 from .types import PutResult, ReserveStatus
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,8 +30,31 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvstore.client")
 
 
+class ArenaChanged(errors.FeatureDisabled):
+    """The daemon serves another shared arena than the one this client mapped (it
+    restarted): the mapping was dropped; the next call maps the new arena."""
+
+
 class ArenaPathMixin:
     """Blocks through the shared arena (unix-socket clients of a daemon that offers one)."""
+
+    def _arena_call(self, method, request, timeout: float | None, arena):
+        """A Lease, Reserve or Commit naming the arena ``arena`` the client maps. Raises
+        :class:`ArenaChanged` (and forgets the mapping) when the daemon serves another
+        arena: it restarted since, and the old mapping must not be read or written."""
+        from .shm import ARENA_CHANGED, ARENA_HEADER
+        try:
+            return method(request, timeout=timeout or self.timeout,
+                          metadata=self._metadata + ((ARENA_HEADER, arena.identity),))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and ARENA_CHANGED in (e.details() or ""):
+                if self._arena is arena:
+                    self._arena, self._arena_checked, self._info = None, False, None
+                log.info("the daemon at %s serves a new shared arena (it restarted); mapping it again", self.target)
+                raise ArenaChanged(e.details()) from None
+            raise error_for(e) from None
+
+
 
     def _open_arena_path(self, shared_memory: bool | None) -> None:
         self._want_shm = shared_memory
@@ -81,27 +105,34 @@ class ArenaPathMixin:
                 reserved_total += lengths[i]
                 continue
             metas = [_meta_message(meta[j]) for j in batch] if meta is not None else []
-            reply = self._call(self._stub.Reserve, pb.ReserveRequest(
-                keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
-                meta=metas), timeout)
+            before = (present, refused, conflicts, len(rest))
+            try:
+                reply = self._arena_call(self._stub.Reserve, pb.ReserveRequest(
+                    keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
+                    meta=metas), timeout, arena)
+                written = []
+                for j, status, offset in zip(batch, reply.status, reply.offsets):
+                    if status == ReserveStatus.RESERVED:
+                        arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
+                        written.append(keys[j])
+                    elif status == ReserveStatus.ALREADY_PRESENT:
+                        present += 1
+                    elif status == ReserveStatus.NOT_ADMITTED:
+                        refused += 1
+                    elif status == ReserveStatus.SIZE_CONFLICT:
+                        conflicts += 1
+                    else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
+                        rest.append(j)
+                if written:
+                    done = self._arena_call(self._stub.Commit, pb.CommitRequest(keys=written), timeout, arena)
+                    stored += done.committed
+                    nbytes += done.bytes_committed
+            except ArenaChanged:                # the daemon restarted: this batch and the rest by gRPC
+                present, refused, conflicts, n_rest = before
+                del rest[n_rest:]
+                rest.extend(range(batch[0], len(keys)))
+                break
             detail = detail or reply.detail
-            written = []
-            for j, status, offset in zip(batch, reply.status, reply.offsets):
-                if status == ReserveStatus.RESERVED:
-                    arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
-                    written.append(keys[j])
-                elif status == ReserveStatus.ALREADY_PRESENT:
-                    present += 1
-                elif status == ReserveStatus.NOT_ADMITTED:
-                    refused += 1
-                elif status == ReserveStatus.SIZE_CONFLICT:
-                    conflicts += 1
-                else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
-                    rest.append(j)
-            if written:
-                done = self._call(self._stub.Commit, pb.CommitRequest(keys=written), timeout)
-                stored += done.committed
-                nbytes += done.bytes_committed
             if i == len(keys):
                 break
             batch, reserved_total = [i], lengths[i]
@@ -127,9 +158,9 @@ class ArenaPathMixin:
         try:
             while start < len(keys):
                 part = keys[start:start + per]
-                reply = self._call(self._stub.Lease, pb.LeaseRequest(
+                reply = self._arena_call(self._stub.Lease, pb.LeaseRequest(
                     keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
-                    release=release + self._releaser.take()), timeout)
+                    release=release + self._releaser.take()), timeout, arena)
                 release = [reply.lease_id] if reply.lease_id else []
                 for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
                     if not code:

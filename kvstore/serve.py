@@ -321,6 +321,7 @@ def start_server(cfg: Config) -> Daemon:
             arena, refused = _start_arena(cfg, manager, sock, auth)
             if arena is not None:
                 background.append(arena)
+                service.arena_id = arena.identity
                 info.shm_socket = str(arena.path.resolve())
                 info.shm_arena_bytes = arena.size
             info.shm_refused = refused

@@ -38,6 +38,7 @@ from .interceptors import streaming_handler as _streaming
 from .interceptors import unary_handler as _unary
 from .manager import MAX_LEASE_TTL_S, TierManager
 from .put_assembly import PutAssembler
+from .shm import ARENA_CHANGED, ARENA_HEADER
 from .transport import FRAMING_BYTES
 from .types import BlockMeta, PutResult
 from .server_hints import HintHandlers
@@ -112,6 +113,7 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
         self.tally = tally
         self.sessions = sessions
         self.explain = explain
+        self.arena_id = ""          # the shared arena handed out (kvstore.shm.arena_identity); "": none
 
     def observe(self, method: str, seconds: float, context=None) -> None:
         """Report one call's latency (seconds) to the metrics, with the caller's tenant."""
@@ -248,9 +250,19 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
 
     # ------------------------------------------------------------------ same-node data plane
 
+    def _check_arena(self, context) -> None:
+        """A mapped client names its arena (:data:`~kvstore.shm.ARENA_HEADER`); one mapped
+        from another daemon (this one restarted since) would read and write the wrong
+        memory: refused (FAILED_PRECONDITION), before anything changes."""
+        for k, v in context.invocation_metadata():
+            if k == ARENA_HEADER and v != self.arena_id:
+                raise errors.FeatureDisabled(f"{ARENA_CHANGED}: the client maps arena {v}, the daemon serves "
+                                             f"{self.arena_id or 'none'} (it restarted?); map it again")
+
     @_unary
     def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
         space = self._space(context)
+        self._check_arena(context)
         ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
         keys = check_keys(request.keys)
         internal = space.internal_many(keys)
@@ -282,6 +294,7 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
     @_unary
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveReply:
         space = self._space(context)
+        self._check_arena(context)
         m = self.manager
         shared = m.shared_tier
         if shared is None:
@@ -306,9 +319,16 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
     @_unary
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
         space = self._space(context)
+        self._check_arena(context)
         m = self.manager
         committed = nbytes = 0
-        claims = [m.find_claim(space.internal(k), space.tenant) for k in check_keys(request.keys)]
+        keys = check_keys(request.keys)
+        first: dict[bytes, int] = {}
+        for i, k in enumerate(keys):     # a reservation is committed once: refuse before committing any
+            j = first.setdefault(k, i)
+            if j != i:
+                raise errors.InvalidRequest(f"keys[{i}] repeats keys[{j}]: each reservation is committed once")
+        claims = [m.find_claim(space.internal(k), space.tenant) for k in keys]
         for claim in claims:
             if request.abort:
                 m.abort_put(claim)

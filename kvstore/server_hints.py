@@ -71,6 +71,9 @@ class HintHandlers:
             raise errors.FeatureDisabled("session hints are off (no session table)")
         if len(request.session_id) > 1024:
             raise errors.InvalidRequest("session_id is limited to 1024 characters")
+        if request.state not in _STATES:
+            raise errors.InvalidRequest(f"state: {request.state} is not a SessionHintRequest.State "
+                                        f"(CONTINUES, FINISHED, ABANDONED)")
         at = to_monotonic(request.time, "time")
         keys = tuple(space.internal_many(check_keys(request.keys)))
         for name in ("expected_back_s", "ttl_s"):
@@ -83,6 +86,8 @@ class HintHandlers:
                 envelope = json.loads(request.kv_hints_json)
             except ValueError as e:
                 raise errors.InvalidRequest(f"kv_hints_json is not JSON: {e}") from None
+            except RecursionError:
+                raise errors.InvalidRequest("kv_hints_json is nested too deeply to parse") from None
             hints, skipped = session_hints(envelope, keys, at)
             hints = [dataclasses.replace(h, session_id=space.scoped(h.session_id)) for h in hints]
         else:

@@ -32,6 +32,22 @@ log = logging.getLogger("kvstore.shm")
 HELLO = b"KVSTORE-ARENA 1 "
 _MAX_LINE = 4096
 
+ARENA_HEADER = "kvstore-arena"
+"""gRPC metadata a mapped client sends on Lease, Reserve and Commit: the
+:func:`arena_identity` of its mapping. A daemon serving another arena (it restarted
+since the client mapped it) refuses the call with a message holding
+:data:`ARENA_CHANGED`, so the client never copies from or into a stale mapping."""
+
+ARENA_CHANGED = "the shared arena changed"
+
+
+def arena_identity(fd: int) -> str:
+    """Which memfd an arena is, ``"<st_dev>:<st_ino>"``: the daemon and every client that
+    received the descriptor see the same, and a restarted daemon's new memfd differs
+    while any client still maps the old one."""
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}"
+
 
 class ArenaServer:
     """Hands the arena memfd to clients that connect to ``path``.
@@ -48,6 +64,7 @@ class ArenaServer:
         self.fd = fd
         self.size = size
         self.auth = auth
+        self.identity = arena_identity(fd)
         self.handed_out = 0
         self.refused = 0
         if self.path.is_socket():
@@ -117,7 +134,8 @@ class ArenaServer:
 
 
 class ArenaMapping:
-    """A client's mapping of the daemon's arena: ``array`` is a writable uint8 view.
+    """A client's mapping of the daemon's arena: ``array`` is a writable uint8 view;
+    ``identity`` names the arena (:func:`arena_identity`).
 
     Args:
         path: the arena socket (``InfoReply.shm_socket``).
@@ -138,6 +156,7 @@ class ArenaMapping:
             raise OSError(f"the daemon refused the shared arena: {msg.decode('ascii', 'replace').strip()}")
         fd = fds[0]
         try:
+            self.identity = arena_identity(fd)
             size = int(msg[3:].strip())
             # MAP_POPULATE maps every page now: a first touch per page later costs a fault
             # on the data path (16k faults per 64 MiB, measured as a third of a put's time)

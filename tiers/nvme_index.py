@@ -56,10 +56,17 @@ n = 0
 with env.begin() as txn:
     for key, value in txn.cursor():
         n += 1
-env.copy(sys.argv[2], compact=True)
+try:
+    env.copy(sys.argv[2], compact=True)
+except lmdb.Error as e:             # every entry read: the index is sound, the copy has no room
+    sys.stderr.write(f"{type(e).__name__}: {e}\\n")
+    sys.exit(3)
 env.close()
 print(n)
 """
+_COPY_FAILED = 3
+"""Exit status of the child when every entry was read but the compacted copy could not be
+written (a full disk, a quota): the index is sound."""
 
 
 class IndexDamaged(Exception):
@@ -104,8 +111,9 @@ def compact_copy(index_dir: str, fsync: bool) -> int:
     """Read every entry of the index in ``index_dir`` in a child process and replace its
     data file with a compacted copy; return the number of entries read.
 
-    Raises IndexDamaged when the child fails, crashes or times out (the data file is
-    then left as it was); OSError when the swap fails.
+    Raises IndexDamaged when the child fails to read the index, crashes or times out (the
+    data file is then left as it was); OSError when the compacted copy cannot be written
+    (the index read back whole: it is sound) or the swap fails.
     """
     data = os.path.join(index_dir, "data.mdb")
     work = index_dir + ".compact"
@@ -119,6 +127,9 @@ def compact_copy(index_dir: str, fsync: bool) -> int:
                                    lmdb_parent], capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise IndexDamaged(f"reading {data} took over {VERIFY_TIMEOUT_S:.0f} s") from None
+        if done.returncode == _COPY_FAILED:
+            detail = (done.stderr.strip().splitlines() or [""])[-1]
+            raise OSError(f"{data} reads back whole, but its compacted copy cannot be written ({detail})")
         if done.returncode != 0:
             how = (f"crashed with signal {-done.returncode}" if done.returncode < 0
                    else f"failed (exit {done.returncode})")
@@ -203,8 +214,8 @@ class BlockIndex:
         try:
             compact_copy(self.dir, self._fsync)
         except (OSError, subprocess.SubprocessError) as e:      # no child process here: read it in-process
-            log.warning("%s: cannot check the index in a child process (%s); opening it directly",
-                        self.name, e)
+            log.warning("%s: the index was not checked and compacted in a child process (%s); "
+                        "opening it directly", self.name, e)
         lock = os.path.join(self.dir, "lock.mdb")       # from a run that used LMDB's lock file
         if os.path.exists(lock):
             os.unlink(lock)
@@ -229,8 +240,13 @@ class BlockIndex:
             self._txn(lambda txn: txn.put(FORMAT_KEY, FORMAT_VALUE))
 
     def _open_fresh(self) -> None:
+        """Create an empty index. Raises OSError when it cannot be created (a full or
+        read-only disk): that is the medium, not a damaged index."""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self._open_env(self._map_size)
+        try:
+            self._open_env(self._map_size)
+        except IndexDamaged as e:
+            raise OSError(f"cannot create an index in {self.dir}: {e}") from None
         self._txn(lambda txn: txn.put(FORMAT_KEY, FORMAT_VALUE))
 
     def _open_env(self, map_size: int) -> None:

@@ -134,8 +134,10 @@ class _Quarantine:
 
 def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: RecoveryReport) -> None:
     """Make ``index`` agree with the block files under ``blocks_dir`` (see the module
-    docstring); fills ``report``. Call with no write in flight. Raises lmdb.Error when the
-    index cannot be written, OSError when ``blocks_dir`` cannot be listed."""
+    docstring); fills ``report``. Call with no write in flight. When the index cannot be
+    written (a full or read-only disk), its in-memory entries are still made to agree with
+    the files (the next start that can write it catches up). Raises OSError when
+    ``blocks_dir`` cannot be listed."""
     quarantine = _Quarantine(quarantine_dir, report)
     kept: dict[bytes, IndexEntry] = {}
     updates: list[tuple[bytes, IndexEntry]] = []
@@ -151,11 +153,19 @@ def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: R
             for f in os.scandir(sub.path):
                 _classify(f, prefix, index, kept, updates, quarantine, report)
     dropped = [k for k in index.entries if k not in kept]
-    if dropped:
-        index.delete(dropped)
-        report.dropped += len(dropped)
-    if updates:
-        index.put_many(updates)
+    try:
+        if dropped:
+            index.delete(dropped)
+        if updates:
+            index.put_many(updates)
+    except lmdb.Error as e:
+        for k in dropped:
+            index.entries.pop(k, None)
+        index.entries.update(updates)
+        log.warning("cannot bring the index on disk up to date with the block files (%s); serving what the "
+                    "files hold (%d entries dropped, %d added or corrected in memory); the next start "
+                    "catches up", e, len(dropped), len(updates))
+    report.dropped += len(dropped)
 
 
 def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, updates: list,
