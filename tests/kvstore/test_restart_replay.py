@@ -22,11 +22,32 @@ BPT = 2   # 1 KiB blocks
 
 
 def start_daemon(cfg: pathlib.Path, sock: str) -> subprocess.Popen:
+    """Start ``kvstore serve`` (its log goes to a file beside the config: a pipe nobody
+    reads would block the daemon once full) and wait until it serves; a daemon that does
+    not come up is killed, never left behind."""
+    log = open(cfg.with_suffix(".log"), "a")
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with KVStoreClient(sock) as c:
-        c.wait_ready(timeout=60)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    log.close()
+    try:
+        with KVStoreClient(sock) as c:
+            c.wait_ready(timeout=180)
+    except BaseException:
+        stop(proc, signal.SIGKILL)
+        raise AssertionError("the daemon did not start:\n" + cfg.with_suffix(".log").read_text()[-4000:]) from None
     return proc
+
+
+def stop(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` and wait for the exit (a graceful stop persists memory blocks to NVMe:
+    generous deadline); a daemon still running then is killed."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=60)
+        raise
 
 
 def test_sigkill_restart_and_flipped_byte(tmp_path):
@@ -49,8 +70,7 @@ capacity = "1GiB"
             first = replay(requests, c, bytes_per_token=BPT, progress=False)
             stats = c.stats()
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        stop(proc, signal.SIGKILL)
     assert first.corrupt_blocks == 0
     nvme_blocks = {p.name for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file() and len(p.name) == 64}
     keys = {trace_key(h, 512 * BPT).hex(): trace_key(h, 512 * BPT) for r in requests for h in r.hash_ids}
@@ -81,7 +101,6 @@ capacity = "1GiB"
             assert counters["blocks_recovered"] >= len(survived)
             second = replay(requests, c, bytes_per_token=BPT, progress=False)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        stop(proc, signal.SIGTERM)
     assert second.corrupt_blocks == 0
     assert second.token_hit_rate > first.token_hit_rate

@@ -195,3 +195,17 @@ def test_the_reuse_model_and_the_request_dedupe_table_are_bounded():
     for i in range(10_000):
         s.observe_request([key(i, "dedupe")], now=float(i))
     assert len(s._recent) <= 4096
+
+
+def test_session_hint_waits_expire_and_a_late_hint_still_calibrates():
+    from kvstore.sessions import SessionHint, SessionState
+    m, s, clock = scheduler()
+    clock.t = 100.0
+    for i in range(300):                              # sessions that never come back
+        s.session_hint(SessionHint(f"S{i}", SessionState.CONTINUES, (), expected_back_s=20.0, time=clock.t))
+    assert len(s._waiting) == 300
+    clock.t = 100.0 + 10 * 20.0 + 1                   # past expire_factor (10) x the hinted gap
+    s.tick()
+    assert len(s._waiting) == 0 and s.stats.expired == 300
+    assert s.resume("S0", clock.t) == (True, pytest.approx(201.0))   # late: learned, not scored
+    assert s.stats.resumes_expired == 1 and s.stats.resumes == 0
