@@ -349,7 +349,14 @@ class TierManager:
         copied = 0
         with self.catalogue.lock:
             todo = [e for e in self.catalogue.entries() if last not in e.tiers]
+            if todo:
+                log.info("persist: copying %d blocks held only in memory to %s (at most %.0f s)",
+                         len(todo), self.tiers[last].name, timeout)
+            shown = time.monotonic()
             for entry in todo:
+                if time.monotonic() - shown > 5.0:
+                    shown = time.monotonic()
+                    log.info("persist: %d of %d blocks copied", copied, len(todo))
                 if time.monotonic() > deadline:
                     log.warning("persist: time is up; %d blocks stay only in memory", len(todo) - copied)
                     break

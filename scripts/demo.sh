@@ -24,7 +24,15 @@ fi
 mkdir -p kvstore-data
 kvstore serve > kvstore-data/serve.log 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
+stop() {
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "stopping the daemon: a graceful stop copies the blocks held only in memory to NVMe first" \
+         "(progress in kvstore-data/serve.log)" >&2
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null || true
+  fi
+}
+trap stop EXIT
 kvstore stats --wait --timeout 60 >/dev/null 2>&1 || { cat kvstore-data/serve.log; exit 1; }
 grep -v "^INFO\|^[0-9-]* [0-9:,]* INFO" kvstore-data/serve.log | head -n 4
 kvstore replay "$trace" --json kvstore-data/replay.json "$@"
