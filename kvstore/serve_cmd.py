@@ -62,7 +62,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    done.wait()
+    # Wait in slices: a signal delivered to another thread (gRPC's, the tiers') only sets a
+    # flag that the main thread acts on when it runs Python code again; a wait without a
+    # timeout could sleep through SIGTERM for ever.
+    while not done.wait(0.2):
+        pass
     daemon.stop(grace=5.0)
     print("kvstore stopped", flush=True)
     return 0
