@@ -29,6 +29,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("kvstore.client")
 
+SAFE_FRACTION = 0.5
+"""A lease or reservation is used only within this fraction of its TTL, counted from when
+its request was sent (the daemon's TTL starts later): a copy out of a lease that finished
+later is thrown away and the blocks go by gRPC; a block whose reservation is that old is
+not written (aborted, then put by gRPC). Never reads or writes space that may be reused."""
+
+_clock = time.monotonic
+
 
 class ArenaChanged(errors.FeatureDisabled):
     """The daemon serves another shared arena than the one this client mapped (it
@@ -106,13 +114,17 @@ class ArenaPathMixin:
                 continue
             metas = [_meta_message(meta[j]) for j in batch] if meta is not None else []
             before = (present, refused, conflicts, len(rest))
+            sent = _clock()
             try:
                 reply = self._arena_call(self._stub.Reserve, pb.ReserveRequest(
                     keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
                     meta=metas), timeout, arena)
-                written = []
+                written, late = [], []
                 for j, status, offset in zip(batch, reply.status, reply.offsets):
                     if status == ReserveStatus.RESERVED:
+                        if _clock() - sent > self.lease_ttl_s * SAFE_FRACTION:
+                            late.append(j)      # too close to its expiry: never write it
+                            continue
                         arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
                         written.append(keys[j])
                     elif status == ReserveStatus.ALREADY_PRESENT:
@@ -127,6 +139,12 @@ class ArenaPathMixin:
                     done = self._arena_call(self._stub.Commit, pb.CommitRequest(keys=written), timeout, arena)
                     stored += done.committed
                     nbytes += done.bytes_committed
+                if late:
+                    log.warning("%d reservations of the shared arena were too old to write (the client "
+                                "stalled); putting those blocks by gRPC", len(late))
+                    self._arena_call(self._stub.Commit, pb.CommitRequest(keys=[keys[j] for j in late], abort=True),
+                                     timeout, arena)
+                    rest.extend(late)
             except ArenaChanged:                # the daemon restarted: this batch and the rest by gRPC
                 present, refused, conflicts, n_rest = before
                 del rest[n_rest:]
@@ -158,6 +176,7 @@ class ArenaPathMixin:
         try:
             while start < len(keys):
                 part = keys[start:start + per]
+                sent = _clock()
                 reply = self._arena_call(self._stub.Lease, pb.LeaseRequest(
                     keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
                     release=release + self._releaser.take()), timeout, arena)
@@ -180,6 +199,13 @@ class ArenaPathMixin:
                         bufs.slot(i, size)[:] = src[off:off + size]
                         sizes[i] = size
                     codes[i] = code
+                if _clock() - sent > self.lease_ttl_s * SAFE_FRACTION:
+                    # the copies may have outlived the lease: the space may hold other blocks now
+                    log.warning("a lease of the shared arena was too old when its copy finished (the client "
+                                "stalled); reading those blocks again by gRPC")
+                    for i in range(start, start + len(reply.tier_codes)):
+                        sizes[i], codes[i] = 0, 0
+                    return start
                 if reply.complete:
                     if start + len(part) >= len(keys) or stop_at_miss and 0 in reply.tier_codes:
                         return len(keys)

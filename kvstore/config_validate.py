@@ -86,8 +86,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"server.listen: {s.listen!r} names no address or socket path")
     if s.workers < 1:
         raise ConfigError(f"server.workers: must be >= 1, got {s.workers}")
-    if not 0 < s.lease_ttl_s <= 600:
-        raise ConfigError(f"server.lease_ttl_s: must be in (0, 600] seconds, got {s.lease_ttl_s}")
+    if not 1.0 <= s.lease_ttl_s <= 600:
+        raise ConfigError(f"server.lease_ttl_s: must be in [1, 600] seconds, got {s.lease_ttl_s}")
     if not 0 < s.stream_idle_timeout_s < float("inf"):
         raise ConfigError(f"server.stream_idle_timeout_s: must be > 0 seconds, got {s.stream_idle_timeout_s}")
     if s.max_message_bytes < 64 << 10:

@@ -71,11 +71,16 @@ def check_number(value: float, field: str, *, low: float = 0.0, high: float = ma
     return float(value)
 
 
+MIN_TTL_S = 1.0
+"""Shortest lease or reservation a client may ask for (seconds): a client copies blocks
+while its lease lives, and one that expired mid-copy could let the space be reused."""
+
+
 def check_ttl(value: float, field: str, default: float, maximum: float) -> float:
-    """A TTL in seconds: 0 means ``default``; otherwise in ``(0, maximum]``."""
+    """A TTL in seconds: 0 means ``default``; otherwise in ``[MIN_TTL_S, maximum]``."""
     if value == 0:
         return default
-    return check_number(value, field, low=0.0, high=maximum, low_inclusive=False)
+    return check_number(value, field, low=MIN_TTL_S, high=maximum)
 
 
 def check_size(value: int, field: str, maximum: int = MAX_BLOCK_BYTES) -> int:
