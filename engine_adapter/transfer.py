@@ -25,7 +25,6 @@ returned, i.e. after the client copied the bytes out of them.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from kvstore.client import GetIntoResult
 from kvstore.errors import KVStoreError
 from kvstore.types import LookupResult, PutResult
 
+from .background import BackgroundJobs
 from .layout import BlockLayout
 from .tp import TPGroup
 
@@ -265,14 +265,10 @@ class StoreWriter:
         self.layout = layout
         self.tp = tp
         self.call_timeout_s = call_timeout_s
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._pending = 0
-        self._idle = threading.Condition()
         self._failing = False
         self.blocks_stored = 0
         self.put_failures = 0
-        self._thread = threading.Thread(target=self._run, name="kv-store-writer", daemon=True)
-        self._thread.start()
+        self._jobs = BackgroundJobs(self._put, "kv-store-writer", max_pending)
 
     def submit(self, keys: Sequence[bytes], kv: torch.Tensor) -> None:
         """Queue blocks for storing.
@@ -284,26 +280,15 @@ class StoreWriter:
         """
         if len(keys) != kv.shape[0]:
             raise ValueError(f"{len(keys)} keys for {kv.shape[0]} blocks")
-        with self._idle:
-            self._pending += 1
-        self._queue.put((list(keys), kv))
+        self._jobs.submit(list(keys), kv)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every submitted job is done; False if ``timeout_s`` passed first."""
-        deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._jobs.flush(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish queued jobs (up to ``timeout_s``) and stop the thread."""
-        self.flush(timeout_s)
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        self._jobs.close(timeout_s)
 
     def _put(self, keys: list[bytes], kv: torch.Tensor) -> None:
         full = self.tp.gather_heads_to_first(kv, head_dim_index=3)
@@ -326,18 +311,3 @@ class StoreWriter:
             return
         self._failing = False
         self.blocks_stored += len(keys)
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._put(*job)
-            except Exception:  # never let the writer die: later jobs would hang flush()
-                log.exception("background store of %d blocks failed", len(job[0]))
-            finally:
-                del job
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()

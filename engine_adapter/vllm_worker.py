@@ -21,7 +21,6 @@ One instance per TP rank, driven by the hooks vLLM calls in every step:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from kernels import gather_blocks, scatter_blocks
 from kvstore.errors import KVStoreError
 
 from . import store_io
+from .background import BackgroundJobs
 from .layout import BlockLayout
 from .vllm_kv_views import kernel_view
 from .vllm_plan import BlockTransfer, StepPlan
@@ -137,11 +137,8 @@ class WorkerTransfers:
         self._waited: list[bool] = []
         self._errors: set[int] = set()
         self._save: _Save | None = None
-        self._writes: queue.Queue = queue.Queue(maxsize=max_pending_saves)
-        self._pending = 0
-        self._idle = threading.Condition()
         self.blocks_loaded = self.blocks_saved = self.save_failures = self.saves_dropped = 0
-        threading.Thread(target=self._writer, name="kvstore-vllm-save", daemon=True).start()
+        self._writes = BackgroundJobs(self._write, "kvstore-vllm-save", max_pending_saves)
 
     # ------------------------------------------------------------ loads
 
@@ -244,44 +241,25 @@ class WorkerTransfers:
         full = self.gather_heads(save.staging) if self.gather_heads is not None else save.staging
         if full is None or not self.is_first_rank:
             return
-        with self._idle:
-            self._pending += 1
-        try:
-            self._writes.put_nowait((save.keys, full.contiguous()))
-        except queue.Full:
-            with self._idle:
-                self._pending -= 1
+        if not self._writes.submit(save.keys, full.contiguous(), block=False):
             self.saves_dropped += 1
-            log.warning("kvstore writer is %d steps behind; not storing %d blocks", self._writes.maxsize,
+            log.warning("kvstore writer is %d steps behind; not storing %d blocks", self._writes.max_pending,
                         len(save.keys))
 
-    def _writer(self) -> None:
-        while True:
-            keys, full = self._writes.get()
-            try:
-                store_io.save_blocks(self.client, keys, full, timeout_s=self.timeout_s)
-                self.blocks_saved += len(keys)
-            except KVStoreError as e:
-                self.save_failures += 1
-                log.warning("kvstore put of %d blocks failed (%s); they will be recomputed when needed", len(keys), e)
-            except Exception:
-                self.save_failures += 1
-                log.exception("kvstore put of %d blocks failed", len(keys))
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+    def _write(self, keys, full) -> None:
+        try:
+            store_io.save_blocks(self.client, keys, full, timeout_s=self.timeout_s)
+            self.blocks_saved += len(keys)
+        except KVStoreError as e:
+            self.save_failures += 1
+            log.warning("kvstore put of %d blocks failed (%s); they will be recomputed when needed", len(keys), e)
+        except Exception:
+            self.save_failures += 1
+            raise
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued puts are done; False when ``timeout_s`` passed first."""
-        deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._writes.flush(timeout_s)
 
     def take_load_errors(self) -> set[int]:
         """Cache block ids whose load failed since the last call (vLLM recomputes them)."""

@@ -1,0 +1,83 @@
+"""A background thread that runs queued jobs in order and can be waited on.
+
+The engine plug-ins store new blocks off the step: the runner's :class:`StoreWriter`
+(:mod:`engine_adapter.transfer`) and vLLM's worker side (:mod:`engine_adapter.vllm_worker`)
+both hand their puts to a :class:`BackgroundJobs`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("engine_adapter.background")
+
+
+class BackgroundJobs:
+    """Runs ``run(*job)`` for each submitted job on one daemon thread, in order.
+
+    Args:
+        run: called with each job's arguments; an exception is logged and the thread goes
+            on (a dead thread would leave :meth:`flush` waiting for ever).
+        name: the thread's name.
+        max_pending: jobs queued at most (bounds the memory they hold).
+    """
+
+    def __init__(self, run: Callable[..., Any], name: str, max_pending: int):
+        self._run_job = run
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._pending = 0
+        self._idle = threading.Condition()
+        self.max_pending = max_pending
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, *job: Any, block: bool = True) -> bool:
+        """Queue one job. With ``block`` waits while ``max_pending`` jobs are queued;
+        without, returns False (the job is dropped) when the queue is full."""
+        with self._idle:
+            self._pending += 1
+        try:
+            self._queue.put(job, block=block)
+        except queue.Full:
+            self._done()
+            return False
+        return True
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every submitted job is done; False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish queued jobs (up to ``timeout_s``) and stop the thread."""
+        self.flush(timeout_s)
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._run_job(*job)
+            except Exception:  # noqa: BLE001 - never let the thread die: later jobs would hang flush()
+                log.exception("background job %s failed", self._thread.name)
+            finally:
+                del job
+                self._done()
