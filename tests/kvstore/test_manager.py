@@ -245,6 +245,14 @@ def slow_tier(kind, capacity):
     return t
 
 
+def wait_for_demotion(m, timeout_s=60.0):
+    """Wait (generously) until a demotion is in flight in ``m``."""
+    deadline = time.monotonic() + timeout_s
+    while not m.placement._moving and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    assert m.placement._moving, "the demotion should be in flight"
+
+
 def test_get_is_not_blocked_by_a_slow_demotion(moves):
     if moves != "async":
         pytest.skip("inline copies hold the lock by design (simulator)")
@@ -256,10 +264,7 @@ def test_get_is_not_blocked_by_a_slow_demotion(moves):
     m.put(K(1), payload(1))
     t = threading.Thread(target=m.put, args=(K(2), payload(2)))   # must demote K(0) to the slow tier
     t.start()
-    deadline = time.monotonic() + 60
-    while not m.placement._moving and time.monotonic() < deadline:
-        threading.Event().wait(0.01)
-    assert m.placement._moving, "the demotion should be in flight"
+    wait_for_demotion(m)
     assert bytes(m.get(K(1)).data) == payload(1)          # served while the demotion hangs
     assert m.lookup([K(0), K(1)]).hit_blocks == 2  # K(0) still visible in host
     nvme.write_gate.set()
@@ -287,10 +292,7 @@ def test_a_put_whose_victim_is_deleted_during_its_demotion_succeeds(moves):
             errors.append(e)
     t = threading.Thread(target=put)
     t.start()
-    deadline = time.monotonic() + 60
-    while not m.placement._moving and time.monotonic() < deadline:
-        threading.Event().wait(0.01)
-    assert m.placement._moving, "the demotion should be in flight"
+    wait_for_demotion(m)
     assert m.delete([K(0)]) == 1
     nvme.write_gate.set()
     t.join(60)
