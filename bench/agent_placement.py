@@ -2,7 +2,7 @@
 
 Workload: ``kvstore gen-agent-trace`` defaults (32 agents, 30 minutes, heavy-tailed tools,
 human waits, finished and abandoned trajectories, competing chat traffic; the
-distributions and their sources are in :mod:`kvstore.agent_trace`). Three tiers of 64 MiB
+distributions and their sources are in :mod:`kvstore.tools.agent_trace`). Three tiers of 64 MiB
 blocks (a Llama-3-8B-like KV of 128 KiB per token, 512-token blocks): HBM below the live
 working set of the waiting trajectories, a host tier below the total so NVMe matters,
 and NVMe; host -> HBM 25 GB/s, NVMe -> HBM / host 3 GB/s (configured in the simulator),
@@ -32,10 +32,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore import simulate  # noqa: E402
-from kvstore.agent_trace import AgentWorkload, generate  # noqa: E402
-from kvstore.config import PrefetchConfig  # noqa: E402
-from kvstore.trace import Request  # noqa: E402
+from kvstore.tools import simulate  # noqa: E402
+from kvstore.tools.agent_trace import AgentWorkload, generate  # noqa: E402
+from kvstore.config.node import PrefetchConfig  # noqa: E402
+from kvstore.tools.trace import Request  # noqa: E402
 from tiers.base import TierKind as K  # noqa: E402
 
 BLOCK = 64 << 20

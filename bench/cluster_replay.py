@@ -3,7 +3,7 @@
 
 Starts a loopback master, then for each mode two daemons (host tier only, big enough
 for the whole trace: unbounded capacity) joined to it, and replays the trace with
-request ``i`` sent to daemon ``i mod 2`` (``kvstore/replay.py``). Baseline, in the same
+request ``i`` sent to daemon ``i mod 2`` (``kvstore/tools/replay.py``). Baseline, in the same
 run: the same replay through a single daemon without a cluster. Modes:
 
 - ``write_through``: ``[policy] write = "write_through"``: a put returns once the
@@ -31,11 +31,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvstore import config  # noqa: E402
-from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.replay import block_token_counts, replay  # noqa: E402
-from kvstore.serve import start_server  # noqa: E402
-from kvstore.trace import read_mooncake_trace  # noqa: E402
-from tiers.mooncake_client import mooncake_missing  # noqa: E402
+from kvstore.client.client import KVStoreClient  # noqa: E402
+from kvstore.tools.replay import block_token_counts, replay  # noqa: E402
+from kvstore.service.startup import start_server  # noqa: E402
+from kvstore.tools.trace import read_mooncake_trace  # noqa: E402
+from tiers.mooncake.client import mooncake_missing  # noqa: E402
 
 
 def ideal(requests) -> float:
@@ -91,7 +91,7 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
-    from tiers.mooncake_local import LocalMaster
+    from tiers.mooncake.local_cluster import LocalMaster
 
     requests = read_mooncake_trace(args.trace)
     if args.limit:

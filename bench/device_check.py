@@ -143,7 +143,7 @@ def raw_file_rates(folder: pathlib.Path, total: int, chunk: int, reps: int, dire
 # ---------------------------------------------------------------------- tier paths
 
 def nvme_tier(folder: pathlib.Path, capacity: int):
-    from tiers.nvme import NVMeTier
+    from tiers.nvme.tier import NVMeTier
     return NVMeTier(folder, capacity, io="posix")
 
 
@@ -322,7 +322,7 @@ def measure_tier_gds(folder: pathlib.Path, hbm, keys: list[bytes], total: int, b
                      rows: list[Row], raw: tuple[float, float], note: str) -> None:
     """The NVMe tier's device path (what the manager uses for HBM <-> NVMe with io = gds):
     GDS plus the checksum's device -> host copy, the temp file + rename and the index."""
-    from tiers.nvme import NVMeTier
+    from tiers.nvme.tier import NVMeTier
 
     tier = NVMeTier(folder, 2 * total, io="gds")
     up = [key(3 * len(keys) + i) for i in range(len(keys))]

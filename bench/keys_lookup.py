@@ -15,7 +15,7 @@ measured alongside (rounds interleaved, so load on the machine hits both alike):
    shared-memory path, with its parts (the Lookup and Lease round trips, the copy out of
    the arena, issuing the background Release) and the memcpy of the same 4 MiB.
 
-Daemons: in-process (``kvstore.serve.start_server``: client and daemon share one GIL) and
+Daemons: in-process (``kvstore.service.startup.start_server``: client and daemon share one GIL) and
 in their own process (the sidecar as deployed); ``--daemon`` picks. Figures are p50 /
 p99 / min in ms over ``--reps`` repetitions. A benchmark reports; it does not pass or fail.
 
@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore import config  # noqa: E402
 from kvstore._proto import kvstore_pb2 as pb  # noqa: E402
-from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.keys import BlockKeyer, Namespace, chain_key  # noqa: E402
-from kvstore.trajectory_keys import TrajectoryKeyer  # noqa: E402
+from kvstore.client.client import KVStoreClient  # noqa: E402
+from kvstore.common.keys import BlockKeyer, Namespace, chain_key  # noqa: E402
+from kvstore.common.trajectory_keys import TrajectoryKeyer  # noqa: E402
 
 PROMPT_TOKENS = 128 * 1024
 BLOCK_TOKENS = 16
@@ -58,7 +58,7 @@ GET_BLOCKS, GET_BLOCK_BYTES = 128, 32 << 10
 _DAEMON = r"""
 import signal, sys
 from kvstore import config
-from kvstore.serve import start_server
+from kvstore.service.startup import start_server
 d = start_server(config.load(sys.argv[1]))
 print("ready", d.address, flush=True)
 signal.sigwait([signal.SIGTERM, signal.SIGINT])
@@ -179,7 +179,7 @@ def daemon_dict(folder: pathlib.Path) -> dict:
 
 
 def start_inproc(folder: pathlib.Path):
-    from kvstore.serve import start_server
+    from kvstore.service.startup import start_server
     d = start_server(config.from_dict(daemon_dict(folder)))
     return d, d.address, lambda: d.stop(0)
 

@@ -47,9 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore.units import format_size, parse_size  # noqa: E402
-from tiers.nvme import NVMeTier  # noqa: E402
-from tiers.nvme_io import probe_direct  # noqa: E402
+from kvstore.common.units import format_size, parse_size  # noqa: E402
+from tiers.nvme.tier import NVMeTier  # noqa: E402
+from tiers.nvme.files import probe_direct  # noqa: E402
 
 
 def filled(n: int) -> memoryview:

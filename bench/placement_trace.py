@@ -6,7 +6,7 @@ OPT over the same requests); the configuration with the best mean ratio to OPT a
 1,500 and 6,000 blocks is then run, with LRU, ARC, S3-FIFO, ``next_use`` with its
 defaults and OPT, over the whole trace, counting only the second half's requests.
 
-Part B, simulated session hints (``--hints noisy:P,F``, :mod:`kvstore.sim_hints`). A grid
+Part B, simulated session hints (``--hints noisy:P,F``, :mod:`kvstore.tools.sim_hints`). A grid
 of hint parameters runs on the first half with P = 0.05, F = e; the best is reported on
 the second half for P in {0, 0.05, 0.1} x F in {1, e, e^2} at 1,500 / 6,000 / 12,000
 blocks, plus the hint errors drawn per request instead of per conversation (what the
@@ -15,7 +15,7 @@ per-session correction cannot learn).
 Also printed: the bound on how far OPT (optimal in block hits) can be below the best
 token hit rate (docs/placement.md, "OPT").
 
-Every run is :func:`kvstore.simulate.run` (the daemon's TierManager and policies over
+Every run is :func:`kvstore.tools.simulate.run` (the daemon's TierManager and policies over
 byte-less tiers). It measures and prints; it does not pass or fail.
 
     python bench/placement_trace.py [--trace PATH] [--jobs 2] [--json OUT] [--skip-a] [--skip-b]
@@ -33,9 +33,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore import simulate, sim_hints  # noqa: E402
-from kvstore.predictor import ReuseModel  # noqa: E402
-from kvstore.trace import read_mooncake_trace  # noqa: E402
+from kvstore.tools import simulate, sim_hints  # noqa: E402
+from kvstore.policy.reuse_model import ReuseModel  # noqa: E402
+from kvstore.tools.trace import read_mooncake_trace  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK = 1 << 20

@@ -42,9 +42,9 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore.units import format_size, parse_size  # noqa: E402
-from tiers.mooncake_client import mooncake_missing, store_class  # noqa: E402
-from tiers.mooncake_local import LocalMaster, LocalSegment, free_port  # noqa: E402
+from kvstore.common.units import format_size, parse_size  # noqa: E402
+from tiers.mooncake.client import mooncake_missing, store_class  # noqa: E402
+from tiers.mooncake.local_cluster import LocalMaster, LocalSegment, free_port  # noqa: E402
 
 
 def _te_target(metadata: str, nbytes: int) -> None:
@@ -212,7 +212,7 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
-    from tiers.mooncake import MooncakeConfig, MooncakeTier
+    from tiers.mooncake.tier import MooncakeConfig, MooncakeTier
 
     from remote_daemon import Daemons, daemon_rates
 

@@ -25,7 +25,7 @@ import uuid
 
 import numpy as np
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 
 
 def _config(sock: pathlib.Path, master, host: int, write: str, staging: int) -> str:
@@ -64,7 +64,7 @@ class Daemons:
             cfg = sock.parent / "node.toml"
             cfg.write_text(_config(sock, master, host_bytes, write, staging_bytes))
             log = open(sock.parent / "daemon.log", "wb")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(cfg)],
                                                cwd=sock.parent, stdout=log, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL))
             log.close()

@@ -20,8 +20,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiers.mooncake_client import mooncake_missing  # noqa: E402
-from tiers.mooncake_local import LocalMaster, LocalSegment  # noqa: E402
+from tiers.mooncake.client import mooncake_missing  # noqa: E402
+from tiers.mooncake.local_cluster import LocalMaster, LocalSegment  # noqa: E402
 
 MIB = 1 << 20
 ROWS: list[tuple[str, str, float, str]] = []
@@ -65,7 +65,7 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
-    from tiers.mooncake import MooncakeConfig, MooncakeTier
+    from tiers.mooncake.tier import MooncakeConfig, MooncakeTier
 
     def tier_for(master, **kw):
         cfg = MooncakeConfig(master=master.address, metadata_server=master.metadata_server, capacity_bytes=256 * MIB,

@@ -7,7 +7,7 @@ prints the same table. The issue-#13 runs (fitted on the first half, reported on
 second; simulated hints; the agent benchmark) are ``bench/placement_trace.py`` and
 ``bench/agent_placement.py``.
 
-Everything runs through :func:`kvstore.simulate.run`, i.e. the daemon's TierManager and
+Everything runs through :func:`kvstore.tools.simulate.run`, i.e. the daemon's TierManager and
 policy classes over byte-less tiers. It measures and prints; it does not pass or fail.
 
     python bench/simulate_policies.py [--trace PATH] [--jobs 2] [--json OUT] [--plot OUT.png]
@@ -25,8 +25,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore import simulate, simulate_cli  # noqa: E402
-from kvstore.trace import Request, read_mooncake_trace  # noqa: E402
+from kvstore.tools import simulate, simulate_cli  # noqa: E402
+from kvstore.tools.trace import Request, read_mooncake_trace  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 CAPACITIES = (1500, 6000, 12000)

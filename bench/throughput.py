@@ -42,7 +42,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore.units import format_size, parse_size  # noqa: E402
+from kvstore.common.units import format_size, parse_size  # noqa: E402
 
 _ECHO_SERVER = r"""
 import sys
@@ -172,7 +172,7 @@ enabled = {"true" if nvme_bytes else "false"}
 path = "{self.data}"
 capacity = {max(nvme_bytes, 1 << 20)}
 """)
-        self.proc, banner = start([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
+        self.proc, banner = start([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(cfg)],
                                   "kvstore serving on")
         self.address = banner.rsplit(" ", 1)[1]        # "kvstore serving on ADDRESS"
 
@@ -185,7 +185,7 @@ capacity = {max(nvme_bytes, 1 << 20)}
 
 def kv_calls(address: str, size: int, count: int, shm: bool, tag: str, nvme: bool):
     """put and get closures moving ``count`` blocks of ``size`` bytes; each put stores new keys."""
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     c = KVStoreClient(address, timeout=600, shared_memory=shm)
     c.wait_ready(30)

@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 _DAEMON = r"""
 import signal, sys
 from kvstore import config
-from kvstore.serve import start_server
+from kvstore.service.startup import start_server
 d = start_server(config.load(sys.argv[1]))
 print("ready", d.address, flush=True)
 signal.sigwait([signal.SIGTERM, signal.SIGINT])
@@ -133,10 +133,10 @@ def bench_rank(tp, opts: BenchOptions) -> list[dict]:
     import numpy as np
     import torch
 
-    from engine_adapter import transfer
-    from engine_adapter.config import EngineConfig, ModelConfig
-    from engine_adapter.runner import Runner
-    from kvstore.client import KVStoreClient
+    from engine_adapter.reference import transfer
+    from engine_adapter.reference.config import EngineConfig, ModelConfig
+    from engine_adapter.reference.runner import Runner
+    from kvstore.client.client import KVStoreClient
 
     model = ModelConfig(vocab_size=2048, hidden_size=opts.hidden, intermediate_size=3 * opts.hidden,
                         num_layers=opts.layers, num_heads=opts.heads, num_kv_heads=opts.kv_heads,
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=str(ROOT), help="checkout whose engine_adapter and kvstore run")
     args = ap.parse_args(argv)
 
-    from engine_adapter.tp import launch
+    from engine_adapter.reference.tp import launch
 
     prefixes = tuple(int(x) for x in args.prefixes.split(","))
     kv_per_token = args.layers * 2 * args.kv_heads * args.head_dim * (4 if args.dtype == "float32" else 2)

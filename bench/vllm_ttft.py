@@ -52,8 +52,8 @@ def main() -> int:
 
     import vllm_support
     from kvstore import config
-    from kvstore.client import KVStoreClient
-    from kvstore.serve import start_server
+    from kvstore.client.client import KVStoreClient
+    from kvstore.service.startup import start_server
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -63,7 +63,7 @@ def main() -> int:
                                                           "capacity": "1MiB"}}}))
     model = vllm_support.tiny_llama_dir(scratch / "model")
     connector = None if args.no_connector else {
-        "kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm_connector",
+        "kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"target": daemon.address}}
     llm = LLM(model=str(model), skip_tokenizer_init=True, enable_prefix_caching=True, max_model_len=2048,

@@ -31,12 +31,12 @@ __all__ = ["ModelConfig", "EngineConfig", "Runner", "TPGroup", "launch"]
 
 def __getattr__(name: str):
     if name in ("ModelConfig", "EngineConfig"):
-        from . import config
+        from engine_adapter.reference import config
         return getattr(config, name)
     if name == "Runner":
-        from .runner import Runner
+        from engine_adapter.reference.runner import Runner
         return Runner
     if name in ("TPGroup", "launch"):
-        from . import tp
+        from engine_adapter.reference import tp
         return getattr(tp, name)
     raise AttributeError(name)

@@ -1,7 +1,7 @@
 """A background thread that runs queued jobs in order and can be waited on.
 
 The engine plug-ins store new blocks off the step: the runner's :class:`StoreWriter`
-(:mod:`engine_adapter.transfer`) and vLLM's worker side (:mod:`engine_adapter.vllm_worker`)
+(:mod:`engine_adapter.reference.transfer`) and vLLM's worker side (:mod:`engine_adapter.vllm.worker`)
 both hand their puts to a :class:`BackgroundJobs`.
 """
 

@@ -1,6 +1,6 @@
 """Store keys for engine plugins: our chained keys from an engine's own block hashes or tokens.
 
-Two schemes, both rooted at the namespace fingerprint (:mod:`kvstore.keys`), so blocks
+Two schemes, both rooted at the namespace fingerprint (:mod:`kvstore.common.keys`), so blocks
 of another model, dtype, layout, block size or tenant never match:
 
 ``block_hash``
@@ -11,7 +11,7 @@ of another model, dtype, layout, block size or tenant never match:
     enough. Only reproducible hashes may be used (vLLM's ``sha256`` / ``sha256_cbor``:
     their seed is fixed unless ``PYTHONHASHSEED`` overrides it on every process alike).
 ``tokens``
-    ``kvstore.keys.BlockKeyer`` over the token ids, with LoRA name and cache salt as
+    ``kvstore.common.keys.BlockKeyer`` over the token ids, with LoRA name and cache salt as
     extra keys; used when the engine hash is not reproducible across processes.
 
 The namespace's ``extra`` names the scheme, so the two schemes never share a key.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from kvstore.keys import BlockKeyer, ExtraValue, Namespace, chain_key
+from kvstore.common.keys import BlockKeyer, ExtraValue, Namespace, chain_key
 
-from .layout import LAYOUT_ID
+from engine_adapter.layout import LAYOUT_ID
 
 SCHEMES = ("block_hash", "tokens")
 

@@ -10,7 +10,7 @@ contiguous byte range. A rank pages back only its heads with two byte ranges per
 layer (k and v; :meth:`BlockLayout.group_ranges` for several layers at once), and a
 block written at one TP size is read at any other.
 
-The namespace (:class:`kvstore.keys.Namespace`) holds the model id, the dtype, this
+The namespace (:class:`kvstore.common.keys.Namespace`) holds the model id, the dtype, this
 layout's id, ``block_tokens`` and the shape fields (layers, KV heads, head dim); it
 deliberately leaves out the TP size.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.keys import Namespace
+from kvstore.common.keys import Namespace
 
-from .config import EngineConfig, ModelConfig
+from engine_adapter.reference.config import EngineConfig, ModelConfig
 
 LAYOUT_ID = "layer.kv.head.token.dim/v1"
 

@@ -10,7 +10,7 @@ tensors, C-contiguous, whose first axis has one row per key; row ``i`` holds blo
 ``i``'s payload (or, with ``ranges``, the requested byte ranges of block ``i``,
 concatenated). Any element dtype; sizes are checked in bytes.
 
-Errors: the :mod:`kvstore.errors` exceptions of the client (``StoreUnavailable`` when the
+Errors: the :mod:`kvstore.common.errors` exceptions of the client (``StoreUnavailable`` when the
 daemon cannot be reached or does not answer in time, ``InvalidRequest``, ``TierFull``)
 propagate; a miss is a normal result (``False`` in the returned mask, or a shorter hit).
 """
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def load_blocks(client: KVStoreClient, keys: Sequence[bytes], out, *,
         for a miss or a reply of the wrong size (that row's bytes are then unspecified).
     Raises:
         ValueError: ``out`` is not a host, contiguous, writable buffer with enough rows.
-        kvstore.errors.KVStoreError: the store failed (e.g. ``StoreUnavailable``).
+        kvstore.common.errors.KVStoreError: the store failed (e.g. ``StoreUnavailable``).
 
     One batch call (:meth:`KVStoreClient.get_into`: through the shared arena on the
     same node, else raw gRPC frames); a block too short for ``ranges`` is a miss.
@@ -115,7 +115,7 @@ def save_blocks(client: KVStoreClient, keys: Sequence[bytes], src, *,
         Counts of blocks stored now, already stored, and refused by admission.
     Raises:
         ValueError: ``src`` is not a host, contiguous buffer with enough rows.
-        kvstore.errors.KVStoreError: the store failed (``TierFull``, ``StoreUnavailable``).
+        kvstore.common.errors.KVStoreError: the store failed (``TierFull``, ``StoreUnavailable``).
     """
     if not keys:
         return SaveResult(0, 0, 0)

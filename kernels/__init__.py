@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from . import reference
+from kernels import reference
 
 __all__ = ["gather_blocks", "scatter_blocks", "implementation"]
 
@@ -24,7 +24,7 @@ __all__ = ["gather_blocks", "scatter_blocks", "implementation"]
 def implementation(caches: Sequence[torch.Tensor]):
     """The module that serves ``caches``: :mod:`kernels.cuda` or :mod:`kernels.reference`."""
     if caches and caches[0].is_cuda:
-        from . import cuda
+        from kernels import cuda
         if cuda.available():
             return cuda
     return reference

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from . import reference
+from kernels import reference
 
 _UNIT_TYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 _THREADS = 256

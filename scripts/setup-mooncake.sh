@@ -41,7 +41,7 @@ fi
 
 if ! "$VENV/bin/python" -c '
 import sys
-from tiers.mooncake_client import mooncake_missing
+from tiers.mooncake.client import mooncake_missing
 reason = mooncake_missing()
 print("Mooncake client: " + (reason or "ok"), file=sys.stderr)
 sys.exit(1 if reason else 0)'; then
@@ -59,7 +59,7 @@ Start a master (metadata server included) on this machine, e.g. in its own termi
 For other nodes, bind -rpc_address to an address they reach; the HTTP metadata server listens on all
 addresses whatever its host flag.) Or, for a throwaway loopback master on free ports:
 
-  $VENV/bin/python -m tiers.mooncake_local master
+  $VENV/bin/python -m tiers.mooncake.local_cluster master
 
 Then give each daemon:
 

@@ -10,13 +10,13 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))   # `from support... import ...`
 
-from kvstore.client import KVStoreClient  # noqa: E402
+from kvstore.client.client import KVStoreClient  # noqa: E402
 from support.daemon import CONVERSATION_TRACE, ROOT, daemon_config, short_socket_dir  # noqa: E402,F401
 
 
 @pytest.fixture
 def daemon(tmp_path):
-    from kvstore.serve import start_server
+    from kvstore.service.startup import start_server
 
     d = start_server(daemon_config(tmp_path))
     yield d

@@ -1,5 +1,5 @@
 """Storage media behind one interface (:class:`tiers.base.Tier`)."""
 
-from .base import ByteRanges, Tier, TierKind, check_chunk, check_ranges
+from tiers.base import ByteRanges, Tier, TierKind, check_chunk, check_ranges
 
 __all__ = ["ByteRanges", "Tier", "TierKind", "check_chunk", "check_ranges"]

@@ -1,6 +1,6 @@
 """The one interface every storage medium implements, and the typed capabilities some add.
 
-The store core (:mod:`kvstore.manager`, :mod:`kvstore.mover`) talks to media only
+The store core (:mod:`kvstore.store.manager`, :mod:`kvstore.store.mover`) talks to media only
 through :class:`Tier`; it never knows whether a tier is GPU memory, a host arena,
 files on NVMe, a cluster store or the byte-less tier of the simulator.
 
@@ -51,7 +51,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
-from .errors import InvalidAccess
+from tiers.errors import InvalidAccess
 
 
 class TierKind(enum.IntEnum):
@@ -193,7 +193,7 @@ class DeviceResident(Protocol):
         """Record that a reservation was filled in place through :meth:`device_array`."""
 
     def ipc_handle(self, key: bytes) -> IpcHandle:
-        """Where a committed block lives, for :func:`kvstore.ipc.open_block` in a worker.
+        """Where a committed block lives, for :func:`kvstore.client.ipc.open_block` in a worker.
         Raises BlockNotStored."""
 
 

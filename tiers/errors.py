@@ -1,8 +1,8 @@
 """Errors raised by storage media (:mod:`tiers`).
 
 A tier knows nothing of requests, tenants or configuration; it reports what happened
-to the medium. The store core (:mod:`kvstore.manager`) turns these into the store's
-own errors (:mod:`kvstore.errors`) at its boundary, so nothing here crosses to a
+to the medium. The store core (:mod:`kvstore.store.manager`) turns these into the store's
+own errors (:mod:`kvstore.common.errors`) at its boundary, so nothing here crosses to a
 client.
 
 ==================  ===========================================================

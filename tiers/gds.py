@@ -2,7 +2,7 @@
 
 The helpers move a payload of ``nbytes`` bytes between device memory and a file at a
 given file offset (the NVMe tier's block files put it after a page-aligned header,
-:mod:`tiers.nvme_format`); with ``pad=True`` the file is then cut or extended with zeros
+:mod:`tiers.nvme.format`); with ``pad=True`` the file is then cut or extended with zeros
 to ``file_offset + padded_size(nbytes)``.
 
 kvikio's ``CuFile`` moves the bytes: by GDS (NVMe <-> GPU DMA, no host copy) when the
@@ -12,7 +12,7 @@ Page-aligned device addresses and sizes take the direct path; the HBM tier place
 blocks on 4096-byte boundaries for that reason.
 
 These helpers do the I/O only. File naming, the header, the ``.tmp`` + rename protocol,
-the index and checksums belong to the NVMe tier (:mod:`tiers.nvme_device`).
+the index and checksums belong to the NVMe tier (:mod:`tiers.nvme.device`).
 
 Every function here needs a CUDA GPU and kvikio; on a CPU machine they raise
 :class:`tiers.gpu.GPUUnavailable` and the NVMe tier uses POSIX I/O.
@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BlockCorrupt, TierIOError
+from tiers.errors import BlockCorrupt, TierIOError
 
-from .gpu import GPUUnavailable, cuda_buffer, gpu_info
+from tiers.gpu import GPUUnavailable, cuda_buffer, gpu_info
 
 __all__ = ["PAGE", "GDSInfo", "gds_available", "gds_info", "padded_size", "read_block_file",
            "write_block_file"]

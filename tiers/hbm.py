@@ -14,15 +14,15 @@ places blocks in it::
 ``used_bytes`` counts those allocator units, so it can exceed the sum of payloads.
 
 The page-back path on a GPU node: a worker on the same GPU leases blocks through the
-daemon (the catalogue's one lease mechanism, :mod:`kvstore.catalogue`: a leased block
+daemon (the catalogue's one lease mechanism, :mod:`kvstore.store.catalogue`: a leased block
 is pinned, never evicted or freed under the worker) and gets, per block,
 :meth:`HBMTier.ipc_handle`: the slab's IPC handle, the byte offset of the block in the
 slab, its size and the CUDA device. The worker opens the handle once
-(:func:`kvstore.ipc.open_block`) and reads the block in place.
+(:func:`kvstore.client.ipc.open_block`) and reads the block in place.
 
 Without a GPU the slab is a :class:`multiprocessing.shared_memory.SharedMemory`
 segment; its name plays the IPC handle (``device == -1``) and
-:func:`kvstore.ipc.open_block` maps it read-only in another process (Linux
+:func:`kvstore.client.ipc.open_block` maps it read-only in another process (Linux
 ``/dev/shm``). Everything else (allocation, accounting) is the same code.
 
 Capabilities: ``device`` (:meth:`HBMTier.device_array`, :meth:`HBMTier.ipc_handle`;
@@ -43,10 +43,19 @@ from typing import Any
 
 import numpy as np
 
-from .base import ByteRanges, Capabilities, IpcHandle, Tier, TierKind, byte_view, check_ranges, output_view
-from .errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
-from .gpu import cuda_buffer, gpu_available, require_gpu
-from .host import ExtentAllocator
+from tiers.base import (
+    ByteRanges,
+    Capabilities,
+    IpcHandle,
+    Tier,
+    TierKind,
+    byte_view,
+    check_ranges,
+    output_view,
+)
+from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
+from tiers.gpu import cuda_buffer, gpu_available, require_gpu
+from tiers.host import ExtentAllocator
 
 __all__ = ["ALIGNMENT", "HBMTier"]
 
@@ -393,7 +402,7 @@ class HBMTier(Tier):
         return self._slab.device_array(b.offset, b.size)
 
     def ipc_handle(self, key: bytes) -> IpcHandle:
-        """Where a committed block lives, for a worker process (see :mod:`kvstore.ipc`)."""
+        """Where a committed block lives, for a worker process (see :mod:`kvstore.client.ipc`)."""
         b = self._committed(key)
         return IpcHandle(self._slab.handle, self._slab.base_offset + b.offset, b.size, self.device)
 

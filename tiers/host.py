@@ -2,7 +2,7 @@
 
 The arena is a single buffer from :func:`tiers.memory.allocate_host_buffer` (pinned on a
 GPU node, pageable otherwise; by default a shared memfd that same-node clients map, see
-:mod:`kvstore.shm`), allocated once at start; nothing is allocated per block on the hot
+:mod:`kvstore.common.arena`), allocated once at start; nothing is allocated per block on the hot
 path. Blocks are placed by an extent allocator (:class:`ExtentAllocator`):
 best fit over the free extents, neighbours coalesced on free, as in LMCache v1's
 ``memory_management.py`` host allocator (our own code)::
@@ -20,10 +20,19 @@ import threading
 from bisect import bisect_left, insort
 from typing import Iterable
 
-from .base import (ByteRanges, Capabilities, SegmentInfo, Tier, TierKind, byte_view, check_chunk, check_ranges,
-                   output_view)
-from .errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
-from .memory import DEFAULT_ALIGNMENT, allocate_host_buffer
+from tiers.base import (
+    ByteRanges,
+    Capabilities,
+    SegmentInfo,
+    Tier,
+    TierKind,
+    byte_view,
+    check_chunk,
+    check_ranges,
+    output_view,
+)
+from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
+from tiers.memory import DEFAULT_ALIGNMENT, allocate_host_buffer
 
 # A free extent is kept in the size index as one int, ``size << _SHIFT | start``: ints sort
 # by size first, then by start (best fit, lowest address among equals), and compare faster

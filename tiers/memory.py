@@ -5,7 +5,7 @@ page-locked allocation (``cudaHostRegister``), never one per block. With
 ``shared=True`` it is a memfd (Linux ``memfd_create``) mapped ``MAP_SHARED``: same-node
 clients receive the descriptor over the daemon's unix socket (SCM_RIGHTS) and map the
 same pages, so a block is copied once, straight between the arena and the client's
-buffer (see :mod:`kvstore.shm`).
+buffer (see :mod:`kvstore.common.arena`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _allocate_shared(nbytes: int, alignment: int, pinned: bool, name: str) -> Ho
         array = np.frombuffer(region, dtype=np.uint8, count=nbytes)
         pinned_region = None
         if pinned:
-            from .gpu import PinnedRegion
+            from tiers.gpu import PinnedRegion
             pinned_region = PinnedRegion(size, mapping=region)
         return HostBuffer(array=array, nbytes=nbytes, alignment=alignment, pinned=pinned, owner=region,
                           fd=fd, region=pinned_region)
@@ -112,7 +112,7 @@ def _allocate_shared(nbytes: int, alignment: int, pinned: bool, name: str) -> Ho
 
 
 def _allocate_pinned(nbytes: int, alignment: int) -> HostBuffer:
-    from .gpu import allocate_pinned
+    from tiers.gpu import allocate_pinned
 
     region, start = allocate_pinned(max(nbytes, 1), alignment)
     array = np.frombuffer(region.mapping, dtype=np.uint8, count=nbytes, offset=start)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import ByteRanges, Tier, TierKind, check_ranges
-from .errors import BlockExists, BlockNotStored, TierFull
+from tiers.base import ByteRanges, Tier, TierKind, check_ranges
+from tiers.errors import BlockExists, BlockNotStored, TierFull
 
 
 class NullTier(Tier):

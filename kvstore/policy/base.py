@@ -16,7 +16,7 @@ Protocol, as seen from the manager::
     policy.remove(key)                    it left for another reason (delete, move)
 
 On top of that every policy honours *released* blocks (:meth:`EvictionPolicy.release`):
-blocks whose session finished or was abandoned (session hints, :mod:`kvstore.sessions`)
+blocks whose session finished or was abandoned (session hints, :mod:`kvstore.agent.sessions`)
 are the first victims, in the order released (within one call: last block first, so a
 prefix shrinks from its tail), and a full tier refuses to admit them. A hit does not
 revive a released block (the finished session's own last request reads it after its
@@ -25,7 +25,7 @@ hint); a new session that uses it does (:meth:`EvictionPolicy.revive`). Subclass
 ``victim_reason``); the public methods here wrap them.
 
 Every pressure eviction can be reported to a listener (:attr:`EvictionPolicy.listener`,
-e.g. :class:`kvstore.explain.EvictionLog`) as an :class:`EvictionEvent`, which is what
+e.g. :class:`kvstore.service.explain.EvictionLog`) as an :class:`EvictionEvent`, which is what
 ``kvstore explain`` uses to say why a block is gone.
 
 Subclasses register with :func:`register` and are built from config by
@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
-from ..errors import ConfigError, KVStoreError
+from kvstore.common.errors import ConfigError, KVStoreError
 
 MAX_RELEASED = 1 << 20
 """Released keys remembered per policy (oldest forgotten first)."""

@@ -3,8 +3,8 @@
 The manager never calls these; the agent-aware components do:
 
 - :class:`UsesReuseModel`: the policy reads learned reuse statistics from a shared
-  :class:`kvstore.predictor.ReuseModel` (``next_use``). The
-  :class:`kvstore.prefetch.PrefetchScheduler` (daemon) and ``kvstore simulate`` feed
+  :class:`kvstore.policy.reuse_model.ReuseModel` (``next_use``). The
+  :class:`kvstore.agent.prefetch.PrefetchScheduler` (daemon) and ``kvstore simulate`` feed
   the model every request's keys and :meth:`attach` it to every policy that wants it.
 - :class:`AcceptsNextUse`: the policy takes explicit predicted next-use times for keys
   (``next_use`` from tool-call predictions, ``opt`` from the simulator's oracle).
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..predictor import ReuseModel
+    from kvstore.policy.reuse_model import ReuseModel
 
 
 @runtime_checkable
@@ -51,5 +51,5 @@ class PredictsDistance(Protocol):
 @runtime_checkable
 class CalibratesHints(Protocol):
     def use_calibration(self, calibration) -> None:
-        """Correct hinted gaps with ``calibration`` (a :class:`kvstore.hint_model.HintCalibration`,
+        """Correct hinted gaps with ``calibration`` (a :class:`kvstore.agent.hint_model.HintCalibration`,
         shared by the session table that learns it; None: take hints as given)."""

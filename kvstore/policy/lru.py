@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from .base import EvictionPolicy, NoVictim, register
+from kvstore.policy.base import EvictionPolicy, NoVictim, register
 
 
 @register

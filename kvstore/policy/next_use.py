@@ -7,15 +7,15 @@ future and is optimal; it needs the future. This policy predicts it from three s
 1. **Released blocks** (:meth:`EvictionPolicy.release`, from session hints: the session
    finished or was abandoned) are never used again: the first victims (base class).
 2. **Explicit hints** (:meth:`NextUsePolicy.set_next_use`): a session's expected-back
-   time (:mod:`kvstore.sessions`) or a tool call's predicted resume
-   (:mod:`kvstore.prefetch`). The keys of one call form a *hint group* with one time
+   time (:mod:`kvstore.agent.sessions`) or a tool call's predicted resume
+   (:mod:`kvstore.agent.prefetch`). The keys of one call form a *hint group* with one time
    ``t``: its distance is ``t - now``; once ``t`` has passed without the use (the
    session or tool is late) the distance grows as ``overdue_ratio * (now - t)`` (the
    longer overdue, the later and the less likely the return) until ``hint_grace_s``
    after ``t``, when the hint is dropped and the blocks fall back to (3). A hit in the
    second half of the hint's span (from when it was set to ``t``) consumes it; an
    earlier hit (the request that set it) does not.
-3. **Learned reuse** (:class:`kvstore.predictor.ReuseModel`, shared by all tiers via
+3. **Learned reuse** (:class:`kvstore.policy.reuse_model.ReuseModel`, shared by all tiers via
    :meth:`attach`): blocks belong to *records* (blocks last used together: a
    conversation's prefix, its partial tail block, a shared system prompt) with a class
    and an age; the model gives the expected seconds of residence per reuse for that
@@ -47,9 +47,9 @@ import itertools
 import math
 from typing import Callable, Sequence
 
-from ..errors import ConfigError
-from ..predictor import ReuseModel
-from .base import EvictionPolicy, NoVictim, register
+from kvstore.common.errors import ConfigError
+from kvstore.policy.reuse_model import ReuseModel
+from kvstore.policy.base import EvictionPolicy, NoVictim, register
 
 
 class _Group:
@@ -139,7 +139,7 @@ class NextUsePolicy(EvictionPolicy):
         self._hold: dict[int, list[tuple[float, int]]] = {}     # per gap class: (t_set, hid)
         self._hyoung: dict[int, list[tuple[float, int]]] = {}   # per gap class: (-t_set, -hid)
         self._expiry: list[tuple[float, int]] = []    # (t, hid): every hint, for expiry
-        self.calibration = None            # a kvstore.hint_model.HintCalibration, set by the session table
+        self.calibration = None            # a kvstore.agent.hint_model.HintCalibration, set by the session table
         self._hid = itertools.count()
         self._unknown_rid = itertools.count(-1, -1)
         self._last_unknown: _Group | None = None
@@ -149,7 +149,7 @@ class NextUsePolicy(EvictionPolicy):
 
     def use_calibration(self, calibration) -> None:
         """Correct hinted gaps with ``calibration`` (a
-        :class:`kvstore.hint_model.HintCalibration`, or None: hints as given)."""
+        :class:`kvstore.agent.hint_model.HintCalibration`, or None: hints as given)."""
         self.calibration = calibration
 
     def attach(self, model: ReuseModel) -> None:

@@ -22,7 +22,7 @@ import heapq
 import math
 from typing import Callable, Sequence
 
-from .base import EvictionPolicy, NoVictim, register
+from kvstore.policy.base import EvictionPolicy, NoVictim, register
 
 
 @register

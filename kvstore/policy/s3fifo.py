@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from ..errors import ConfigError
-from .base import EvictionPolicy, NoVictim, register
+from kvstore.common.errors import ConfigError
+from kvstore.policy.base import EvictionPolicy, NoVictim, register
 
 MAX_FREQ = 3
 

@@ -15,14 +15,14 @@ from typing import Sequence
 import numpy as np
 
 from kvstore import config
-from kvstore.buffers import BlockBuffers, host_view
-from kvstore.client import GetIntoResult
-from kvstore.errors import InvalidRequest, StoreUnavailable
-from kvstore.types import LookupResult, PutResult
+from kvstore.client.buffers import BlockBuffers, host_view
+from kvstore.client.client import GetIntoResult
+from kvstore.common.errors import InvalidRequest, StoreUnavailable
+from kvstore.common.types import LookupResult, PutResult
 from tiers.base import TierKind, check_ranges
 from tiers.errors import InvalidAccess
 
-from engine_adapter.config import EngineConfig, ModelConfig
+from engine_adapter.reference.config import EngineConfig, ModelConfig
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=32)
@@ -41,7 +41,7 @@ class MemoryStore:
     """In-memory stand-in of the daemon with the client's call signatures (a BlockStore).
 
     ``get_into`` / ``put_from`` follow :class:`kvstore.client.KVStoreClient`: the same
-    buffer handling (:class:`kvstore.buffers.BlockBuffers`: one buffer per key, or one
+    buffer handling (:class:`kvstore.client.buffers.BlockBuffers`: one buffer per key, or one
     buffer with blocks back to back or at ``offsets``), ranges concatenated per block,
     a miss for a block too short for the ranges, InvalidRequest for a buffer too small, and with
     ``stop_at_miss`` nothing copied from the first miss on. ``calls`` records the calls.
@@ -118,7 +118,7 @@ class FaultyStore:
 
     ``arm(mode, key=..., after_gets=n)``: the fault applies from the ``n``-th
     ``get_into`` after arming (the page back makes one call per layer group of
-    :func:`engine_adapter.transfer.layer_groups`: with 4 layers ``n = 1`` lets layer
+    :func:`engine_adapter.reference.transfer.layer_groups`: with 4 layers ``n = 1`` lets layer
     0 load and faults layers 1-3), until disarmed.
 
     Modes: ``"missing"`` (``key`` reported not found, and with ``stop_at_miss`` the
@@ -238,6 +238,6 @@ def daemon_config(data_dir: pathlib.Path) -> config.Config:
 
 def start_daemon(data_dir: pathlib.Path):
     """Start the real daemon in this process; returns the Daemon (``.address``, ``.stop()``)."""
-    from kvstore.serve import start_server
+    from kvstore.service.startup import start_server
 
     return start_server(daemon_config(data_dir))

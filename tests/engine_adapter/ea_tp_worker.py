@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from ea_support import TINY, FaultyStore, engine
 from engine_adapter.layout import namespace
-from engine_adapter.runner import Runner
-from engine_adapter.session import AgentSession, SessionOptions, TurnRecord, play_session
-from engine_adapter.tp import TPGroup
-from kvstore.client import KVStoreClient
-from kvstore.keys import BlockKeyer
+from engine_adapter.reference.runner import Runner
+from engine_adapter.reference.session import AgentSession, SessionOptions, TurnRecord, play_session
+from engine_adapter.reference.tp import TPGroup
+from kvstore.client.client import KVStoreClient
+from kvstore.common.keys import BlockKeyer
 
 
 def summary(records: list[TurnRecord]) -> list[dict]:

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from ea_support import start_daemon
-from engine_adapter import demo
+from engine_adapter.reference import demo
 
 
 def parse(argv):

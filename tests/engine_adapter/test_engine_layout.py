@@ -8,7 +8,7 @@ import torch
 
 from ea_support import TINY, engine
 from engine_adapter.layout import LAYOUT_ID, BlockLayout, namespace
-from engine_adapter.tp import shard_bounds
+from engine_adapter.reference.tp import shard_bounds
 from kernels.reference import gather_blocks
 
 

@@ -13,12 +13,12 @@ import torch
 
 from ea_support import TINY, MemoryStore, engine, start_daemon
 from engine_adapter.layout import BlockLayout
-from engine_adapter.runner import Runner
-from engine_adapter.tp import TPGroup, shard_bounds
-from engine_adapter.transfer import LayerLoader, layer_groups
-from kvstore.buffers import host_view
-from kvstore.client import GetIntoResult, KVStoreClient
-from kvstore.errors import InvalidRequest
+from engine_adapter.reference.runner import Runner
+from engine_adapter.reference.tp import TPGroup, shard_bounds
+from engine_adapter.reference.transfer import LayerLoader, layer_groups
+from kvstore.client.buffers import host_view
+from kvstore.client.client import GetIntoResult, KVStoreClient
+from kvstore.common.errors import InvalidRequest
 
 LAYOUT = BlockLayout(num_layers=8, num_kv_heads=4, block_tokens=4, head_dim=8, dtype=torch.float32)
 

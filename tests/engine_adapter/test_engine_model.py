@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from ea_support import TINY, engine
-from engine_adapter.config import ModelConfig
-from engine_adapter.model import LlamaModel
-from engine_adapter.paged_cache import PagedKVCache, Sequence
-from engine_adapter.runner import Runner
-from engine_adapter.tp import TPGroup
-from engine_adapter.weights import SafetensorsWeights, SeededWeights, load_rank_weights
+from engine_adapter.reference.config import ModelConfig
+from engine_adapter.reference.model import LlamaModel
+from engine_adapter.reference.paged_cache import PagedKVCache, Sequence
+from engine_adapter.reference.runner import Runner
+from engine_adapter.reference.tp import TPGroup
+from engine_adapter.reference.weights import SafetensorsWeights, SeededWeights, load_rank_weights
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from ea_support import TINY, FaultyStore, MemoryStore, engine
-from engine_adapter import adapter as adapter_mod
-from engine_adapter.runner import Runner
-from engine_adapter.session import AgentSession, SessionOptions, play_session
-from engine_adapter.tp import TPGroup
-from engine_adapter.transfer import layer_groups
-from kvstore.client import KVStoreClient
+from engine_adapter.reference import adapter as adapter_mod
+from engine_adapter.reference.runner import Runner
+from engine_adapter.reference.session import AgentSession, SessionOptions, play_session
+from engine_adapter.reference.tp import TPGroup
+from engine_adapter.reference.transfer import layer_groups
+from kvstore.client.client import KVStoreClient
 
 BT = 16
 SESSION = AgentSession(turns=6, system_tokens=96, observation_tokens=40, answer_tokens=8, seed=7)

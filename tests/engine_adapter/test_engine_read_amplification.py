@@ -4,7 +4,7 @@ Setup: one daemon in this process (host 64 MiB + NVMe tiers, ``ea_support.daemon
 a layout of 16 layers x 4 KV heads x 16 tokens x head dim 32, fp32 (256 KiB per block);
 6 blocks stored with ``put_from``. For the NVMe cases the blocks are then demoted out of
 the host tier, so only the NVMe tier holds them. A page back at TP=T is T
-:class:`~engine_adapter.transfer.LayerLoader` s running at once, one per rank, each with
+:class:`~engine_adapter.reference.transfer.LayerLoader` s running at once, one per rank, each with
 its own client (as in the rank's process) and its rank's KV heads; every layer is waited
 for and compared with the stored payload. Layers come in 4 ``get_into`` calls per rank
 (groups of 1, 2, 4, 9 layers), not 16.
@@ -45,10 +45,10 @@ import torch
 
 from ea_support import daemon_config, short_dir
 from engine_adapter.layout import BlockLayout
-from engine_adapter.tp import shard_bounds
-from engine_adapter.transfer import LayerLoader, layer_groups
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
+from engine_adapter.reference.tp import shard_bounds
+from engine_adapter.reference.transfer import LayerLoader, layer_groups
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
 from tiers.base import TierKind
 
 LAYOUT = BlockLayout(num_layers=16, num_kv_heads=4, block_tokens=16, head_dim=32, dtype=torch.float32)

@@ -11,10 +11,10 @@ import torch.multiprocessing as mp
 
 from ea_support import TINY, engine, start_daemon
 from ea_tp_worker import tp2_scenarios
-from engine_adapter.runner import Runner
-from engine_adapter.session import AgentSession, SessionOptions, play_session
-from engine_adapter.tp import TPGroup, launch
-from kvstore.client import KVStoreClient
+from engine_adapter.reference.runner import Runner
+from engine_adapter.reference.session import AgentSession, SessionOptions, play_session
+from engine_adapter.reference.tp import TPGroup, launch
+from kvstore.client.client import KVStoreClient
 
 pytestmark = pytest.mark.slow         # two spawned TP ranks, seven scenarios
 

@@ -9,11 +9,11 @@ import torch
 from engine_adapter import store_io
 from engine_adapter.engine_keys import IncrementalKeys, engine_namespace, key_from_engine_hash
 from engine_adapter.layout import BlockLayout
-from engine_adapter.vllm_plan import BlockTransfer, StepPlan
-from engine_adapter.vllm_settings import tp_heads
-from engine_adapter.vllm_worker import WorkerTransfers, assemble_heads
-from kvstore.errors import StoreUnavailable
-from kvstore.keys import BlockKeyer
+from engine_adapter.vllm.scheduler import BlockTransfer, StepPlan
+from engine_adapter.vllm.settings import tp_heads
+from engine_adapter.vllm.worker import WorkerTransfers, assemble_heads
+from kvstore.common.errors import StoreUnavailable
+from kvstore.common.keys import BlockKeyer
 
 BS, NB, H, HD, L = 16, 12, 2, 64, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -157,7 +157,7 @@ def _drive(w: WorkerTransfers, plan: StepPlan) -> set[int]:
 
 
 def test_kv_views_address_vllm_layouts():
-    from engine_adapter.vllm_kv_views import detect_layout, kernel_view
+    from engine_adapter.vllm.kv_views import detect_layout, kernel_view
 
     kv = torch.zeros(CPU_SHAPE)
     view, lay = kernel_view(kv, "token", HD)                 # (2, blocks, heads, block_size, head_dim)
@@ -188,7 +188,7 @@ def test_saves_beyond_the_writer_queue_are_dropped_not_stalled():
         def put_from(self, keys, src, timeout=None, **kw):
             release.wait(30)
             self.keys += list(keys)
-            from kvstore.types import PutResult
+            from kvstore.common.types import PutResult
             return PutResult(len(self.keys), 0, 0)
 
     layout = BlockLayout(num_layers=L, num_kv_heads=H, block_tokens=BS, head_dim=HD, dtype=torch.float32)

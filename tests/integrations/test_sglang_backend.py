@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kvstore.errors import StoreUnavailable  # noqa: E402
+from kvstore.common.errors import StoreUnavailable  # noqa: E402
 
 PAGE, LAYERS, HEADS, DIM, PAGES = 4, 2, 2, 8, 16
 
@@ -48,7 +48,7 @@ def backend(target: str, pool: HostPool, tp_rank=0, tp_size=1, **extra):
     cfg = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny",
-        extra_config={"backend_name": "kvstore", "module_path": "engine_adapter.sglang_backend",
+        extra_config={"backend_name": "kvstore", "module_path": "engine_adapter.sglang.backend",
                       "class_name": "KVStoreHiCacheStorage", "target": target, "interface_v1": 1, **extra})
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)

@@ -45,7 +45,7 @@ def run_instance(model, target, mode, tmp_path) -> dict:
 @pytest.fixture
 def big_daemon(tmp_path):
     """A daemon with a 512 MiB host tier."""
-    from kvstore.serve import start_server
+    from kvstore.service.startup import start_server
 
     d = start_server(daemon_config(tmp_path, host="512MiB"))
     yield d

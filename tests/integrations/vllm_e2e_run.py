@@ -32,7 +32,7 @@ def metric(llm, name: str) -> float:
 
 
 def wait_stored(target: str, blocks: int, timeout_s: float = 60.0) -> int:
-    from kvstore.client import KVStoreClient
+    from kvstore.client.client import KVStoreClient
 
     with KVStoreClient(target) as c:
         deadline = time.monotonic() + timeout_s
@@ -51,7 +51,7 @@ def main() -> int:
     llm = LLM(model=model_dir, skip_tokenizer_init=True, enable_prefix_caching=True, max_model_len=2048,
               block_size=BLOCK, disable_log_stats=False, dtype="float32", seed=0,
               kv_transfer_config={"kv_connector": "KVStoreConnector",
-                                  "kv_connector_module_path": "engine_adapter.vllm_connector",
+                                  "kv_connector_module_path": "engine_adapter.vllm.connector",
                                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                   "kv_connector_extra_config": {"target": target}})
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -28,7 +28,7 @@ def kv_transfer_config(target: str, **extra):
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(kv_connector="KVStoreConnector",
-                            kv_connector_module_path="engine_adapter.vllm_connector",
+                            kv_connector_module_path="engine_adapter.vllm.connector",
                             kv_role="kv_both", kv_connector_extra_config={"target": target, **extra})
 
 

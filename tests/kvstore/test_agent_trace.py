@@ -9,9 +9,17 @@ import statistics
 
 import pytest
 
-from kvstore.agent_trace import (DEFAULT_TOOLS, AgentWorkload, ChatTraffic, Tool, events_path, generate,
-                                 read_tool_events, write)
-from kvstore.trace import TraceError, read_mooncake_trace
+from kvstore.tools.agent_trace import (
+    DEFAULT_TOOLS,
+    AgentWorkload,
+    ChatTraffic,
+    Tool,
+    events_path,
+    generate,
+    read_tool_events,
+    write,
+)
+from kvstore.tools.trace import TraceError, read_mooncake_trace
 
 
 def small(**kw) -> AgentWorkload:

@@ -19,10 +19,10 @@ from conftest import CONVERSATION_TRACE, ROOT, short_socket_dir
 from support.cluster_nodes import (ideal_hit_rate, mooncake_master, node_config, stop_all,  # noqa: F401
                                    wait_connected)
 
-from kvstore.client import KVStoreClient
-from kvstore.keys import BlockKeyer, Namespace
-from kvstore.replay import replay
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.common.keys import BlockKeyer, Namespace
+from kvstore.tools.replay import replay
+from kvstore.service.startup import start_server
 from tiers.base import TierKind
 
 BLOCK = 64 << 10
@@ -52,7 +52,7 @@ def _serve(tmp_path, name, text):
     path.write_text(text)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(tmp_path / f"{name}.log", "wb") as log:      # a file: the client library logs a lot
-        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(path)],
+        return subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(path)],
                                 cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
@@ -133,7 +133,7 @@ SUBSET = 1500
 
 @pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")
 def test_round_robin_replay_of_a_trace_prefix_reaches_the_single_node_ideal(tmp_path, mooncake_master):
-    from kvstore.trace import read_mooncake_trace
+    from kvstore.tools.trace import read_mooncake_trace
 
     requests = read_mooncake_trace(CONVERSATION_TRACE)[:SUBSET]
     ideal = ideal_hit_rate(requests)
@@ -149,7 +149,7 @@ def test_round_robin_replay_of_a_trace_prefix_reaches_the_single_node_ideal(tmp_
 @pytest.mark.slow
 @pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")
 def test_round_robin_replay_of_the_whole_trace_reaches_0_3736(tmp_path, mooncake_master):
-    from kvstore.trace import read_mooncake_trace
+    from kvstore.tools.trace import read_mooncake_trace
 
     requests = read_mooncake_trace(CONVERSATION_TRACE)
     rep, _ = _replay_two_nodes(tmp_path, mooncake_master, requests)

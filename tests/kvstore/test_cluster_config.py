@@ -11,9 +11,9 @@ from conftest import daemon_config
 from support.cluster_nodes import require_mooncake
 
 from kvstore import config
-from kvstore.client import KVStoreClient
-from kvstore.errors import ConfigError
-from kvstore.serve import build_tiers, start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.common.errors import ConfigError
+from kvstore.service.startup import build_tiers, start_server
 
 
 def remote_config(**remote):
@@ -57,7 +57,7 @@ def test_sizes_and_the_policy_override_parse():
 
 
 def test_missing_client_library_is_a_config_error_naming_the_setup_script(monkeypatch):
-    import tiers.mooncake_client as mc
+    import tiers.mooncake.client as mc
 
     monkeypatch.setattr(mc, "mooncake_missing", lambda: "libibverbs1 is missing (apt-get install -y libibverbs1)")
     cfg = config.from_dict({"tiers": {"host": {"capacity": "16MiB"}, "nvme": {"enabled": False},
@@ -68,7 +68,7 @@ def test_missing_client_library_is_a_config_error_naming_the_setup_script(monkey
 
 def test_daemon_with_its_master_down_starts_at_once_and_keeps_serving(tmp_path):
     require_mooncake()
-    from tiers.mooncake_local import LocalMaster
+    from tiers.mooncake.local_cluster import LocalMaster
 
     master = LocalMaster()                                         # its ports, not started
     cfg = daemon_config(tmp_path, extra={"tiers": {"remote": {

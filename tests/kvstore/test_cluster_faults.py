@@ -16,9 +16,9 @@ import pytest
 from conftest import CONVERSATION_TRACE
 from support.cluster_nodes import Timed, mooncake_master, node_config, stop_all, wait_connected  # noqa: F401
 
-from kvstore.client import KVStoreClient
-from kvstore.replay import replay
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.tools.replay import replay
+from kvstore.service.startup import start_server
 
 DEADLINE_S = 1.0          # [tiers.remote] timeout_s of these daemons
 ALLOWANCE_S = 4.0         # scheduling delay allowed on a loaded 2-core machine
@@ -75,7 +75,7 @@ def two_nodes(tmp_path, mooncake_master):
 @pytest.mark.slow
 @pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")
 def test_master_killed_mid_replay(two_nodes, mooncake_master):
-    from kvstore.trace import read_mooncake_trace
+    from kvstore.tools.trace import read_mooncake_trace
 
     requests = read_mooncake_trace(CONVERSATION_TRACE)[:900]
     daemons = two_nodes()
@@ -124,7 +124,7 @@ def test_master_killed_mid_replay(two_nodes, mooncake_master):
 
 @pytest.mark.slow
 def test_peer_killed_while_serving(two_nodes, mooncake_master):
-    from tiers.mooncake_local import LocalSegment
+    from tiers.mooncake.local_cluster import LocalSegment
 
     peer = LocalSegment(mooncake_master, 256 << 20).start()
     try:
@@ -166,8 +166,8 @@ def test_peer_killed_while_serving(two_nodes, mooncake_master):
 
 
 def test_corrupted_remote_copy_is_a_miss_then_repaired(two_nodes, mooncake_master):
-    from tiers.mooncake_client import store_class
-    from tiers.remote_format import HEADER_BYTES
+    from tiers.mooncake.client import store_class
+    from tiers.mooncake.object_format import HEADER_BYTES
 
     a, b = two_nodes()
     keys = [K(7, i) for i in range(4)]

@@ -13,9 +13,9 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.daemon import daemon_config
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
-from kvstore.types import BlockMeta
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
+from kvstore.common.types import BlockMeta
 
 DEADLINE = 30.0
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from kvstore import explain_cli
-from kvstore.explain import EvictionLog, LocalStoreView, Prompt, explain_pair, explain_prompt
-from kvstore.keys import BlockKeyer, Namespace
-from kvstore.manager import TierManager
+from kvstore.tools import explain_cli
+from kvstore.service.explain import EvictionLog, LocalStoreView, Prompt, explain_pair, explain_prompt
+from kvstore.common.keys import BlockKeyer, Namespace
+from kvstore.store.manager import TierManager
 from kvstore.policy import make_policy
 from tiers.base import TierKind
 from tiers.null import NullTier
@@ -154,8 +154,8 @@ def test_the_daemon_explains_an_eviction_and_a_refusal(tmp_path):
     import numpy as np
 
     from support.daemon import daemon_config
-    from kvstore.client import KVStoreClient
-    from kvstore.serve import start_server
+    from kvstore.client.client import KVStoreClient
+    from kvstore.service.startup import start_server
 
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))
     try:

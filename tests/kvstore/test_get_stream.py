@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from support.fake_tiers import MemTier
 
-from kvstore.get_stream import GetPlan, pieces, raw_frames
-from kvstore.manager import TierManager
+from kvstore.service.get_stream import GetPlan, pieces, raw_frames
+from kvstore.store.manager import TierManager
 from kvstore.policy import make_policy
-from kvstore.wire import decode
+from kvstore.common.wire import decode
 from tiers.base import TierKind
 
 

@@ -10,8 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.keys import (KEY_BYTES, BlockKeyer, Namespace, chain_key, encode_extra, encode_tokens, explain_miss,
-                          first_divergence, validate_key)
+from kvstore.common.keys import (
+    KEY_BYTES,
+    BlockKeyer,
+    Namespace,
+    chain_key,
+    encode_extra,
+    encode_tokens,
+    explain_miss,
+    first_divergence,
+    validate_key,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -83,7 +92,7 @@ def test_bad_tokens_and_keys_rejected():
 
 
 def test_stable_across_processes_and_hash_seeds():
-    code = ("from kvstore.keys import *; "
+    code = ("from kvstore.common.keys import *; "
             "print(BlockKeyer(Namespace('tiny','float32','l',4,tenant='t',extra={'kv_heads':2}))"
             ".keys(list(range(12)), {'lora':'x'})[-1].hex())")
     outs = set()
@@ -128,7 +137,7 @@ def test_golden_key_values():
 
 
 def reference_keys(keyer: BlockKeyer, tokens, extra=None) -> list[bytes]:
-    """The definition (module docstring of kvstore.keys), one block at a time."""
+    """The definition (module docstring of kvstore.common.keys), one block at a time."""
     bt = keyer.block_tokens
     n = len(tokens) // bt
     per_block = [extra] * n if extra is None or isinstance(extra, dict) else list(extra)

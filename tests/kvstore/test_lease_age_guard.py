@@ -3,7 +3,7 @@
 A client that stalls (a GC pause, a stopped process) after its Lease or Reserve could copy
 out of, or write into, arena space the daemon has since given to other blocks: wrong KV read
 or, worse, another block overwritten. The client times each lease and reservation from the
-moment it asked (``kvstore.client_arena.SAFE_FRACTION`` of the TTL) and goes by gRPC instead.
+moment it asked (``kvstore.client.arena.SAFE_FRACTION`` of the TTL) and goes by gRPC instead.
 The stall is simulated by the client's clock jumping after the request was sent.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore import client_arena
-from kvstore.client import KVStoreClient
-from kvstore.errors import InvalidRequest
-from kvstore.serve import start_server
-from kvstore.validate import MIN_TTL_S, check_ttl
+from kvstore.client import arena as client_arena
+from kvstore.client.client import KVStoreClient
+from kvstore.common.errors import InvalidRequest
+from kvstore.service.startup import start_server
+from kvstore.service.validate import MIN_TTL_S, check_ttl
 from support.daemon import daemon_config
 
 BLOCK = 32 << 10

@@ -7,8 +7,8 @@ import pytest
 
 from support.fake_tiers import MemTier
 
-from kvstore.errors import InvalidRequest, TierFull
-from kvstore.manager import TierManager
+from kvstore.common.errors import InvalidRequest, TierFull
+from kvstore.store.manager import TierManager
 from kvstore.policy import make_policy
 from tiers.base import TierKind
 
@@ -313,7 +313,7 @@ def test_hung_demotion_times_out_and_releases_pins(moves):
     made.append(m)
     m.put(K(0), payload(0))
     m.put(K(1), payload(1))
-    from kvstore.errors import TierIOError
+    from kvstore.common.errors import TierIOError
     with pytest.raises(TierIOError, match="demotion"):
         m.put(K(2), payload(2))
     assert m.catalogue.raw(K(0)).pins == 0 and bytes(m.get(K(0)).data) == payload(0)   # kept, readable

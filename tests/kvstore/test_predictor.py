@@ -8,8 +8,8 @@ import statistics
 import numpy as np
 import pytest
 
-from kvstore.errors import ConfigError
-from kvstore.predictor import LogNormalFit, ToolPredictor, WindowQuantile
+from kvstore.common.errors import ConfigError
+from kvstore.agent.tool_durations import LogNormalFit, ToolPredictor, WindowQuantile
 
 
 def test_window_quantile_is_the_type7_sample_quantile_of_the_last_window():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore import simulate
-from kvstore.agent_trace import AgentWorkload, Tool, generate
-from kvstore.config import PrefetchConfig
-from kvstore.manager import TierManager
+from kvstore.tools import simulate
+from kvstore.tools.agent_trace import AgentWorkload, Tool, generate
+from kvstore.config.node import PrefetchConfig
+from kvstore.store.manager import TierManager
 from kvstore.policy import make_policy
-from kvstore.prefetch import PrefetchScheduler
-from kvstore.trace import Request
+from kvstore.agent.prefetch import PrefetchScheduler
+from kvstore.tools.trace import Request
 from tiers.base import TierKind
 from tiers.null import NullTier
 
@@ -169,7 +169,7 @@ def test_small_light_tailed_workload_prefetch_raises_readiness():
 
 
 def test_a_session_hint_schedules_a_promotion_and_its_next_hint_is_the_resume():
-    from kvstore.sessions import SessionHint
+    from kvstore.agent.sessions import SessionHint
     m, s, clock = make()
     for i in range(5):                                         # sessions come back when they say
         s.session_hint(SessionHint(f"warm{i}", "continues", (), expected_back_s=10.0, time=10.0 * i))
@@ -193,7 +193,7 @@ def test_a_session_hint_schedules_a_promotion_and_its_next_hint_is_the_resume():
 
 
 def test_low_confidence_holds_a_promotion_back_and_an_abandoned_session_is_dropped():
-    from kvstore.sessions import SessionHint
+    from kvstore.agent.sessions import SessionHint
     m, s, clock = make()
     for i, d in enumerate([1.0, 1.0, 200.0, 300.0, 400.0, 500.0]):   # mostly very slow
         s.tool_call_start(f"w{i}", "flaky", 1.0, [])

@@ -1,4 +1,4 @@
-"""The store core's cluster level (kvstore/remote.py) over an in-memory cluster: lookups
+"""The store core's cluster level (kvstore/cluster/cluster.py) over an in-memory cluster: lookups
 that ask the cluster, page-in into the host arena, demotion and publishing to the
 cluster, and the failure rules (a dead, stalled or corrupting cluster costs only remote
 hits and never fails or delays a local put or get beyond its deadline)."""
@@ -12,10 +12,10 @@ import pytest
 from support.fake_cluster import FakeCluster, FakeRemoteTier
 from support.fake_tiers import MemTier
 
-from kvstore.manager import TierManager
+from kvstore.store.manager import TierManager
 from tiers.host import HostTier
 from kvstore.policy import make_policy
-from kvstore.remote import ClusterOptions
+from kvstore.cluster.cluster import ClusterOptions
 from tiers.base import TierKind
 
 BLOCK = 128
@@ -125,7 +125,7 @@ def test_write_through_acknowledges_once_the_cluster_holds_the_block(cluster):
 
 
 def test_a_put_never_goes_straight_to_the_cluster(cluster):
-    from kvstore.errors import TierFull
+    from kvstore.common.errors import TierFull
 
     a = node(cluster, host_blocks=1)
     a.put(K(0), payload(0))
@@ -236,7 +236,7 @@ def test_page_in_without_room_in_the_arena_is_a_miss(cluster):
 
 
 def test_get_stream_reports_paged_in_blocks_as_remote(cluster):
-    from kvstore.get_stream import GetPlan, pieces
+    from kvstore.service.get_stream import GetPlan, pieces
 
     a, b = node(cluster, publish="all"), node(cluster)
     a.put(K(1), payload(1, 3000))
@@ -252,8 +252,8 @@ def test_get_stream_reports_paged_in_blocks_as_remote(cluster):
 
 
 def test_prefetch_pages_a_waiting_trajectory_in_from_the_cluster(cluster):
-    from kvstore.config import PrefetchConfig
-    from kvstore.prefetch import DEFAULT_HOP_BANDWIDTH, PrefetchScheduler
+    from kvstore.config.node import PrefetchConfig
+    from kvstore.agent.prefetch import DEFAULT_HOP_BANDWIDTH, PrefetchScheduler
 
     a, b = node(cluster, publish="all"), node(cluster)
     keys = [K(i) for i in range(6)]

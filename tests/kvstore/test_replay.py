@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from support.daemon import CONVERSATION_TRACE, daemon_config
-from kvstore.client import KVStoreClient
-from kvstore.replay import block_token_counts, payload_for, replay, trace_key
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.tools.replay import block_token_counts, payload_for, replay, trace_key
+from kvstore.service.startup import start_server
 
 
 def R(input_length, ids):
@@ -74,7 +74,7 @@ def test_wrong_bytes_are_counted_as_corrupt(tmp_path):
 
 @pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")
 def test_cli_replay_first_requests_of_real_trace(tmp_path, capsys):
-    from kvstore.cli import main
+    from kvstore.tools.cli import main
 
     d = start_server(daemon_config(tmp_path))
     try:
@@ -103,7 +103,7 @@ def test_replays_with_other_payload_sizes_do_not_see_each_others_blocks(tmp_path
 
 
 def test_daemon_lost_mid_replay_gives_a_partial_report(tmp_path):
-    from kvstore.errors import StoreUnavailable
+    from kvstore.common.errors import StoreUnavailable
 
     d = start_server(daemon_config(tmp_path))
     try:
@@ -125,7 +125,7 @@ def test_daemon_lost_mid_replay_gives_a_partial_report(tmp_path):
 
 
 def test_cli_rejects_bad_arguments_before_replaying(tmp_path, capsys):
-    from kvstore.cli import main
+    from kvstore.tools.cli import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from support.daemon import CONVERSATION_TRACE, short_socket_dir
-from kvstore.client import KVStoreClient
-from kvstore.replay import replay, trace_key
-from kvstore.trace import read_mooncake_trace
+from kvstore.client.client import KVStoreClient
+from kvstore.tools.replay import replay, trace_key
+from kvstore.tools.trace import read_mooncake_trace
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")]
@@ -26,7 +26,7 @@ def start_daemon(cfg: pathlib.Path, sock: str) -> subprocess.Popen:
     reads would block the daemon once full) and wait until it serves; a daemon that does
     not come up is killed, never left behind."""
     log = open(cfg.with_suffix(".log"), "a")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT, text=True)
     log.close()
     try:

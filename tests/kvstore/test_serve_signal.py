@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from support.daemon import short_socket_dir
 
 SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
@@ -38,7 +38,7 @@ def test_sigterm_delivered_to_another_thread_stops_the_daemon(tmp_path):
     cfg.write_text(f'[server]\nlisten = "{sock}"\n[tiers.host]\ncapacity = "4MiB"\n'
                    f'[tiers.nvme]\npath = "{tmp_path / "nvme"}"\ncapacity = "16MiB"\n')
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         with KVStoreClient(sock) as c:

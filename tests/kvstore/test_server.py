@@ -8,11 +8,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support.daemon import daemon_config
-from kvstore import errors
+from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
 from tiers.base import TierKind
 
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from kvstore.errors import InvalidRequest
-from kvstore.kv_hints import session_hints
+from kvstore.common.errors import InvalidRequest
+from kvstore.agent.kv_hints import session_hints
 from kvstore.policy import make_policy
-from kvstore.sessions import SessionHint, SessionState, SessionTable
+from kvstore.agent.sessions import SessionHint, SessionState, SessionTable
 
 
 def k(name: str) -> bytes:
@@ -147,8 +147,8 @@ def test_session_hints_through_the_daemon_make_finished_sessions_first_victims(t
     import numpy as np
 
     from support.daemon import daemon_config
-    from kvstore.client import KVStoreClient
-    from kvstore.serve import start_server
+    from kvstore.client.client import KVStoreClient
+    from kvstore.service.startup import start_server
 
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))
     try:

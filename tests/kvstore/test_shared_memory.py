@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from support.daemon import ROOT, daemon_config
-from kvstore.client import KVStoreClient
-from kvstore.errors import FeatureDisabled, Unauthenticated
-from kvstore.serve import start_server
-from kvstore.types import TierKind
+from kvstore.client.client import KVStoreClient
+from kvstore.common.errors import FeatureDisabled, Unauthenticated
+from kvstore.service.startup import start_server
+from kvstore.common.types import TierKind
 
 DEADLINE = 30.0
 
@@ -199,7 +199,7 @@ def test_multi_tenant_daemon_refuses_the_arena_and_binds_leases_to_tenants(tmp_p
 def test_arena_socket_checks_the_bearer_token(tmp_path):
     d = start_server(daemon_config(tmp_path, extra={"server": {"auth_token": "t" * 32}}))
     try:
-        from kvstore.shm import ArenaMapping
+        from kvstore.client.arena_mapping import ArenaMapping
         sock = KVStoreClient(d.address, auth_token="t" * 32).info().shm_socket
         with pytest.raises(OSError, match="bearer token"):
             ArenaMapping(sock, "wrong-token")

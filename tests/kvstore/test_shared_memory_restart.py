@@ -10,8 +10,8 @@ import hashlib
 import numpy as np
 
 from support.daemon import daemon_config
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
 
 
 def K(i: int) -> bytes:

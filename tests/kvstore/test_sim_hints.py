@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from kvstore import simulate
-from kvstore.hint_model import HintCalibration
-from kvstore.sessions import SessionState
-from kvstore.sim_hints import NoisyHints, continuations, derive, parse_hints_spec
-from kvstore.trace import Request
+from kvstore.tools import simulate
+from kvstore.agent.hint_model import HintCalibration
+from kvstore.agent.sessions import SessionState
+from kvstore.tools.sim_hints import NoisyHints, continuations, derive, parse_hints_spec
+from kvstore.tools.trace import Request
 
 
 def req(t: float, ids: list[int], tail: int = 100) -> Request:

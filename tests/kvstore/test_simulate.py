@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kvstore import simulate, simulate_cli
-from kvstore.trace import Request, read_mooncake_trace
+from kvstore.tools import simulate, simulate_cli
+from kvstore.tools.trace import Request, read_mooncake_trace
 
 CONVERSATION_TRACE = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
                       / "mooncake_conversation_trace.jsonl")

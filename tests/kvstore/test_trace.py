@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvstore.trace import Request, TraceError, block_key, parse_lines, read_mooncake_trace
+from kvstore.tools.trace import Request, TraceError, block_key, parse_lines, read_mooncake_trace
 
 
 def line(**kw) -> str:
@@ -49,7 +49,7 @@ def test_missing_file_is_a_trace_error(tmp_path):
 
 
 def test_block_key_is_stable_and_matches_replay():
-    from kvstore.replay import trace_key
+    from kvstore.tools.replay import trace_key
 
     assert len(block_key(5)) == 32
     assert block_key(5) == block_key(5) != block_key(6)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.keys import BlockKeyer, Namespace
-from kvstore.trajectory_keys import TrajectoryKeyer
+from kvstore.common.keys import BlockKeyer, Namespace
+from kvstore.common.trajectory_keys import TrajectoryKeyer
 
 
 def keyer(block_tokens=4):

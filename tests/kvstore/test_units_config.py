@@ -1,8 +1,8 @@
 import pytest
 
 from kvstore import config
-from kvstore.errors import ConfigError
-from kvstore.units import parse_size
+from kvstore.common.errors import ConfigError
+from kvstore.common.units import parse_size
 
 
 @pytest.mark.parametrize("text,expected", [("8GiB", 8 << 30), ("500MB", 500_000_000), ("4096", 4096),

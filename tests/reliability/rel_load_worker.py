@@ -16,8 +16,8 @@ import random
 import sys
 import time
 
-from kvstore import errors
-from kvstore.client import KVStoreClient
+from kvstore.common import errors
+from kvstore.client.client import KVStoreClient
 from rel_support import is_payload_of, key, payload, size_for
 
 SHARED_KEYS = 48

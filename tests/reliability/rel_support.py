@@ -24,7 +24,7 @@ import lmdb
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.errors import TierFull, TierIOError
+from kvstore.common.errors import TierFull, TierIOError
 from tiers.base import Tier, TierKind, check_ranges
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ class DaemonProcess:
     def start(self, wait: bool = True, timeout: float = 30.0) -> "DaemonProcess":
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(self.config)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(self.config)],
                                          stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
         finally:
             log.close()
@@ -180,8 +180,8 @@ class DaemonProcess:
 
 def nvme_audit(path: pathlib.Path, verify_checksums: bool = True) -> dict:
     """Compare a closed NVMe tier folder's index with its block files (see
-    :func:`tiers.nvme_recover.audit_folder`: the counts, and ``keys``, the indexed keys)."""
-    from tiers.nvme_recover import audit_folder
+    :func:`tiers.nvme.recover.audit_folder`: the counts, and ``keys``, the indexed keys)."""
+    from tiers.nvme.recover import audit_folder
     return audit_folder(path, verify_payload=verify_checksums)
 
 

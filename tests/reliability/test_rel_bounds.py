@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore import leases as leases_mod
-from kvstore.config import PrefetchConfig
-from kvstore.errors import SizeConflict
-from kvstore.manager import MAX_SIZE_CONFLICTS_LOGGED, TierManager
+from kvstore.store import leases as leases_mod
+from kvstore.config.node import PrefetchConfig
+from kvstore.common.errors import SizeConflict
+from kvstore.store.manager import MAX_SIZE_CONFLICTS_LOGGED, TierManager
 from kvstore.policy import make_policy
-from kvstore.prefetch import PrefetchScheduler
-from kvstore.prefetch_stats import RESERVOIR
+from kvstore.agent.prefetch import PrefetchScheduler
+from kvstore.agent.stats import RESERVOIR
 from rel_support import MemTier, key
 from tiers.base import TierKind
 from tiers.null import NullTier
@@ -186,7 +186,7 @@ def test_the_size_conflict_log_is_bounded():
 
 
 def test_the_reuse_model_and_the_request_dedupe_table_are_bounded():
-    from kvstore.predictor import ReuseModel
+    from kvstore.policy.reuse_model import ReuseModel
     model = ReuseModel(max_records=500, max_keys=2000)
     for i in range(1000):                              # 1,000 requests of 8 fresh blocks each
         model.observe_request([key(i * 8 + j, "reuse") for j in range(8)], now=float(i))
@@ -198,7 +198,7 @@ def test_the_reuse_model_and_the_request_dedupe_table_are_bounded():
 
 
 def test_session_hint_waits_expire_and_a_late_hint_still_calibrates():
-    from kvstore.sessions import SessionHint, SessionState
+    from kvstore.agent.sessions import SessionHint, SessionState
     m, s, clock = scheduler()
     clock.t = 100.0
     for i in range(300):                              # sessions that never come back

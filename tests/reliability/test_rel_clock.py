@@ -16,8 +16,8 @@ import time
 import pytest
 
 from conftest import daemon_config
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
 from rel_support import key
 from tiers.base import TierKind
 

@@ -15,9 +15,9 @@ import pytest
 from support.daemon import daemon_config
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client import KVStoreClient
-from kvstore.errors import SizeConflict
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.common.errors import SizeConflict
+from kvstore.service.startup import start_server
 from rel_support import key, payload, run_in_thread
 from tiers.base import TierKind
 

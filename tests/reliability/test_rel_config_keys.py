@@ -14,11 +14,12 @@ import sys
 import pytest
 
 from conftest import ROOT, daemon_config
-from kvstore import config, errors
-from kvstore.client import KVStoreClient
-from kvstore.replay import replay
-from kvstore.serve import start_server
-from kvstore.units import parse_size
+from kvstore import config
+from kvstore.common import errors
+from kvstore.client.client import KVStoreClient
+from kvstore.tools.replay import replay
+from kvstore.service.startup import start_server
+from kvstore.common.units import parse_size
 
 SOURCES = [p for folder in ("kvstore", "tiers", "engine_adapter") for p in (ROOT / folder).rglob("*.py")
            if p.name != "config.py" and "_proto" not in p.parts]
@@ -106,7 +107,7 @@ def test_replay_refuses_a_node_with_another_block_size_before_sending_blocks(nod
         assert c.stats()["counters"].get("blocks_put", 0) == 0
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n')
-    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "replay", str(trace), "--target", node16.address,
+    out = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "replay", str(trace), "--target", node16.address,
                           "--quiet"], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert out.returncode == 2 and "configured for 16" in out.stderr, out.stderr
 
@@ -114,8 +115,8 @@ def test_replay_refuses_a_node_with_another_block_size_before_sending_blocks(nod
 def test_the_engine_adapter_refuses_a_node_with_another_block_size():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "engine_adapter"))
     from ea_support import TINY, MemoryStore, engine
-    from engine_adapter.runner import Runner
-    from engine_adapter.tp import TPGroup
+    from engine_adapter.reference.runner import Runner
+    from engine_adapter.reference.tp import TPGroup
 
     store = MemoryStore()
     store.block_tokens = engine().block_tokens * 2

@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from kvstore import errors
-from kvstore.client import KVStoreClient
+from kvstore.common import errors
+from kvstore.client.client import KVStoreClient
 from rel_support import (DaemonProcess, is_payload_of, key, nvme_audit, payload, short_socket_dir,
                          size_for, write_toml)
 

@@ -18,9 +18,9 @@ import subprocess
 import pytest
 
 from support.daemon import daemon_config
-from kvstore import errors
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
+from kvstore.common import errors
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
 from rel_support import key, payload
 
 BLOCK = 256 << 10

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kvstore.errors import KVStoreError, TierFull, TierIOError
-from kvstore.manager import TierManager
+from kvstore.common.errors import KVStoreError, TierFull, TierIOError
+from kvstore.store.manager import TierManager
 from kvstore.policy import make_policy
 from rel_support import MemTier, key, payload, run_in_thread
 from tiers.base import TierKind

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from support.daemon import daemon_config
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.serve import start_server
+from kvstore.service.startup import start_server
 from rel_support import key, payload
 
 FUZZ = settings(max_examples=int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "250")), deadline=None,

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from support.daemon import daemon_config
 from kvstore import config
-from kvstore.errors import ConfigError
-from kvstore.serve import start_server
+from kvstore.common.errors import ConfigError
+from kvstore.service.startup import start_server
 
 EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "250"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

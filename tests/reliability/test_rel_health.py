@@ -9,6 +9,7 @@ Verdicts wait for the health monitor's verdict with generous deadlines.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -18,10 +19,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import daemon_config
-from kvstore import config, errors
-from kvstore.client import KVStoreClient
-from kvstore.health import SERVICES
-from kvstore.serve import start_server
+from kvstore import config
+from kvstore.common import errors
+from kvstore.client.client import KVStoreClient
+from kvstore.service.health import SERVICES
+from kvstore.service.startup import start_server
 from rel_support import key
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -105,7 +107,7 @@ def test_health_recovers_when_the_folder_comes_back_without_a_put(tmp_path):
 
 def tcp_config(tmp_path, name: str, port: int) -> config.Config:
     cfg = daemon_config(tmp_path / name, host="4MiB", nvme="16MiB")
-    return config.replace(cfg, server=config.dataclasses.replace(cfg.server, listen=f"127.0.0.1:{port}"))
+    return config.replace(cfg, server=dataclasses.replace(cfg.server, listen=f"127.0.0.1:{port}"))
 
 
 def test_a_second_daemon_on_the_same_tcp_port_is_refused(tmp_path):

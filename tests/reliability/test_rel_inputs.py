@@ -17,14 +17,14 @@ import grpc
 import pytest
 
 from conftest import daemon_config
-from kvstore import errors
+from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client import KVStoreClient
-from kvstore.predictor import LogNormalFit, ToolPredictor, WindowQuantile
-from kvstore.serve import start_server
-from kvstore.server import PUT_REPLY_TRAILER
-from kvstore.validate import MAX_BLOCK_BYTES, MAX_CLOCK_SKEW_S, MAX_RANGES
+from kvstore.client.client import KVStoreClient
+from kvstore.agent.tool_durations import LogNormalFit, ToolPredictor, WindowQuantile
+from kvstore.service.startup import start_server
+from kvstore.service.server import PUT_REPLY_TRAILER
+from kvstore.service.validate import MAX_BLOCK_BYTES, MAX_CLOCK_SKEW_S, MAX_RANGES
 from rel_support import key
 
 BAD_TIMES = [math.nan, math.inf, -math.inf, -1.0]
@@ -188,7 +188,7 @@ def test_size_conflict_on_the_protobuf_put(node, caplog):
     assert stub.PutInline(pb.PutBatch(chunks=[first]), timeout=20).stored == 1
     bigger = pb.PutChunk(key=key(1), total_size=2048, offset=0, data=b"b" * 2048)
     other = pb.PutChunk(key=key(2), total_size=100, offset=0, data=b"c" * 100)
-    with caplog.at_level(logging.WARNING, logger="kvstore.manager"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.store.manager"):
         for call, arg in ((stub.Put, iter([pb.PutBatch(chunks=[bigger, other])])),
                           (stub.PutInline, pb.PutBatch(chunks=[bigger]))):
             with pytest.raises(grpc.RpcError) as info:

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from kvstore.client import KVStoreClient
+from kvstore.client.client import KVStoreClient
 from rel_support import DaemonProcess, is_payload_of, short_socket_dir, size_for, write_toml
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -12,8 +12,8 @@ import pytest
 from conftest import daemon_config
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
 from rel_support import key, payload
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

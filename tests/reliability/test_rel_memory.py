@@ -19,8 +19,8 @@ import pytest
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client import KVStoreClient
-from kvstore.transport import channel_options
+from kvstore.client.client import KVStoreClient
+from kvstore.common.transport import channel_options
 from rel_support import DaemonProcess, key, short_socket_dir, write_toml
 from test_rel_load import overhead_bound
 

@@ -15,11 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support.daemon import daemon_config
-from kvstore import auth, config, errors
-from kvstore.auth import Authenticator, tenant_key
-from kvstore.client import KVStoreClient
-from kvstore.errors import ConfigError
-from kvstore.serve import start_server
+from kvstore.service import auth
+from kvstore import config
+from kvstore.common import errors
+from kvstore.service.auth import Authenticator, tenant_key
+from kvstore.client.client import KVStoreClient
+from kvstore.common.errors import ConfigError
+from kvstore.service.startup import start_server
 from rel_support import key, payload
 from tiers.base import TierKind
 

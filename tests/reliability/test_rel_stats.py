@@ -1,5 +1,5 @@
 """Stats mean what they say (issue 9, item 11): every counter the code increments is
-declared once (kvstore/counters.py) with its unit, listed in the README table and in the
+declared once (kvstore/store/counters.py) with its unit, listed in the README table and in the
 proto comments; a block streamed in several pieces is one read.
 """
 
@@ -10,9 +10,9 @@ import re
 import pytest
 
 from conftest import ROOT, daemon_config
-from kvstore.client import KVStoreClient
-from kvstore.counters import COUNTERS, Counters, declared, unit_of
-from kvstore.serve import start_server
+from kvstore.client.client import KVStoreClient
+from kvstore.store.counters import COUNTERS, Counters, declared, unit_of
+from kvstore.service.startup import start_server
 from rel_support import key
 
 SOURCES = [p for folder in ("kvstore", "tiers", "engine_adapter") for p in (ROOT / folder).rglob("*.py")
@@ -34,8 +34,8 @@ def incremented_names() -> set[str]:
 
 def reported_names() -> set[str]:
     """Counters reported as a snapshot of the cluster store's own counts (the keys of
-    ``call_counters()`` in tiers/mooncake.py, reported as ``remote_<name>``)."""
-    text = (ROOT / "tiers" / "mooncake.py").read_text()
+    ``call_counters()`` in tiers/mooncake/tier.py, reported as ``remote_<name>``)."""
+    text = (ROOT / "tiers" / "mooncake" / "tier.py").read_text()
     body = text[text.index("def call_counters"):]
     body = body[:body.index("\n    def ", 1)]
     return {f"remote_{n}" for n in re.findall(r'"([a-z_]+)":', body)}

@@ -13,12 +13,12 @@ import grpc
 import pytest
 
 from conftest import daemon_config
-from kvstore import errors
+from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client import KVStoreClient
-from kvstore.serve import start_server
-from kvstore.transport import channel_options
+from kvstore.client.client import KVStoreClient
+from kvstore.service.startup import start_server
+from kvstore.common.transport import channel_options
 from rel_support import key
 
 LIMIT = 64 << 10

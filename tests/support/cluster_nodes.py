@@ -17,11 +17,11 @@ import time
 import pytest
 
 from kvstore import config
-from kvstore.replay import block_token_counts
+from kvstore.tools.replay import block_token_counts
 
 
 def require_mooncake() -> None:
-    from tiers.mooncake_client import mooncake_missing
+    from tiers.mooncake.client import mooncake_missing
 
     reason = mooncake_missing()
     if reason:
@@ -32,7 +32,7 @@ def require_mooncake() -> None:
 def mooncake_master():
     """A master (and its HTTP metadata server) on 127.0.0.1 for one test."""
     require_mooncake()
-    from tiers.mooncake_local import LocalMaster
+    from tiers.mooncake.local_cluster import LocalMaster
 
     master = LocalMaster(client_ttl_s=3).start()
     yield master

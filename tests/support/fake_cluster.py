@@ -1,5 +1,5 @@
 """An in-memory cluster store and its remote tier, for tests of the store core's cluster
-level (:mod:`kvstore.remote`) without Mooncake.
+level (:mod:`kvstore.cluster.cluster`) without Mooncake.
 
 ``FakeCluster`` is the shared store (objects by key, first writer wins) with fault hooks:
 

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from tiers.nvme import NVMeTier
-from tiers.nvme_io import probe_direct
+from tiers.nvme.tier import NVMeTier
+from tiers.nvme.files import probe_direct
 
 
 @pytest.fixture(params=["direct", "buffered"])
@@ -38,7 +38,7 @@ def open_nvme(tmp_path, io_mode):
 
 
 def _require_mooncake() -> None:
-    from tiers.mooncake_client import mooncake_missing
+    from tiers.mooncake.client import mooncake_missing
 
     reason = mooncake_missing()
     if reason:
@@ -49,7 +49,7 @@ def _require_mooncake() -> None:
 def mooncake_master():
     """A master (with its HTTP metadata server) on 127.0.0.1, killed after the module."""
     _require_mooncake()
-    from tiers.mooncake_local import LocalMaster
+    from tiers.mooncake.local_cluster import LocalMaster
 
     master = LocalMaster(client_ttl_s=3).start()
     yield master
@@ -60,7 +60,7 @@ def mooncake_master():
 def make_tier(mooncake_master):
     """``make_tier(**settings)``: a connected MooncakeTier with a prefix unique to the
     test (so tests never see each other's blocks); closed at teardown."""
-    from tiers.mooncake import MooncakeConfig, MooncakeTier
+    from tiers.mooncake.tier import MooncakeConfig, MooncakeTier
 
     prefix = f"t{uuid.uuid4().hex[:12]}/"
     made = []
@@ -87,7 +87,7 @@ def make_tier(mooncake_master):
 @pytest.fixture
 def raw_store(mooncake_master):
     """A plain Mooncake client with no segment, to overwrite objects behind the tier."""
-    from tiers.mooncake_client import store_class
+    from tiers.mooncake.client import store_class
 
     store = store_class()()
     rc = store.setup({"local_hostname": "127.0.0.1", "metadata_server": mooncake_master.metadata_server,

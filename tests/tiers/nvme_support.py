@@ -7,8 +7,8 @@ import pathlib
 
 import numpy as np
 from tiers.base import read_bytes
-from tiers.nvme import NVMeTier
-from tiers.nvme_format import DEFAULT_CHUNK_BYTES, file_bytes
+from tiers.nvme.tier import NVMeTier
+from tiers.nvme.format import DEFAULT_CHUNK_BYTES, file_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """GPUDirect Storage on a GPU (kvikio): the helpers of tiers.gds, and the NVMe tier's device
-path in the block file format of the POSIX path (tiers.nvme_format). The same tier code
+path in the block file format of the POSIX path (tiers.nvme.format). The same tier code
 runs on CPU, with a host-memory backend, in test_nvme_device.py."""
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def file_of(nvme, key: bytes) -> str:
 
 @pytest.mark.parametrize("direct", [None, False])
 def test_nvme_gds_write_read_by_posix_and_back(tmp_path, hbm, direct):
-    from tiers.nvme import NVMeTier
-    from tiers.nvme_format import DEFAULT_CHUNK_BYTES, file_bytes
+    from tiers.nvme.tier import NVMeTier
+    from tiers.nvme.format import DEFAULT_CHUNK_BYTES, file_bytes
     path = tmp_path / "nvme"
     nvme = NVMeTier(path, 1 << 27, io="gds", direct=direct)
     assert nvme.io == "gds" and nvme.capabilities.device_files is nvme
@@ -156,7 +156,7 @@ def test_nvme_gds_write_read_by_posix_and_back(tmp_path, hbm, direct):
 
 
 def test_nvme_gds_read_verifies_the_checksum(tmp_path, hbm):
-    from tiers.nvme import NVMeTier
+    from tiers.nvme.tier import NVMeTier
     nvme = NVMeTier(tmp_path / "nvme", 1 << 24, io="gds")
     try:
         data = payload(20, 50_000)
@@ -182,11 +182,11 @@ def test_nvme_gds_read_verifies_the_checksum(tmp_path, hbm):
 # The manager test below is the lead's to port with the v2 manager (it dispatches by
 # capabilities.device_files); the tier-side names are already the v2 ones.
 def test_manager_moves_hbm_nvme_through_gds(tmp_path, monkeypatch):
-    from kvstore.manager import TierManager
+    from kvstore.store.manager import TierManager
     from kvstore.policy import make_policy
     from tiers.base import TierKind
     from tiers.hbm import HBMTier
-    from tiers.nvme import NVMeTier
+    from tiers.nvme.tier import NVMeTier
 
     nvme = NVMeTier(tmp_path / "nvme", 1 << 26, io="auto")
     assert nvme.capabilities.device_files is nvme

@@ -95,7 +95,7 @@ def test_block_read_through_cuda_ipc_by_another_process(tier):
     script = textwrap.dedent("""
         import hashlib, json, sys
         import cupy
-        from kvstore.ipc import close_attachments, open_block
+        from kvstore.client.ipc import close_attachments, open_block
         from tiers.base import IpcHandle
         d = json.loads(sys.argv[1])
         arr = open_block(IpcHandle(bytes.fromhex(d["handle"]), d["offset"], d["size"], d["device"]))

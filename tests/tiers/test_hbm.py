@@ -17,7 +17,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from kvstore.ipc import close_attachments, open_block
+from kvstore.client.ipc import close_attachments, open_block
 from tiers.base import TierKind, read_bytes
 from tiers.errors import BlockNotStored, TierFull
 from tiers.hbm import ALIGNMENT, HBMTier
@@ -183,7 +183,7 @@ def test_block_read_in_place_by_another_process(tier):
     h = tier.ipc_handle(key(7))
     script = textwrap.dedent("""
         import hashlib, json, sys
-        from kvstore.ipc import open_block
+        from kvstore.client.ipc import open_block
         from tiers.base import IpcHandle
         d = json.loads(sys.argv[1])
         arr = open_block(IpcHandle(d["handle"].encode(), d["offset"], d["size"], d["device"]))

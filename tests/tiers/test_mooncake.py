@@ -6,7 +6,7 @@ import pytest
 
 from tiers.base import RemoteStore, TierKind, read_bytes
 from tiers.errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, TierFull
-from tiers.remote_format import HEADER_BYTES, encode_into, object_bytes
+from tiers.mooncake.object_format import HEADER_BYTES, encode_into, object_bytes
 
 
 def K(i):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tiers.errors import BlockNotStored, TierIOError
-from tiers.remote_guard import RemoteState, RemoteUnavailable
+from tiers.mooncake.guard import RemoteState, RemoteUnavailable
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def wait_until(pred, timeout_s=60.0):
 
 @pytest.fixture
 def own_master(mooncake_master):          # mooncake_master: skips when Mooncake is absent
-    from tiers.mooncake_local import LocalMaster
+    from tiers.mooncake.local_cluster import LocalMaster
 
     master = LocalMaster(client_ttl_s=3).start()
     yield master
@@ -130,7 +130,7 @@ def test_master_stalled_then_resumed(own_master, make_tier):
 
 
 def test_master_down_at_start_connects_later(make_tier, mooncake_master):
-    from tiers.mooncake_local import LocalMaster
+    from tiers.mooncake.local_cluster import LocalMaster
 
     master = LocalMaster(client_ttl_s=3)                              # ports chosen, not started
     try:
@@ -151,7 +151,7 @@ def test_master_down_at_start_connects_later(make_tier, mooncake_master):
 
 
 def test_peer_killed_costs_only_remote_hits(own_master, make_tier):
-    from tiers.mooncake_local import LocalSegment
+    from tiers.mooncake.local_cluster import LocalSegment
 
     peer = LocalSegment(own_master, 64 * MIB).start()
     try:

@@ -18,12 +18,21 @@ import lmdb
 import pytest
 
 from nvme_support import ROOT, K, block_files, disk_bytes, file_of, payload, put, read
-from tiers import gds, nvme_write
+from tiers import gds
+from tiers.nvme import write as nvme_write
 from tiers.base import TierKind
-from tiers.errors import (BlockCorrupt, BlockExists, BlockNotStored, DiskFull, InvalidAccess, TierFull,
-                          TierIOError, TierUnavailable)
-from tiers.nvme import NVMeTier
-from tiers.nvme_format import PAGE
+from tiers.errors import (
+    BlockCorrupt,
+    BlockExists,
+    BlockNotStored,
+    DiskFull,
+    InvalidAccess,
+    TierFull,
+    TierIOError,
+    TierUnavailable,
+)
+from tiers.nvme.tier import NVMeTier
+from tiers.nvme.format import PAGE
 
 
 # ---------------------------------------------------------------- basics
@@ -439,7 +448,7 @@ def test_bad_arguments_are_value_errors(tmp_path):
 
 
 def test_tiers_import_nothing_from_kvstore():
-    code = ("import sys; import tiers.nvme, tiers.nvme_recover, tiers.nvme_device, tiers.gds; "
+    code = ("import sys; import tiers.nvme, tiers.nvme.recover, tiers.nvme.device, tiers.gds; "
             "bad = sorted(m for m in sys.modules if m == 'kvstore' or m.startswith('kvstore.')); "
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

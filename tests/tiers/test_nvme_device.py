@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from nvme_support import K, block_files, disk_bytes, file_of, payload, put, read
-from tiers import nvme, nvme_device
+from tiers.nvme import tier as nvme
+from tiers.nvme import device as nvme_device
 from tiers.base import DeviceFileIO
 from tiers.errors import BlockCorrupt, BlockNotStored, DiskFull, InvalidAccess
 from tiers.gpu import cuda_buffer
-from tiers.nvme import NVMeTier
-from tiers.nvme_recover import read_header
+from tiers.nvme.tier import NVMeTier
+from tiers.nvme.recover import read_header
 
 
 class HostDeviceArray:

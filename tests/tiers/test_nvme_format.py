@@ -10,10 +10,19 @@ import pytest
 
 from nvme_support import K, file_of, payload, put, read
 from tiers.errors import BlockCorrupt
-from tiers.nvme_format import (MAGIC, PAGE, HeaderError, IndexEntry, chunk_sums, decode_header, encode_header,
-                               file_bytes, header_bytes)
-from tiers.nvme_read import HeaderCache, plan_spans
-from tiers.nvme_recover import read_header
+from tiers.nvme.format import (
+    MAGIC,
+    PAGE,
+    HeaderError,
+    IndexEntry,
+    chunk_sums,
+    decode_header,
+    encode_header,
+    file_bytes,
+    header_bytes,
+)
+from tiers.nvme.read import HeaderCache, plan_spans
+from tiers.nvme.recover import read_header
 
 C = 16 << 10
 

@@ -24,9 +24,9 @@ import pytest
 
 from nvme_support import ROOT, K, block_files, file_of, payload, put, read
 from tiers.errors import TierUnavailable
-from tiers.nvme import NVMeTier
-from tiers.nvme_format import PAGE
-from tiers.nvme_recover import repair_index
+from tiers.nvme.tier import NVMeTier
+from tiers.nvme.format import PAGE
+from tiers.nvme.recover import repair_index
 
 N = 300
 """Blocks in the damaged store: sizes 0 B to ~190 KB, written whole and in pieces."""
@@ -260,20 +260,20 @@ def test_repair_index_command(store):
     t.close()
     with open(data_file(store), "r+b") as f:                    # garbage over the first meta page
         f.write(b"\xa5" * PAGE)
-    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "repair-index", str(store)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "repair-index", str(store)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"{N} blocks" in done.stdout and f"{N} indexed from their headers" in done.stdout
     assert "meta page 0" in done.stdout and "index.damaged-" in done.stdout
     found = reopen(store)                                       # the daemon then trusts the new index
     assert found["damage"] is None and found["adopted"] == 0 and found["identical"] == N
-    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "repair-index", str(store / "nope")], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "kvstore.tools.cli", "repair-index", str(store / "nope")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "not an NVMe tier folder" in done.stdout
 
 
 def test_audit_of_a_closed_folder(store):
-    from tiers.nvme_recover import audit_folder
+    from tiers.nvme.recover import audit_folder
     clean = audit_folder(store)
     assert clean["indexed"] == clean["files"] == N and len(clean["keys"]) == N
     assert all(clean[k] == 0 for k in ("temp", "orphans", "missing", "bad_size", "bad_header", "bad_checksum",

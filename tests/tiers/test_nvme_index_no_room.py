@@ -18,9 +18,9 @@ import lmdb
 import pytest
 
 from nvme_support import K, payload, put, read
-from tiers import nvme_index
+from tiers.nvme import index as nvme_index
 from tiers.errors import TierUnavailable
-from tiers.nvme import NVMeTier
+from tiers.nvme.tier import NVMeTier
 
 
 def _no_compaction_folder(monkeypatch):

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from tiers.errors import BlockCorrupt, InvalidAccess, TierIOError
-from tiers.remote_format import HEADER_BYTES, encode_into, object_bytes, object_name, verify
-from tiers.remote_guard import CallGuard, RemoteTimeout, RemoteUnavailable
-from tiers.staging import ALIGN, StagingArena, StagingBusy
+from tiers.mooncake.object_format import HEADER_BYTES, encode_into, object_bytes, object_name, verify
+from tiers.mooncake.guard import CallGuard, RemoteTimeout, RemoteUnavailable
+from tiers.mooncake.staging import ALIGN, StagingArena, StagingBusy
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -196,7 +196,7 @@ def test_mooncake_missing_names_the_missing_package(monkeypatch):
     import builtins
     import importlib.util
 
-    from tiers import mooncake_client
+    from tiers.mooncake import client as mooncake_client
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert "pip install mooncake-transfer-engine-non-cuda" in mooncake_client.mooncake_missing()
@@ -215,7 +215,7 @@ def test_mooncake_missing_names_the_missing_package(monkeypatch):
 
 
 def test_mooncake_config_validates_and_sizes_deadlines():
-    from tiers.mooncake_client import MooncakeConfig
+    from tiers.mooncake.client import MooncakeConfig
 
     cfg = MooncakeConfig(master="127.0.0.1:50051", metadata_server="http://127.0.0.1:8080/metadata",
                          capacity_bytes=1 << 30, timeout_s=2.0, min_throughput=1 << 30)

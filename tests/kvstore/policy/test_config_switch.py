@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore import config, simulate
+from kvstore import config
+from kvstore.tools import simulate
 from kvstore.policy import POLICIES, make_policy
 from kvstore.policy.next_use import NextUsePolicy
 from kvstore.policy.s3fifo import S3FIFOPolicy
@@ -17,7 +18,7 @@ def test_registry_has_every_policy_and_rejects_unknown_names():
 
 
 def test_a_config_change_switches_the_daemons_policy(tmp_path):
-    from kvstore.serve import build_manager
+    from kvstore.service.startup import build_manager
 
     managers = []
     try:
@@ -39,7 +40,7 @@ def test_a_config_change_switches_the_daemons_policy(tmp_path):
 
 
 def test_per_tier_override_and_params_reach_the_policy(tmp_path):
-    from kvstore.serve import build_manager
+    from kvstore.service.startup import build_manager
 
     cfg = config.from_dict({
         "tiers": {"host": {"capacity": "1MiB", "policy": {"eviction": "s3fifo", "params": {"small_ratio": 0.25}}},

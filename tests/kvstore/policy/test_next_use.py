@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import ConfigError
+from kvstore.common.errors import ConfigError
 from kvstore.policy import AcceptsNextUse, NoVictim, UsesReuseModel, make_policy
-from kvstore.predictor import ReuseModel
+from kvstore.policy.reuse_model import ReuseModel
 
 
 def k(name: str) -> bytes:

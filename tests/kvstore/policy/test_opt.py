@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import math
 
-from kvstore import simulate
+from kvstore.tools import simulate
 from kvstore.policy import make_policy
-from kvstore.trace import Request
+from kvstore.tools.trace import Request
 
 
 def one_block_requests(refs: list[int]) -> list[Request]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import ConfigError
+from kvstore.common.errors import ConfigError
 from kvstore.policy import NoVictim, make_policy
 
 from policy_driver import drive as run_policy

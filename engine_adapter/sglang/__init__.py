@@ -1,0 +1,1 @@
+"""kvstore as an SGLang HiCache storage backend (:mod:`engine_adapter.sglang.backend`)."""

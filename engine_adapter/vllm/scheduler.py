@@ -1,0 +1,197 @@
+"""Scheduler half of the vLLM connector: what to load and store, planned per engine step.
+
+Runs in vLLM's scheduler process (the workers are other processes), so what is stored
+is learnt from the daemon itself (a Lookup), never from worker memory. Per request:
+
+1. ``num_new_matched_tokens``: keys of the request's full blocks (at most
+   ``(num_tokens - 1) // block_size`` of them, so at least one token is computed and
+   gives the next token's logits); Lookup gives the stored prefix ``hit``; vLLM already
+   holds ``num_computed_tokens`` locally; the external tokens are
+   ``(hit - num_computed_tokens / block_size) * block_size`` when positive.
+2. ``after_alloc``: the external blocks become a load of ``keys[first:first + n]`` into
+   the request's cache blocks ``block_ids[first:first + n]``.
+3. ``build``: the step's :class:`StepPlan`: the loads above and, per scheduled request,
+   a store of each full block that this step completes and the store does not hold yet
+   (blocks before ``hit`` are already stored).
+
+Nothing here imports vLLM: requests and scheduler outputs are read by attribute
+(``request.request_id``, ``.all_token_ids``, ``.num_tokens``, ``.block_hashes``,
+``.lora_request``, ``.cache_salt``; ``scheduler_output.scheduled_new_reqs``,
+``.scheduled_cached_reqs``, ``.num_scheduled_tokens``, ``.finished_req_ids``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvstore.common.errors import KVStoreError
+from kvstore.common.keys import Namespace
+
+from engine_adapter import store_io
+from engine_adapter.engine_keys import IncrementalKeys
+
+log = logging.getLogger("engine_adapter.vllm")
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Blocks of one request moving between vLLM's paged cache and the store.
+
+    Attributes:
+        req_id: vLLM request id.
+        keys: 32-byte store keys, one per block, in prefix order.
+        block_ids: vLLM cache block ids (KV cache group 0), one per key.
+    """
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.block_ids):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.block_ids)} blocks")
+
+
+@dataclass
+class StepPlan:
+    """What the workers load before and store after one engine step."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: object
+    keys: IncrementalKeys
+    local_computed: int = 0          # block-aligned local prefix hit given to the lookup
+    stored_blocks: int = 0           # leading full blocks known to be in the store
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class SchedulerPlanner:
+    """Lookups and load/store planning of the scheduler process.
+
+    Args:
+        namespace: store namespace (its scheme decides how keys are derived).
+        block_size: vLLM's block size in tokens (the store's ``block_tokens``).
+        client: the daemon's client (used for Lookup only).
+        timeout_s: Lookup deadline, seconds.
+
+    A request's ``num_publishable_block_hashes`` (where a vLLM release has it) caps how
+    many of its leading block hashes are used for keys; vLLM 0.32 and 0.33 have none.
+    """
+
+    def __init__(self, namespace: Namespace, block_size: int, client, timeout_s: float):
+        if namespace.block_tokens != block_size:
+            raise ValueError(f"namespace block_tokens {namespace.block_tokens} != block size {block_size}")
+        self.namespace = namespace
+        self.block_size = block_size
+        self.client = client
+        self.timeout_s = timeout_s
+        self._reqs: dict[str, _Tracked] = {}
+        self._loads: list[BlockTransfer] = []
+        self._lookup_failing = False
+
+    # ------------------------------------------------------------ keys
+
+    def _track(self, request) -> _Tracked:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            extra = {}
+            lora = getattr(request, "lora_request", None)
+            if lora is not None:
+                extra["lora"] = str(getattr(lora, "lora_name", lora))
+            salt = getattr(request, "cache_salt", None)
+            if salt:
+                extra["cache_salt"] = str(salt)
+            st = _Tracked(request, IncrementalKeys(self.namespace, extra))
+            self._reqs[request.request_id] = st
+        return st
+
+    def request_keys(self, st: _Tracked) -> list[bytes]:
+        """Keys of the request's full blocks known now (empty when it must not use the store)."""
+        req = st.request
+        if st.keys.scheme == "tokens" and getattr(req, "mm_features", None):
+            return []                      # token keys cannot see image inputs: never share
+        hashes = list(getattr(req, "block_hashes", ()))
+        cap = getattr(req, "num_publishable_block_hashes", None)
+        if cap is not None:
+            hashes = hashes[:cap]
+        return st.keys.extend(tokens=req.all_token_ids, block_hashes=hashes)
+
+    # ------------------------------------------------------------ vLLM hooks
+
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` that the store can supply (a multiple
+        of the block size; 0 when the daemon cannot be reached, with one warning)."""
+        st = self._track(request)
+        st.local_computed = num_computed_tokens
+        usable = self.request_keys(st)[:max(0, (request.num_tokens - 1) // self.block_size)]
+        try:
+            hit = store_io.lookup_prefix(self.client, usable, self.timeout_s)
+        except KVStoreError as e:
+            if not self._lookup_failing:
+                log.warning("kvstore lookup failed (%s); computing prefixes without the store", e)
+            self._lookup_failing = True
+            return 0
+        self._lookup_failing = False
+        st.stored_blocks = max(st.stored_blocks, hit)
+        return max(0, hit - num_computed_tokens // self.block_size) * self.block_size
+
+    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` into ``block_ids`` (all of the request's
+        blocks of KV cache group 0, as vLLM allocated them)."""
+        st = self._track(request)
+        n = num_external_tokens // self.block_size
+        if n <= 0:
+            return
+        first = st.local_computed // self.block_size
+        keys = self.request_keys(st)[first:first + n]
+        ids = block_ids[first:first + n]
+        if len(keys) != n or len(ids) != n:
+            raise RuntimeError(f"request {request.request_id}: {n} external blocks planned but "
+                               f"{len(keys)} keys and {len(ids)} cache blocks are known")
+        self._loads.append(BlockTransfer(request.request_id, tuple(keys), tuple(ids)))
+
+    def build(self, scheduler_output) -> StepPlan:
+        """The step's loads and stores; resets the pending loads."""
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                st.num_computed = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            st.num_computed = cached.num_computed_tokens[i]
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            keys = self.request_keys(st)
+            full = min((st.num_computed + n) // self.block_size, len(keys), len(st.block_ids))
+            if full > st.stored_blocks:
+                first = st.stored_blocks
+                plan.saves.append(BlockTransfer(req_id, tuple(keys[first:full]),
+                                                tuple(st.block_ids[first:full])))
+                st.stored_blocks = full
+        for req_id in scheduler_output.finished_req_ids:
+            self._reqs.pop(req_id, None)
+        return plan
+
+    def finished(self, request) -> None:
+        """Forget a finished request (its stores were planned in earlier steps)."""
+        self._reqs.pop(request.request_id, None)

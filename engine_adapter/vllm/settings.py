@@ -1,0 +1,129 @@
+"""Settings of the vLLM connector (``kv_connector_extra_config``) and its store namespace."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvstore.common.keys import Namespace
+
+from engine_adapter.engine_keys import engine_namespace
+from engine_adapter.vllm.kv_views import KV_LAYOUTS
+
+REPRODUCIBLE_HASHES = ("sha256", "sha256_cbor")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` of the connector.
+
+    Attributes:
+        target: the daemon's gRPC target, e.g. ``"unix:/run/kvstore/kvstore.sock"``.
+        auth_token: bearer token when the daemon requires one.
+        timeout_s: deadline of each store call (Lookup, Get, Put), seconds.
+        load_timeout_s: longest wait for one layer's blocks before recomputing them.
+        model_id: model id in the namespace (default: vLLM's model name or path).
+        tenant: tenant salt of the namespace.
+        key_scheme: ``auto`` (vLLM's block hashes when they are reproducible
+            across processes, i.e. ``sha256`` / ``sha256_cbor``; else tokens),
+            ``block_hash`` or ``tokens``.
+        kv_layout: ``auto`` or one of ``engine_adapter.vllm.kv_views.KV_LAYOUTS``.
+    """
+
+    target: str
+    auth_token: str = ""
+    timeout_s: float = 10.0
+    load_timeout_s: float = 30.0
+    model_id: str = ""
+    tenant: str = ""
+    key_scheme: str = "auto"
+    kv_layout: str = "auto"
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> "ConnectorSettings":
+        """Validate the extra config. Raises ValueError naming a bad or unknown key."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(names)}")
+        if not isinstance(extra.get("target"), str) or not extra["target"]:
+            raise ValueError("kv_connector_extra_config needs 'target', the kvstore daemon address "
+                             "(e.g. 'unix:/run/kvstore/kvstore.sock')")
+        s = cls(**dict(extra))
+        for name in ("timeout_s", "load_timeout_s"):
+            value = getattr(s, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"kv_connector_extra_config {name!r} must be a positive number, got {value!r}")
+        if s.key_scheme not in ("auto", "block_hash", "tokens"):
+            raise ValueError(f"kv_connector_extra_config 'key_scheme' must be auto, block_hash or tokens, "
+                             f"got {s.key_scheme!r}")
+        if s.kv_layout != "auto" and s.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_connector_extra_config 'kv_layout' must be auto or one of {KV_LAYOUTS}, "
+                             f"got {s.kv_layout!r}")
+        return s
+
+
+def key_scheme(vllm_config, settings: ConnectorSettings) -> str:
+    """The key scheme in force (``auto`` resolved from vLLM's prefix-caching hash)."""
+    if settings.key_scheme != "auto":
+        return settings.key_scheme
+    cache = vllm_config.cache_config
+    hash_block = getattr(cache, "hash_block_size", None)
+    algo = getattr(cache, "prefix_caching_hash_algo", "")
+    if algo in REPRODUCIBLE_HASHES and hash_block in (None, cache.block_size):
+        return "block_hash"
+    return "tokens"
+
+
+def cpu_kv_format(dtype, block_size: int, head_size: int) -> str:
+    """The CPU attention kernel that owns the cache's interior order (``""`` off CPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        isa = _get_attn_isa(dtype, block_size, head_size)
+    except Exception:  # another vLLM release: still keep CPU blocks apart from GPU ones
+        isa = "unknown"
+    return f"vllm-cpu/{isa}"
+
+
+def namespace_of(vllm_config, settings: ConnectorSettings) -> Namespace:
+    """The store namespace of a vLLM instance: model, KV dtype, block size, KV shape,
+    key scheme (and CPU kernel format). The TP size is not part of it.
+
+    Raises ValueError for pipeline parallelism (not supported).
+    """
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    if getattr(parallel, "pipeline_parallel_size", 1) != 1:
+        raise ValueError("the kvstore connector does not support pipeline parallelism")
+    torch_dtype = model.dtype
+    dtype = str(torch_dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else cache.cache_dtype
+    model_id = settings.model_id or model.model
+    revision = getattr(model, "revision", None)
+    if revision and not settings.model_id:
+        model_id = f"{model_id}@{revision}"
+    head = model.get_head_size()
+    return engine_namespace(
+        model=model_id, dtype=dtype, block_tokens=cache.block_size,
+        num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_total_num_kv_heads(),
+        head_dim=head, scheme=key_scheme(vllm_config, settings), tenant=settings.tenant, engine="vllm",
+        kv_format=cpu_kv_format(torch_dtype, cache.block_size, head))
+
+
+def tp_heads(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """``[h0, h1)`` of the model's KV heads that TP rank ``rank`` holds in vLLM: a
+    contiguous split, or one replicated head when ``tp_size`` exceeds the KV heads."""
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} TP ranks")
+        per = num_kv_heads // tp_size
+        return rank * per, (rank + 1) * per
+    if tp_size % num_kv_heads:
+        raise ValueError(f"{tp_size} TP ranks do not replicate {num_kv_heads} KV heads evenly")
+    head = rank // (tp_size // num_kv_heads)
+    return head, head + 1

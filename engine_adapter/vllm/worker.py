@@ -1,0 +1,277 @@
+"""Worker half of the vLLM connector: page blocks into vLLM's paged cache and store new ones.
+
+One instance per TP rank, driven by the hooks vLLM calls in every step:
+
+- ``bind(plan)``: the step's plan, when vLLM binds the metadata;
+- ``start_load()``: a loader thread fetches, layer by layer, this rank's KV heads
+  of every planned block (``store_io.load_blocks`` with two byte ranges per layer,
+  ``docs/block_layout.md``) into staging tensors of its own;
+- ``wait_layer(l)`` (before layer ``l``'s attention): waits for layer ``l`` and scatters
+  its blocks into the cache (``kernels.scatter_blocks``). A block missing, short or
+  late in any layer is never used: it and the rest of its request's loaded blocks are
+  reported by ``take_load_errors`` and vLLM recomputes them;
+- ``save_layer(l)`` (after layer ``l``'s attention): copies layer ``l`` of the blocks
+  this step completes out of the cache (``kernels.gather_blocks``), so vLLM may reuse
+  the cache blocks as soon as the step ends;
+- ``end_step()``: when every layer was copied, TP rank 0 gathers the other ranks' heads
+  (``gather_heads``) and a background thread stores the full-head payloads
+  (``store_io.save_blocks``); a save missing a layer is dropped, never stored partly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kernels import gather_blocks, scatter_blocks
+from kvstore.common.errors import KVStoreError
+
+from engine_adapter import store_io
+from engine_adapter.background import BackgroundJobs
+from engine_adapter.layout import BlockLayout
+from engine_adapter.vllm.kv_views import kernel_view
+from engine_adapter.vllm.scheduler import BlockTransfer, StepPlan
+
+log = logging.getLogger("engine_adapter.vllm")
+
+GatherHeads = Callable[[torch.Tensor], "torch.Tensor | None"]
+"""``(n, layers, 2, rank_heads, bs, hd)`` of this rank -> all heads on TP rank 0, ``None`` elsewhere."""
+
+
+class _LayerLoads:
+    """Loader thread of one step: staging tensors and per-layer readiness."""
+
+    def __init__(self, client, loads: Sequence[BlockTransfer], layout: BlockLayout,
+                 heads: tuple[int, int], timeout_s: float):
+        self.loads = list(loads)
+        self.keys = [k for t in self.loads for k in t.keys]
+        self.layout, self.heads, self.timeout_s = layout, heads, timeout_s
+        n, nh = len(self.keys), heads[1] - heads[0]
+        self.staging = [torch.empty((n, 1, 2, nh, layout.block_tokens, layout.head_dim), dtype=layout.dtype)
+                        for _ in range(layout.num_layers)]
+        self.ok: list[list[bool] | None] = [None] * layout.num_layers
+        self.ready = [threading.Event() for _ in range(layout.num_layers)]
+        self.problem: str | None = None
+        self._cancel = threading.Event()
+        self._client = client
+        threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True).start()
+
+    def _run(self) -> None:
+        for layer in range(self.layout.num_layers):
+            if self._cancel.is_set():
+                break
+            try:
+                ok = store_io.load_blocks(self._client, self.keys, self.staging[layer],
+                                          ranges=self.layout.layer_ranges(layer, self.heads),
+                                          timeout_s=self.timeout_s)
+            except Exception as e:  # store down or a bug: the blocks are recomputed, never used
+                self.problem = f"layer {layer}: {e}"
+                ok = [False] * len(self.keys)
+            self.ok[layer] = ok
+            self.ready[layer].set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+
+@dataclass
+class _Save:
+    transfers: list[BlockTransfer]
+    block_ids: list[int]
+    keys: list[bytes]
+    staging: torch.Tensor            # (n, num_layers, 2, rank_heads, bs, hd)
+    layers_done: list[bool]
+
+
+class WorkerTransfers:
+    """Loads and saves of one TP rank.
+
+    Args:
+        client: the daemon's client.
+        layer_names: vLLM's attention layer names in layer order.
+        kv_caches: ``layer name -> cache tensor`` as vLLM registers it.
+        kv_layout: ``"token"``, ``"cpu"`` or ``"kv_first"`` (``vllm_kv_views``).
+        layout: payload layout (all KV heads of the model).
+        heads: ``[h0, h1)``, the model KV heads this rank's cache holds.
+        is_first_rank: TP rank 0 (the one that puts).
+        gather_heads: TP>1 head gather (a collective every rank calls in ``end_step``).
+        timeout_s: deadline of each store call; load_timeout_s: wait for one layer.
+        max_pending_saves: steps' saves queued for the writer; beyond it a step's save is
+            dropped (a later miss, never wrong KV) rather than stalling the engine.
+    """
+
+    def __init__(self, client, layer_names: Sequence[str], kv_caches: dict[str, torch.Tensor], kv_layout: str,
+                 layout: BlockLayout, heads: tuple[int, int], *, is_first_rank: bool = True,
+                 gather_heads: GatherHeads | None = None, timeout_s: float = 10.0, load_timeout_s: float = 30.0,
+                 max_pending_saves: int = 64):
+        self.client = client
+        self.layout = layout
+        self.heads = heads
+        self.is_first_rank = is_first_rank
+        self.gather_heads = gather_heads
+        self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        if len(self.layer_index) != layout.num_layers:
+            raise ValueError(f"{len(self.layer_index)} KV cache layers for a {layout.num_layers}-layer layout")
+        self.views, self.kernel_layout = [], "HND"
+        for name in layer_names:
+            kv = kv_caches[name]
+            if kv.dtype != layout.dtype:
+                raise ValueError(f"layer {name} cache is {kv.dtype}, the store namespace says {layout.dtype}")
+            view, self.kernel_layout = kernel_view(kv, kv_layout, layout.head_dim)
+            self.views.append(view)
+        shape = self.views[0].shape
+        cache_heads = shape[2] if self.kernel_layout == "HND" else shape[3]
+        cache_bs = shape[3] if self.kernel_layout == "HND" else shape[2]
+        if cache_heads != heads[1] - heads[0] or cache_bs != layout.block_tokens:
+            raise ValueError(f"cache holds {cache_heads} KV heads x {cache_bs} tokens per block; expected "
+                             f"{heads[1] - heads[0]} x {layout.block_tokens}")
+        self._plan: StepPlan | None = None
+        self._load: _LayerLoads | None = None
+        self._load_valid: list[int] = []        # per load transfer: leading blocks usable so far
+        self._waited: list[bool] = []
+        self._errors: set[int] = set()
+        self._save: _Save | None = None
+        self.blocks_loaded = self.blocks_saved = self.save_failures = self.saves_dropped = 0
+        self._writes = BackgroundJobs(self._write, "kvstore-vllm-save", max_pending_saves)
+
+    # ------------------------------------------------------------ loads
+
+    def bind(self, plan: StepPlan) -> None:
+        """Take the step's plan (when vLLM binds the metadata, before the forward): prepares
+        the save staging. vLLM calls ``start_load_kv`` after the forward when the step has
+        no synchronous loads, so saves must not wait for it."""
+        self._plan = plan
+        self._load = None
+        self._save = None
+        if plan.saves:
+            ids = [b for t in plan.saves for b in t.block_ids]
+            nh = self.heads[1] - self.heads[0]
+            staging = torch.empty((len(ids), self.layout.num_layers, 2, nh, self.layout.block_tokens,
+                                   self.layout.head_dim), dtype=self.layout.dtype)
+            self._save = _Save(list(plan.saves), ids, [k for t in plan.saves for k in t.keys], staging,
+                               [False] * self.layout.num_layers)
+
+    def start_load(self) -> None:
+        """Start the loader thread of the bound plan's loads (once per step)."""
+        plan = self._plan
+        if plan is None or not plan.loads or self._load is not None:
+            return
+        self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s)
+        self._load_valid = [len(t.keys) for t in plan.loads]
+        self._waited = [False] * self.layout.num_layers
+        self._deadline = time.monotonic() + self.load_timeout_s
+
+    def _fail(self, i: int, first_bad: int) -> None:
+        """Transfer ``i``'s blocks from ``first_bad`` on are not used: report them."""
+        t = self._load.loads[i]
+        if first_bad < self._load_valid[i]:
+            self._errors.update(t.block_ids[first_bad:])
+            self._load_valid[i] = first_bad
+
+    def wait_layer(self, name: str) -> None:
+        load = self._load
+        if load is None or name not in self.layer_index:
+            return
+        layer = self.layer_index[name]
+        if self._waited[layer]:
+            return
+        self._waited[layer] = True
+        if not load.ready[layer].wait(max(0.0, self._deadline - time.monotonic())):
+            load.cancel()
+            log.warning("kvstore page back of layer %d not done in %.1fs: recomputing", layer, self.load_timeout_s)
+            for i in range(len(load.loads)):
+                self._fail(i, 0)
+            return
+        ok, start = load.ok[layer], 0
+        for i, t in enumerate(load.loads):
+            n = len(t.keys)
+            lead = next((j for j in range(n) if not ok[start + j]), n)
+            if lead < self._load_valid[i]:
+                log.warning("kvstore block %d of request %s unusable in layer %d%s: recomputing from it",
+                            lead, t.req_id, layer, f" ({load.problem})" if load.problem else "")
+                self._fail(i, lead)
+            valid = self._load_valid[i]
+            if valid:
+                scatter_blocks([self.views[layer]], list(t.block_ids[:valid]),
+                               load.staging[layer][start:start + valid].to(self.views[layer].device),
+                               heads=None, layers=[0], layout=self.kernel_layout)
+            start += n
+
+    # ------------------------------------------------------------ saves
+
+    def save_layer(self, name: str) -> None:
+        save = self._save
+        if save is None or name not in self.layer_index:
+            return
+        layer = self.layer_index[name]
+        dst = save.staging[:, layer:layer + 1]
+        if self.views[layer].device.type == "cpu":
+            gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout, out=dst)
+        else:
+            dst.copy_(gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout).cpu())
+        save.layers_done[layer] = True
+
+    def end_step(self) -> None:
+        """After the step's forward: check loads were applied, hand saves to the writer."""
+        plan, self._plan = self._plan, None
+        if plan is not None and plan.loads and self._load is None:
+            log.error("vLLM ran the step without starting the KV loads; reporting the blocks as failed")
+            self._errors.update(b for t in plan.loads for b in t.block_ids)
+        load = self._load
+        if load is not None:
+            if not all(self._waited):
+                log.error("vLLM did not wait for every layer's KV load; reporting the loaded blocks as failed")
+                for i in range(len(load.loads)):
+                    self._fail(i, 0)
+            self.blocks_loaded += sum(self._load_valid)
+            load.cancel()
+            self._load = None
+        save, self._save = self._save, None
+        if save is None:
+            return
+        if not all(save.layers_done):
+            log.error("KV of %d blocks was not copied for every layer; not storing them", len(save.keys))
+            return
+        full = self.gather_heads(save.staging) if self.gather_heads is not None else save.staging
+        if full is None or not self.is_first_rank:
+            return
+        if not self._writes.submit(save.keys, full.contiguous(), block=False):
+            self.saves_dropped += 1
+            log.warning("kvstore writer is %d steps behind; not storing %d blocks", self._writes.max_pending,
+                        len(save.keys))
+
+    def _write(self, keys, full) -> None:
+        try:
+            store_io.save_blocks(self.client, keys, full, timeout_s=self.timeout_s)
+            self.blocks_saved += len(keys)
+        except KVStoreError as e:
+            self.save_failures += 1
+            log.warning("kvstore put of %d blocks failed (%s); they will be recomputed when needed", len(keys), e)
+        except Exception:
+            self.save_failures += 1
+            raise
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued puts are done; False when ``timeout_s`` passed first."""
+        return self._writes.flush(timeout_s)
+
+    def take_load_errors(self) -> set[int]:
+        """Cache block ids whose load failed since the last call (vLLM recomputes them)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+
+def assemble_heads(parts, bounds, num_kv_heads: int) -> torch.Tensor:
+    """Full-head blocks from the TP ranks' parts ``(n, L, 2, rank_heads, bs, hd)`` and their
+    head ranges (replicated heads, TP > KV heads, are taken once)."""
+    n, L, _, _, bs, hd = parts[0].shape
+    full = torch.empty((n, L, 2, num_kv_heads, bs, hd), dtype=parts[0].dtype)
+    for part, (h0, h1) in zip(parts, bounds):
+        full[:, :, :, h0:h1] = part
+    return full

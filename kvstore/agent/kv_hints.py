@@ -1,0 +1,138 @@
+"""Session hints from an engine's per-request KV hints (vLLM's ``kv_hints`` envelope).
+
+vLLM carries optional, typed, versioned KV hints with each request (RFC
+vllm-project/vllm#53421, PR #53423; the same envelope in SGLang #36224 and NVIDIA
+Dynamo's router): ::
+
+    {"protocol_version": "0.1", "message_id": "...",
+     "actions": [{"action_id": "...", "action_type": "...", "action_version": "...",
+                  "payload": {...}}]}
+
+Each consumer reads the action types it implements and ignores the rest. The session
+hints of RFC vllm-project/vllm#52113 (``agent_hint``: ``session_id``,
+``cache_control.ttl``, ``context_management.edits`` of type ``evict`` / ``offload`` /
+``prefetch``) are the semantics we take. A KV connector (#10) passes the envelope and
+the request's block keys through; :func:`session_hints` maps them:
+
+=====================================================  =====================================
+action                                                 :class:`~kvstore.agent.sessions.SessionHint`
+=====================================================  =====================================
+``kvstore.session`` 1.x, payload ``{session_id,        as given (``state`` = continues /
+state, expected_back_s?, ttl_s?}``                     finished / abandoned)
+``agent_hint`` 1.x, ``cache_control: {ttl}``           continues, ``ttl_s`` = ttl
+``agent_hint`` with an ``evict`` edit of the whole     finished (the blocks are released)
+request context
+``agent_hint`` with a ``prefetch`` edit                continues, ``expected_back_s`` = 0
+``agent_hint`` with an ``offload`` edit                continues (no time: the learned gap)
+=====================================================  =====================================
+
+An edit with a block range applies to those blocks only: ``evict`` of a range becomes
+a finished hint for a derived session ``<session_id>#<start>:<end>`` holding just
+those keys. Unknown action types and major versions are skipped (returned, so the
+caller can log them); a malformed envelope or payload raises InvalidRequest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from kvstore.common.errors import InvalidRequest
+from kvstore.agent.sessions import SessionHint, SessionState
+
+PROTOCOL_VERSIONS = ("0.1",)
+SESSION_ACTION = "kvstore.session"
+AGENT_HINT_ACTION = "agent_hint"
+
+
+def _obj(value: Any, where: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"kv_hints: {where} must be an object")
+    return value
+
+
+def _major(version: Any, where: str) -> str:
+    if not isinstance(version, str) or not version:
+        raise InvalidRequest(f"kv_hints: {where}.action_version must be a non-empty string")
+    return version.split(".")[0]
+
+
+def _from_session_action(p: Mapping, keys: tuple[bytes, ...], time: float | None) -> list[SessionHint]:
+    return [SessionHint(p.get("session_id"), p.get("state"), keys, p.get("expected_back_s"),
+                        p.get("ttl_s"), time)]
+
+
+def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) -> list[SessionHint]:
+    sid = p.get("session_id")
+    out: list[SessionHint] = []
+    ttl = None
+    cc = p.get("cache_control")
+    if cc is not None:
+        ttl = _obj(cc, "agent_hint.cache_control").get("ttl", 300.0)
+    edits = _obj(p.get("context_management") or {}, "agent_hint.context_management").get("edits") or []
+    if not isinstance(edits, list):
+        raise InvalidRequest("kv_hints: agent_hint.context_management.edits must be a list")
+    whole: SessionHint | None = None
+    for e in edits:
+        e = _obj(e, "agent_hint edit")
+        kind = e.get("type")
+        if kind not in ("evict", "offload", "prefetch"):
+            raise InvalidRequest(f"kv_hints: edit type must be evict, offload or prefetch, got {kind!r}")
+        start, end = e.get("block_start"), e.get("block_end")
+        if start is None and end is None:
+            if kind == "evict":
+                whole = SessionHint(sid, SessionState.FINISHED, keys, time=time)
+            elif kind == "prefetch":
+                whole = SessionHint(sid, SessionState.CONTINUES, keys, 0.0, ttl, time)
+            else:
+                whole = SessionHint(sid, SessionState.CONTINUES, keys, None, ttl, time)
+            continue
+        s = 0 if start is None else start
+        t = len(keys) if end is None else end
+        if not (isinstance(s, int) and isinstance(t, int)) or not 0 <= s <= t <= len(keys):
+            raise InvalidRequest(f"kv_hints: edit block range [{start}, {end}) outside the "
+                                 f"request's {len(keys)} blocks")
+        if kind == "evict" and t > s:
+            out.append(SessionHint(f"{sid}#{s}:{t}", SessionState.FINISHED, keys[s:t], time=time))
+    if whole is None:
+        whole = SessionHint(sid, SessionState.CONTINUES, keys, None, ttl, time)
+    return [whole] + out
+
+
+_ACTIONS = {SESSION_ACTION: _from_session_action, AGENT_HINT_ACTION: _from_agent_hint}
+
+
+def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
+                  time: float | None = None) -> tuple[list[SessionHint], list[str]]:
+    """Session hints carried by one request's ``kv_hints`` envelope.
+
+    Args:
+        envelope: the decoded envelope (a JSON object), or None.
+        keys: the request's full-block keys (32 bytes each) in prefix order.
+        time: when the request arrived (seconds; None: the table's now).
+    Returns:
+        ``(hints, skipped)``: the hints in action order, and the ``action_id`` of each
+        action skipped as unknown (type or major version).
+    Raises:
+        InvalidRequest: a malformed envelope, action or payload, or an unsupported
+            ``protocol_version``.
+    """
+    if envelope is None:
+        return [], []
+    env = _obj(envelope, "the envelope")
+    if env.get("protocol_version") not in PROTOCOL_VERSIONS:
+        raise InvalidRequest(f"kv_hints: protocol_version must be one of {PROTOCOL_VERSIONS}, "
+                             f"got {env.get('protocol_version')!r}")
+    actions = env.get("actions", [])
+    if not isinstance(actions, list):
+        raise InvalidRequest("kv_hints: actions must be a list")
+    keys = tuple(keys)
+    hints: list[SessionHint] = []
+    skipped: list[str] = []
+    for i, a in enumerate(actions):
+        a = _obj(a, f"actions[{i}]")
+        parse = _ACTIONS.get(a.get("action_type"))
+        if parse is None or _major(a.get("action_version"), f"actions[{i}]") != "1":
+            skipped.append(str(a.get("action_id", i)))
+            continue
+        hints.extend(parse(_obj(a.get("payload"), f"actions[{i}].payload"), keys, time))
+    return hints, skipped

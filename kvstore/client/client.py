@@ -1,0 +1,355 @@
+"""Synchronous Python client of the kvstore daemon (used by engines, the CLI and tests).
+
+>>> with KVStoreClient("unix:kvstore-data/kvstore.sock") as c:      # doctest: +SKIP
+...     c.put_from(keys, payloads)                    # one buffer per block, or one buffer
+...     hit = c.lookup(keys).hit_blocks
+...     c.get_into(keys[:hit], out)                   # straight into numpy / torch memory
+
+Data path: on the daemon's own unix socket the client maps the daemon's shared host
+arena once (:mod:`kvstore.client.arena_mapping`) and copies blocks straight between it and the caller's
+buffers; gRPC carries only Lease/Release and Reserve/Commit. Elsewhere (TCP, a
+multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
+(:mod:`kvstore.common.wire`) on gRPC. Both paths give the same results; the first lives in
+:mod:`kvstore.client.arena`, the second in :mod:`kvstore.client.raw`.
+
+Errors: gRPC status codes become :mod:`kvstore.common.errors` exceptions (:mod:`kvstore.common.status`);
+a message over the size limit is :class:`~kvstore.common.errors.MessageTooLarge`, never a full
+store. This module imports only types, errors, the wire format and the generated stubs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import grpc
+
+from kvstore.common import errors
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.buffers import BlockBuffers, host_view
+from kvstore.client.arena import ArenaChanged, ArenaPathMixin
+from kvstore.client.raw import RawPathMixin
+from kvstore.common.status import error_for
+from kvstore.common.transport import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MESSAGE_BYTES,
+    FRAMING_BYTES,
+    channel_options,
+    default_chunk_bytes,
+    keys_per_request,
+    parts,
+)
+from kvstore.common.types import BlockMeta, LookupResult, PutResult, TierKind
+
+_DATA = "/kvstore.v1.KVStoreData/"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the daemon says about itself (``Info``)."""
+
+    version: str
+    block_tokens: int
+    key_hash: str
+    max_message_bytes: int
+    shm_socket: str
+    shm_arena_bytes: int
+    shm_refused: str
+
+
+@dataclass(frozen=True)
+class GetIntoResult:
+    """Outcome of :meth:`KVStoreClient.get_into`.
+
+    Attributes:
+        found: leading blocks copied (with ``stop_at_miss``, the hit prefix).
+        sizes: bytes copied per key asked for (0: not found).
+        tier_codes: tier each block was read from, one byte per key (0: not found).
+    """
+
+    found: int
+    sizes: list[int]
+    tier_codes: bytes
+
+
+class KVStoreClient(ArenaPathMixin, RawPathMixin):
+    """Blocking client of one daemon.
+
+    Args:
+        target: gRPC target, e.g. ``"unix:/run/kvstore.sock"`` or ``"127.0.0.1:50051"``.
+        timeout: per-call deadline in seconds (loads never hang past it).
+        auth_token: bearer token sent as ``authorization: Bearer <token>`` metadata.
+        chunk_bytes: largest payload piece per message (blocks above it are chunked);
+            default 1 MiB, or ``max_message_bytes`` less 16 KiB of framing when smaller.
+        max_message_bytes: gRPC message size limit (bytes); must not exceed the daemon's
+            ``[server] max_message_bytes``. Requests listing more keys than fit are
+            split (:func:`kvstore.common.transport.keys_per_request`); a message the daemon
+            still refuses raises :class:`~kvstore.common.errors.MessageTooLarge`.
+        root_certificates: PEM bytes to connect with TLS (TCP targets only).
+        shared_memory: use the daemon's shared arena when it offers one (None: yes when
+            possible, False: never, True: fail if it cannot).
+        lease_ttl_s: TTL of the leases and reservations of the shared-memory path.
+    """
+
+    def __init__(self, target: str, *, timeout: float = 30.0, auth_token: str = "",
+                 chunk_bytes: int | None = None, max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+                 root_certificates: bytes | None = None, shared_memory: bool | None = None,
+                 lease_ttl_s: float = 30.0):
+        if chunk_bytes is None:
+            chunk_bytes = default_chunk_bytes(max_message_bytes)
+        if chunk_bytes <= 0 or chunk_bytes > max_message_bytes - FRAMING_BYTES:
+            raise ValueError(f"chunk_bytes must be > 0 and at least {FRAMING_BYTES} bytes below max_message_bytes")
+        self.target = target
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self.lease_ttl_s = lease_ttl_s
+        self._token = auth_token
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        opts = channel_options(max_message_bytes)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._get_raw = self._channel.unary_stream(_DATA + "GetRaw", request_serializer=pb.GetRequest.SerializeToString)
+        self._put_raw = self._channel.stream_unary(_DATA + "PutRaw", response_deserializer=pb.PutReply.FromString)
+        self._info: NodeInfo | None = None
+        self._open_arena_path(shared_memory)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        self._close_arena_path()
+        self._channel.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the daemon answers. Raises StoreUnavailable after ``timeout`` s."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise errors.StoreUnavailable(f"kvstore daemon at {self.target} not ready after {timeout}s") from None
+
+    def _call(self, method, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise error_for(e) from None
+
+    # -------------------------------------------------------------- node
+
+    def info(self, timeout: float | None = None) -> NodeInfo:
+        """The node's block size, key hash and data-path offer (cached)."""
+        if self._info is None:
+            r = self._call(self._stub.Info, pb.InfoRequest(), timeout)
+            self._info = NodeInfo(r.version, r.block_tokens, r.key_hash, r.max_message_bytes, r.shm_socket,
+                                  r.shm_arena_bytes, r.shm_refused)
+        return self._info
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is set and is not
+        ``block_tokens`` (keys computed with another block size never hit the blocks of
+        the node's other clients). Raises StoreUnavailable when the node does not answer."""
+        node = self.info().block_tokens
+        if node and node != block_tokens:
+            raise errors.InvalidRequest(f"this client cuts prompts into {block_tokens}-token blocks but the node "
+                                        f"at {self.target} is configured for {node} ([blocks] block_tokens)")
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether blocks move through the daemon's shared arena (mapped on first use)."""
+        return self._shm() is not None
+
+    # -------------------------------------------------------------- lookup, delete, stats
+
+    def _per_request(self, per_key: int = 34, extra: int = 0) -> int:
+        return keys_per_request(self.max_message_bytes, per_key, extra)
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
+        """Longest stored prefix of ``keys`` and the tier of each hit block."""
+        hit, codes = 0, b""
+        for part in parts(list(keys), self._per_request()) or [[]]:
+            reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout)
+            hit += reply.hit_blocks
+            codes += reply.tier_codes
+            if reply.hit_blocks < len(part):
+                break
+        return LookupResult(hit, codes)
+
+    def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
+        """Delete blocks from every tier; returns how many were stored."""
+        return sum(self._call(self._stub.Delete, pb.DeleteRequest(keys=part), timeout).deleted
+                   for part in parts(list(keys), self._per_request()))
+
+    def stats(self, timeout: float | None = None) -> dict:
+        """Tier usage, counters and health: ``{"tiers", "counters", "serving", "problems"}``."""
+        reply = self._call(self._stub.Stats, pb.StatsRequest(), timeout)
+        return {
+            "tiers": [
+                {"tier": TierKind(t.tier).name.lower(), "name": t.name, "capacity_bytes": t.capacity_bytes,
+                 "used_bytes": t.used_bytes, "payload_bytes": t.payload_bytes, "blocks": t.blocks,
+                 "policy": t.policy}
+                for t in reply.tiers
+            ],
+            "counters": dict(reply.counters),
+            "serving": reply.serving,
+            "problems": list(reply.problems),
+        }
+
+    # -------------------------------------------------------------- put
+
+    def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
+                 offsets: Sequence[int] | None = None, meta: Sequence[BlockMeta | None] | None = None,
+                 timeout: float | None = None) -> PutResult:
+        """Store ``keys`` from ``src``: one buffer per key (numpy arrays, torch tensors on
+        CPU or CUDA, any buffer), or one buffer holding every block: in ``len(keys)``
+        equal parts (e.g. shaped ``(len(keys), block_bytes)``), or ``sizes`` bytes each,
+        back to back or at ``offsets``.
+
+        Same node: Reserve, one copy into the shared arena, Commit; blocks the arena
+        cannot take now go by gRPC. ``meta`` as in :meth:`put`. Raises as :meth:`put`.
+        """
+        keys = list(keys)
+        if not keys:
+            return PutResult(0, 0, 0)
+        if meta is not None and len(meta) != len(keys):
+            raise errors.InvalidRequest(f"{len(meta)} block metas for {len(keys)} keys")
+        bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
+        lengths = bufs.block_sizes()
+        arena = self._shm()
+        if arena is None:
+            return self.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))], timeout,
+                            meta=meta)
+        return self._arena_put(arena, keys, bufs, lengths, meta, timeout)
+
+    # -------------------------------------------------------------- get
+
+    def get_into(self, keys: Sequence[bytes], out: Any, *, ranges: Sequence[tuple[int, int]] | None = None,
+                 offsets: Sequence[int] | None = None, stop_at_miss: bool = True,
+                 timeout: float | None = None) -> GetIntoResult:
+        """Copy blocks (or ``ranges`` of each, concatenated) straight into ``out``: one
+        buffer per key, or one buffer of ``len(keys)`` equal slots (e.g. shaped
+        ``(len(keys), block_bytes)``), or one buffer with the blocks at ``offsets``.
+        Buffers: numpy arrays, torch tensors (CPU, pinned or CUDA), any writable buffer.
+
+        With ``stop_at_miss`` (the default: a prefix) copying stops at the first miss. A
+        block too short for ``ranges`` counts as a miss (its layout is not the caller's).
+        Same node: one Lease, one copy per block from the shared arena, then the lease is
+        released in the background. Raises InvalidRequest (a buffer too small, bad
+        ranges), StoreUnavailable.
+        """
+        keys = list(keys)
+        bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)
+        arena = self._shm()
+        sizes = [0] * len(keys)
+        codes = bytearray(len(keys))
+        start = 0
+        for _ in range(2):
+            if arena is None:
+                break
+            try:
+                start = self._lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
+                break
+            except ArenaChanged:                # the daemon restarted: its new arena, or gRPC
+                sizes[:] = [0] * len(keys)
+                codes[:] = bytes(len(keys))
+                start = 0
+                arena = self._shm()
+        if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
+            self._raw_copy(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
+        found = 0
+        while found < len(keys) and codes[found]:
+            found += 1
+        bufs.finish()
+        return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
+
+    # -------------------------------------------------------------- leases (low level)
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float | None = None, *, prefix: bool = True,
+              device: bool = False, max_bytes: int = 0, timeout: float | None = None) -> pb.LeaseReply:
+        """Pin blocks for reading in place (the shared arena, or HBM with ``device``).
+        Returns the raw reply (offsets, sizes, tier codes, IPC blocks, ``resume_at``: the
+        grant stopped early past ``max_bytes``, default a quarter of the arena); call
+        :meth:`release` with its ``lease_id`` when done. Raises :class:`ArenaChanged` (a
+        FeatureDisabled) when the daemon restarted since :meth:`arena` was mapped: take
+        the new mapping from :meth:`arena` and lease again."""
+        request = pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
+                                  device=device, max_bytes=max_bytes)
+        if self._arena is not None:
+            return self._arena_call(self._stub.Lease, request, timeout, self._arena)
+        return self._call(self._stub.Lease, request, timeout)
+
+    def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
+        """End leases; returns how many were live."""
+        return self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids)), timeout).released
+
+    def arena(self):
+        """The mapped shared arena (:class:`kvstore.client.arena_mapping.ArenaMapping`), or None."""
+        return self._shm()
+
+    # -------------------------------------------------------------- agent hints
+
+    def tool_call_start(self, trajectory_id: str, tool: str, keys: Sequence[bytes],
+                        start_time: float | None = None, timeout: float | None = None) -> float:
+        """Tell the daemon trajectory ``trajectory_id`` started tool ``tool``; its prefix is ``keys``.
+
+        ``start_time`` is unix seconds (default: now). Returns the predicted resume time
+        (unix seconds).
+        """
+        req = pb.ToolCallStartRequest(trajectory_id=trajectory_id, tool=tool, keys=list(keys),
+                                      start_time=start_time if start_time is not None else time.time())
+        return self._call(self._stub.ToolCallStart, req, timeout).predicted_resume_time
+
+    def session_hint(self, session_id: str, state: str = "continues", keys: Sequence[bytes] = (), *,
+                     expected_back_s: float | None = None, ttl_s: float | None = None, at: float | None = None,
+                     kv_hints: dict | None = None, timeout: float | None = None) -> float:
+        """Tell the daemon what the agent framework knows about a session (trajectory).
+
+        Args:
+            session_id: the session; state: ``"continues"``, ``"finished"`` or ``"abandoned"``.
+            keys: its prefix blocks in order (empty: as last given).
+            expected_back_s: seconds until it returns (continues; None: learned by the daemon).
+            ttl_s: keep its blocks near at most this long (seconds; None: no limit).
+            at: unix seconds the hint applies (default now).
+            kv_hints: instead of the above, a vLLM ``kv_hints`` envelope (a JSON object).
+        Returns the expected-back time (unix seconds; ``inf`` once finished or abandoned).
+        Raises InvalidRequest, FeatureDisabled.
+        """
+        states = {"continues": pb.SessionHintRequest.CONTINUES, "finished": pb.SessionHintRequest.FINISHED,
+                  "abandoned": pb.SessionHintRequest.ABANDONED}
+        if state not in states:
+            raise errors.InvalidRequest(f"state must be one of {sorted(states)}, got {state!r}")
+        import json
+        req = pb.SessionHintRequest(session_id=session_id, state=states[state], keys=list(keys),
+                                    expected_back_s=expected_back_s or 0.0, ttl_s=ttl_s or 0.0,
+                                    time=at if at is not None else time.time(),
+                                    kv_hints_json=json.dumps(kv_hints) if kv_hints is not None else "")
+        return self._call(self._stub.SessionHint, req, timeout).expected_back_time
+
+    def explain(self, keys: Sequence[bytes], timeout: float | None = None) -> pb.ExplainReply:
+        """Why the prompt with these block keys misses: the first block not stored and
+        what happened to it (``kind``, ``block``, ``text``; ``tier``/``policy``/``reason``/
+        ``time`` for an eviction)."""
+        return self._call(self._stub.Explain, pb.ExplainRequest(keys=list(keys)), timeout)
+
+    def resume(self, trajectory_id: str, at: float | None = None,
+               timeout: float | None = None) -> tuple[bool, float]:
+        """Tell the daemon the trajectory resumed (``at``: unix seconds, default now).
+        Returns ``(known, observed_seconds)``."""
+        req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
+        reply = self._call(self._stub.Resume, req, timeout)
+        return reply.known, reply.observed_seconds
+
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_MESSAGE_BYTES", "GetIntoResult", "KVStoreClient", "NodeInfo",
+           "channel_options", "host_view"]

@@ -1,0 +1,31 @@
+"""The same-node arena hand-out protocol, shared by the daemon and its clients.
+
+The daemon serves the host arena's memfd on a second unix socket, ``<grpc socket>.arena``
+(:class:`kvstore.service.arena_server.ArenaServer`); a client sends one hello line and
+maps what it receives (:class:`kvstore.client.arena_mapping.ArenaMapping`). Both sides
+name an arena by :func:`arena_identity`, and gRPC calls of a mapped client carry it in
+:data:`ARENA_HEADER`.
+"""
+
+from __future__ import annotations
+
+import os
+
+HELLO = b"KVSTORE-ARENA 1 "
+MAX_HELLO_LINE = 4096
+
+ARENA_HEADER = "kvstore-arena"
+"""gRPC metadata a mapped client sends on Lease, Reserve and Commit: the
+:func:`arena_identity` of its mapping. A daemon serving another arena (it restarted
+since the client mapped it) refuses the call with a message holding
+:data:`ARENA_CHANGED`, so the client never copies from or into a stale mapping."""
+
+ARENA_CHANGED = "the shared arena changed"
+
+
+def arena_identity(fd: int) -> str:
+    """Which memfd an arena is, ``"<st_dev>:<st_ino>"``: the daemon and every client that
+    received the descriptor see the same, and a restarted daemon's new memfd differs
+    while any client still maps the old one."""
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}"

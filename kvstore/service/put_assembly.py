@@ -1,0 +1,128 @@
+"""Put assembly: a stream of chunks (from protobuf batches or raw frames) into blocks.
+
+A client sends blocks in order, each as one or more chunks at increasing offsets (a
+small block is one chunk). :class:`PutAssembler` turns them into the manager's
+two-phase put: ``begin_put`` at a block's first chunk, ``write_chunk`` per chunk,
+``commit_put`` after its last byte; a stream that ends, breaks or fails mid-block
+aborts that block (it never becomes visible). Blocks already stored with the same size
+are skipped (``already_present``); blocks stored with another size are refused and
+counted (``size_conflicts``, first writer wins); blocks no tier admits are counted in
+``not_admitted``. Error messages name blocks by the client's key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvstore.common.errors import InvalidRequest, SizeConflict
+from kvstore.store.manager import TierManager
+from kvstore.common.types import KEY_BYTES, PutResult
+from kvstore.service.validate import MAX_BLOCK_BYTES
+
+
+@dataclass
+class _Open:
+    pending: Any
+    name: str
+    size: int
+
+
+class PutAssembler:
+    """Feeds chunks to ``manager``; use as a context manager so an open block is aborted.
+
+    Args:
+        manager: the store.
+        internal: maps a client key to the store's key (the caller's tenant key space).
+    """
+
+    def __init__(self, manager: TierManager, internal: Callable[[bytes], bytes]):
+        self.m = manager
+        self.internal = internal
+        self.stored = self.present = self.refused = self.conflicts = self.nbytes = 0
+        self.detail = ""
+        self.committed: list[bytes] = []       # store keys committed by this stream
+        self._open: _Open | None = None
+        self._skip_key: bytes | None = None
+        self._skip_left = 0
+        self._meta: tuple[bytes, object] | None = None   # (client key, BlockMeta) for the next block
+
+    def __enter__(self) -> "PutAssembler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._open is not None:
+            self.m.abort_put(self._open.pending)
+            self._open = None
+
+    def meta(self, client_key: bytes, meta) -> None:
+        """The next block's :class:`kvstore.common.types.BlockMeta` (for its KV events)."""
+        self._meta = (client_key, meta)
+
+    def chunk(self, client_key: bytes, total: int, offset: int, data: Any) -> None:
+        """One chunk of the stream (``data`` any buffer). Raises InvalidRequest for a
+        malformed stream, and what the manager raises (TierFull, TierIOError, ...)."""
+        if len(client_key) != KEY_BYTES:
+            raise InvalidRequest(f"key has {len(client_key)} bytes; block keys are {KEY_BYTES} bytes")
+        n = memoryview(data).nbytes
+        key = self.internal(client_key)
+        if self._skip_key is not None and key == self._skip_key and offset > 0:
+            self._skip_left -= n            # further chunks of a block that needs no write
+            if self._skip_left <= 0:
+                self._skip_key = None
+            return
+        self._skip_key = None
+        op = self._open
+        if op is not None and key != op.pending.key:
+            raise InvalidRequest(f"block {op.name} ended after {op.pending.written} of {op.size} bytes")
+        if op is None:
+            name = client_key.hex()[:16]
+            if offset != 0:
+                raise InvalidRequest(f"first chunk of block {name} starts at offset {offset}, not 0")
+            if not 0 < total <= MAX_BLOCK_BYTES:
+                raise InvalidRequest(f"block {name} has total_size {total} (must be in (0, {MAX_BLOCK_BYTES}])")
+            if n > total:
+                raise InvalidRequest(f"block {name}: {n} bytes of data for total_size {total}")
+            meta = self._meta[1] if self._meta is not None and self._meta[0] == client_key else None
+            self._meta = None
+            try:
+                outcome = self.m.begin_put(key, total, meta=meta)
+            except SizeConflict as e:
+                self.conflicts += 1
+                self.detail = self.detail or f"block {name}: {e}"
+                self._skip(key, total - n)
+                return
+            if outcome.already_present or outcome.not_admitted:
+                self.present += outcome.already_present
+                self.refused += outcome.not_admitted
+                self._skip(key, total - n)
+                return
+            op = self._open = _Open(outcome.pending, name, total)
+        elif total != op.size:
+            raise InvalidRequest(f"block {op.name}: total_size changed from {op.size} to {total} mid-block")
+        if offset != op.pending.written:
+            raise InvalidRequest(f"block {op.name}: chunk at offset {offset} but {op.pending.written} "
+                                 "bytes written so far")
+        self.m.write_chunk(op.pending, offset, data)
+        if op.pending.written == op.size:
+            self._open = None
+            self.m.commit_put(op.pending)
+            self.committed.append(op.pending.key)
+            self.stored += 1
+            self.nbytes += op.size
+
+    def _skip(self, key: bytes, left: int) -> None:
+        self._skip_key = key if left > 0 else None
+        self._skip_left = left
+
+    def finish(self) -> PutResult:
+        """End of stream: the counts. Raises InvalidRequest when a block is unfinished
+        (it is aborted)."""
+        op = self._open
+        if op is not None:
+            self.m.abort_put(op.pending)
+            self._open = None
+            raise InvalidRequest(f"stream ended inside block {op.name} ({op.pending.written} of {op.size} bytes)")
+        if self.m.cluster is not None:
+            self.m.cluster.put_done(self.committed)     # write-through to the cluster, batched
+        return PutResult(self.stored, self.present, self.nbytes, self.refused, self.conflicts)

@@ -1,0 +1,369 @@
+"""The gRPC service: blocks (Put/Get/Lookup/Delete), leases and reservations for the
+same-node path, Stats/Info, tool-call hints (their handlers: :mod:`kvstore.service.hints`).
+
+Runs on a thread pool (``[server] workers``): handlers copy payloads with the GIL
+released inside numpy/file I/O, and the catalogue lock is held only for catalogue
+changes. Every failure maps to one status code with a message that says what was wrong
+(:mod:`kvstore.common.status`, through the handler wrappers of :mod:`kvstore.service.interceptors`);
+the daemon keeps serving after any bad request. Every number a client sends is checked
+before anything changes (:mod:`kvstore.service.validate`).
+
+**Tenants** (:mod:`kvstore.service.auth`): with ``[server.tenants]`` every client key is mapped
+to the caller's tenant key space before the manager sees it, keys in replies are the
+client's own, and leases and reservations belong to the tenant that made them; a tenant
+can neither read, look up, delete, release nor commit another tenant's blocks.
+
+Bulk data: ``Get``/``Put`` (protobuf) and ``GetRaw``/``PutRaw`` (raw frames,
+:mod:`kvstore.common.wire`, registered by :func:`data_handler`) share :mod:`kvstore.service.get_stream`
+and :mod:`kvstore.service.put_assembly`; both keep every message under the size limit, counting
+framing and misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from kvstore.common import errors
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.service.auth import SHARED, Authenticator, KeySpace
+from kvstore.service.get_stream import GetPlan, proto_batches, raw_frames
+from kvstore.service.interceptors import StreamWatchdog, well_formed
+from kvstore.service.interceptors import abort_call as _abort
+from kvstore.service.interceptors import streaming_handler as _streaming
+from kvstore.service.interceptors import unary_handler as _unary
+from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
+from kvstore.service.put_assembly import PutAssembler
+from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
+from kvstore.common.transport import FRAMING_BYTES
+from kvstore.common.types import BlockMeta, PutResult
+from kvstore.service.hints import HintHandlers
+from kvstore.service.validate import check_keys, check_number, check_ranges, check_size, check_ttl
+from kvstore.common.wire import META, FrameError, decode
+
+log = logging.getLogger("kvstore.service.server")
+
+DATA_SERVICE = "kvstore.v1.KVStoreData"
+DEFAULT_LEASE_TTL_S = 30.0
+
+
+def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
+    return pb.PutReply(stored=r.stored, already_present=r.already_present, bytes_stored=r.bytes_stored,
+                       not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
+
+
+PUT_REPLY_TRAILER = "kvstore-put-reply-bin"
+"""Trailing metadata of a Put refused for a size conflict: the serialized PutReply (what
+the other blocks of the call did), so a client can tell which blocks were stored."""
+
+
+def _finish_put(asm: PutAssembler, context) -> pb.PutReply:
+    """The reply of a finished put stream. A block refused for a size conflict fails the
+    call with ALREADY_EXISTS (:class:`~kvstore.common.errors.SizeConflict`, first writer wins);
+    the other blocks of the call are stored and the reply travels in the trailer."""
+    reply = _put_reply(asm.finish(), asm.detail)
+    if reply.size_conflicts:
+        context.set_trailing_metadata(((PUT_REPLY_TRAILER, reply.SerializeToString()),))
+        raise errors.SizeConflict(f"{reply.detail} ({reply.size_conflicts} blocks refused; {reply.stored} "
+                                  f"stored, {reply.already_present} already present)")
+    return reply
+
+
+
+class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
+    """Serves one :class:`~kvstore.store.manager.TierManager`.
+
+    Args:
+        manager: the block store.
+        max_chunk_bytes: largest payload of one Get message (bytes).
+        max_message_bytes: the gRPC message size limit (bytes); replies stay below it.
+        hints: the prefetch scheduler (``tool_call_start``, ``resume``,
+            ``observe_request``; monotonic seconds), or None: hint calls get
+            FAILED_PRECONDITION.
+        auth: maps each call's bearer token to its tenant; None: one shared key space.
+        health: :class:`kvstore.service.health.Health` (Stats reports it), or None.
+        info: the :class:`~kvstore._proto.kvstore_pb2.InfoReply` to answer Info with.
+        observe: called with (method name, seconds, tenant) after every call (metrics).
+        tally: counts Lookups per tenant (metrics), or None.
+        sessions: applies a :class:`~kvstore.agent.sessions.SessionHint` (monotonic seconds),
+            returning the expected-back time; None: SessionHint gets FAILED_PRECONDITION.
+        explain: maps a prompt's keys to an :class:`~kvstore.service.explain.Explanation`.
+    """
+
+    def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20,
+                 max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
+                 stream_idle_timeout_s: float = 30.0, health=None, info: pb.InfoReply | None = None,
+                 observe: Callable[[str, float, str], None] | None = None, tally=None, sessions=None,
+                 explain=None,
+                 default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
+        self.manager = manager
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self.hints = hints
+        self.auth = auth
+        self.health = health
+        self.info = info or pb.InfoReply()
+        self.idle = StreamWatchdog(stream_idle_timeout_s)
+        self.default_lease_ttl_s = default_lease_ttl_s
+        self._observe = observe
+        self.tally = tally
+        self.sessions = sessions
+        self.explain = explain
+        self.arena_id = ""          # the shared arena handed out (kvstore.service.arena_server.arena_identity); "": none
+
+    def observe(self, method: str, seconds: float, context=None) -> None:
+        """Report one call's latency (seconds) to the metrics, with the caller's tenant."""
+        if self._observe is not None:
+            tenant = ""
+            if self.auth is not None and context is not None:
+                tenant = self.auth.tenant_for(context.invocation_metadata()) or ""
+            self._observe(method, seconds, tenant)
+
+    def _space(self, context) -> KeySpace:
+        """The caller's key space. Raises Unauthenticated (defence in depth: the
+        interceptor refuses such calls before they get here)."""
+        if self.auth is None:
+            return SHARED
+        space = self.auth.key_space(context.invocation_metadata())
+        if space is None:
+            raise errors.Unauthenticated("missing or wrong bearer token")
+        return space
+
+    # ------------------------------------------------------------------ put
+
+    @_unary
+    def Put(self, request_iterator, context) -> pb.PutReply:
+        space = self._space(context)
+        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+            for batch in touch(request_iterator):
+                for c in well_formed(batch).chunks:
+                    if c.HasField("meta"):
+                        asm.meta(c.key, meta_of(c.meta))
+                    asm.chunk(c.key, c.total_size, c.offset, c.data)
+            return _finish_put(asm, context)
+
+    @_unary
+    def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
+        space = self._space(context)
+        with PutAssembler(self.manager, space.internal) as asm:
+            for c in request.chunks:
+                if c.HasField("meta"):
+                    asm.meta(c.key, meta_of(c.meta))
+                asm.chunk(c.key, c.total_size, c.offset, c.data)
+            return _finish_put(asm, context)
+
+    def put_raw(self, frames: Iterator[bytes], context) -> bytes:
+        """``PutRaw``: raw frames in, a serialized PutReply out."""
+        t0 = time.perf_counter()
+        try:
+            space = self._space(context)
+            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+                for frame in touch(frames):
+                    try:
+                        records = decode(frame)
+                    except FrameError as e:
+                        raise errors.InvalidRequest(f"PutRaw: {e}") from None
+                    for r in records:
+                        if r.flags & META:
+                            asm.meta(r.key, meta_of(_decode_meta(r.data)))
+                            continue
+                        asm.chunk(r.key, r.total, r.offset, r.data)
+                return _finish_put(asm, context).SerializeToString()
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc, "PutRaw")
+        finally:
+            self.observe("PutRaw", time.perf_counter() - t0, context)
+
+    # ------------------------------------------------------------------ get
+
+    def _plan(self, request: pb.GetRequest, context) -> GetPlan:
+        space = self._space(context)
+        keys = check_keys(request.keys)
+        ranges = check_ranges((r.offset, r.length) for r in request.ranges)
+        step = self.max_chunk_bytes
+        if request.max_chunk_bytes:
+            step = min(step, int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1)))
+        # a message holds one piece and its framing: it fits the client's limit whenever
+        # the client asks for pieces FRAMING_BYTES below it (kvstore.common.transport)
+        limit = min(self.max_message_bytes, step + FRAMING_BYTES)
+        return GetPlan(self.manager, keys, space.internal, ranges, request.stop_at_miss, step, limit)
+
+    @_streaming
+    def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetBatch]:
+        yield from proto_batches(self._plan(request, context))
+
+    def get_raw(self, request_bytes: bytes, context) -> Iterator[bytes]:
+        """``GetRaw``: a serialized GetRequest in, raw frames out."""
+        t0 = time.perf_counter()
+        try:
+            try:
+                request = pb.GetRequest.FromString(request_bytes)
+            except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
+                raise errors.InvalidRequest(f"GetRaw: request does not decode: {e}") from None
+            yield from raw_frames(self._plan(request, context))
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc, "GetRaw")
+        finally:
+            self.observe("GetRaw", time.perf_counter() - t0, context)
+
+    # ------------------------------------------------------------------ lookup, delete, stats
+
+    @_unary
+    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupReply:
+        space = self._space(context)
+        keys = space.internal_many(check_keys(request.keys))
+        if self.hints is not None:
+            self.hints.observe_request(keys)   # reuse statistics for next_use and prefetch
+        res = self.manager.lookup(keys)
+        if self.tally is not None:
+            self.tally.lookup(space.tenant, len(keys), res.hit_blocks)
+        return pb.LookupReply(hit_blocks=res.hit_blocks, tier_codes=res.tier_codes)
+
+    @_unary
+    def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteReply:
+        space = self._space(context)
+        return pb.DeleteReply(deleted=self.manager.delete(space.internal_many(check_keys(request.keys))))
+
+    @_unary
+    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        self._space(context)
+        m = self.manager
+        tiers = [pb.TierStats(tier=int(u.kind), name=u.name, capacity_bytes=u.capacity_bytes,
+                              used_bytes=u.used_bytes, blocks=u.blocks, policy=u.policy,
+                              payload_bytes=m.payload_bytes(i))
+                 for i, u in enumerate(m.usage())]
+        counters = {k: int(v) for k, v in m.counters.items() if v >= 0}
+        if m.cluster is not None:
+            counters.update(m.cluster.stats())     # the remote tier's call counters
+        serving = self.health.serving if self.health is not None else True
+        problems = list(self.health.problems) if self.health is not None else []
+        return pb.StatsReply(tiers=tiers, counters=counters, serving=serving, problems=problems)
+
+    @_unary
+    def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
+        self._space(context)
+        return self.info
+
+    # ------------------------------------------------------------------ same-node data plane
+
+    def _check_arena(self, context) -> None:
+        """A mapped client names its arena (:data:`~kvstore.service.arena_server.ARENA_HEADER`); one mapped
+        from another daemon (this one restarted since) would read and write the wrong
+        memory: refused (FAILED_PRECONDITION), before anything changes."""
+        for k, v in context.invocation_metadata():
+            if k == ARENA_HEADER and v != self.arena_id:
+                raise errors.FeatureDisabled(f"{ARENA_CHANGED}: the client maps arena {v}, the daemon serves "
+                                             f"{self.arena_id or 'none'} (it restarted?); map it again")
+
+    @_unary
+    def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
+        space = self._space(context)
+        self._check_arena(context)
+        ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
+        keys = check_keys(request.keys)
+        internal = space.internal_many(keys)
+        for lease_id in request.release:    # after the checks: a refused call changes nothing
+            self.manager.release(lease_id, space.tenant)
+        try:
+            grant = self.manager.lease(internal, ttl, space.tenant, prefix=request.prefix, device=request.device,
+                                       max_bytes=request.max_bytes or None)
+        except errors.KVStoreError as e:
+            if type(e) is errors.KVStoreError:
+                raise errors.FeatureDisabled(str(e)) from None
+            raise
+        reply = pb.LeaseReply(lease_id=grant.lease_id, ttl_seconds=grant.ttl_s,
+                              resume_at=grant.resume_at or 0, complete=grant.resume_at is None)
+        reply.offsets.extend(b.offset for b in grant.blocks)
+        reply.sizes.extend(b.size for b in grant.blocks)
+        reply.tier_codes = bytes(int(b.tier) if b.found else 0 for b in grant.blocks)
+        for i, b in enumerate(grant.blocks):
+            if b.ipc is not None:
+                reply.ipc.append(pb.IpcBlock(index=i, ipc_handle=b.ipc.handle, offset=b.ipc.offset,
+                                             size=b.ipc.size, device=b.ipc.device))
+        return reply
+
+    @_unary
+    def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
+        space = self._space(context)
+        return pb.ReleaseReply(released=sum(self.manager.release(i, space.tenant) for i in request.lease_ids))
+
+    @_unary
+    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveReply:
+        space = self._space(context)
+        self._check_arena(context)
+        m = self.manager
+        shared = m.shared_tier
+        if shared is None:
+            raise errors.FeatureDisabled("no shared host arena: zero-copy puts are off (use Put)")
+        keys = check_keys(request.keys)
+        if len(request.sizes) != len(keys):
+            raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.sizes)} sizes")
+        if request.meta and len(request.meta) != len(keys):
+            raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.meta)} block metas")
+        metas = [meta_of(m) for m in request.meta] if request.meta else [None] * len(keys)
+        sizes = [check_size(s, f"sizes[{i}]") for i, s in enumerate(request.sizes)]
+        ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
+        reply = pb.ReserveReply()
+        for key, size, meta in zip(keys, sizes, metas):
+            offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl, meta)
+            reply.offsets.append(offset)
+            reply.status.append(status)
+            if detail and not reply.detail:
+                reply.detail = f"block {key.hex()[:16]}: {detail}"
+        return reply
+
+    @_unary
+    def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
+        space = self._space(context)
+        self._check_arena(context)
+        m = self.manager
+        committed = nbytes = 0
+        keys = check_keys(request.keys)
+        first: dict[bytes, int] = {}
+        for i, k in enumerate(keys):     # a reservation is committed once: refuse before committing any
+            j = first.setdefault(k, i)
+            if j != i:
+                raise errors.InvalidRequest(f"keys[{i}] repeats keys[{j}]: each reservation is committed once")
+        claims = [m.find_claim(space.internal(k), space.tenant) for k in keys]
+        for claim in claims:
+            if request.abort:
+                m.abort_put(claim)
+                continue
+            m.commit_put(claim, in_place=True)
+            committed += 1
+            nbytes += claim.size
+        if m.cluster is not None and not request.abort:
+            m.cluster.put_done([c.key for c in claims])     # write-through to the cluster, batched
+        return pb.CommitReply(committed=committed, bytes_committed=nbytes)
+
+
+def meta_of(m: pb.BlockMeta) -> BlockMeta | None:
+    """A ``BlockMeta`` message as :class:`kvstore.common.types.BlockMeta` (None when empty).
+    Raises InvalidRequest for oversized fields."""
+    if not (m.engine_hash or m.token_ids or m.parent_engine_hash):
+        return None
+    if len(m.engine_hash) > 64 or len(m.parent_engine_hash) > 64 or len(m.token_ids) > 1 << 16 \
+            or len(m.lora_name) > 256:
+        raise errors.InvalidRequest("BlockMeta: hashes are limited to 64 bytes, token_ids to 65536, "
+                                    "lora_name to 256 characters")
+    return BlockMeta(bytes(m.engine_hash), bytes(m.parent_engine_hash), tuple(m.token_ids), m.block_tokens,
+                     m.lora_name)
+
+
+def _decode_meta(data) -> pb.BlockMeta:
+    try:
+        return pb.BlockMeta.FromString(bytes(data))
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
+        raise errors.InvalidRequest(f"PutRaw: a BlockMeta record does not decode: {e}") from None
+
+
+def data_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
+    """The raw-frame methods ``GetRaw`` and ``PutRaw`` of :data:`DATA_SERVICE`."""
+    return grpc.method_handlers_generic_handler(DATA_SERVICE, {
+        "GetRaw": grpc.unary_stream_rpc_method_handler(service.get_raw),
+        "PutRaw": grpc.stream_unary_rpc_method_handler(service.put_raw),
+    })

@@ -1,0 +1,340 @@
+"""Daemon start-up: the one place where concrete tiers are built from the config.
+
+``kvstore serve [--config FILE]`` (:mod:`kvstore.tools.serve_cmd`) runs it in the foreground
+until SIGINT/SIGTERM. Tests and tools start one in-process with :func:`start_server`.
+The listen address is bound by :mod:`kvstore.service.listen`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+from tiers.base import Tier
+from tiers.errors import TierError
+
+from kvstore import __version__
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.service.auth import Authenticator
+from kvstore.config.node import Config
+from kvstore.common.errors import ConfigError
+from kvstore.service.health import HealthMonitor
+from kvstore.service.interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
+from kvstore.service.listen import UnixSocket, bind
+from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
+from kvstore.policy import make_policy
+from kvstore.config.remote import build_remote_tier, cluster_options
+from kvstore.agent.sessions import SessionTable
+from kvstore.service.server import KVStoreService, data_handler
+from kvstore.common.transport import channel_options
+from kvstore.common.units import format_size
+
+log = logging.getLogger("kvstore.service.startup")
+
+SERVICE_NAME = "kvstore.v1.KVStore"
+
+
+def gpu_available() -> bool:
+    """Whether a CUDA GPU can be used (detected once, in :mod:`tiers.gpu`)."""
+    try:
+        from tiers.gpu import gpu_available as detect
+    except ImportError:
+        return False
+    return bool(detect())
+
+
+def _close_all(named: list[tuple[str, Tier]]) -> None:
+    for _, tier in named:
+        tier.close()
+
+
+def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
+    """Concrete tiers from the config, fastest first, as ``(config_name, tier)`` pairs.
+
+    Raises ConfigError when a configured tier cannot be built (e.g. HBM without a GPU).
+    """
+    t = cfg.tiers
+    out: list[tuple[str, Tier]] = []
+    has_gpu = gpu_available()
+    try:
+        if t.hbm.enabled:
+            if not has_gpu:
+                raise ConfigError("tiers.hbm.enabled: no CUDA GPU found; disable the HBM tier on this machine")
+            from tiers.hbm import HBMTier
+            out.append(("hbm", HBMTier(t.hbm.capacity, device=t.hbm.device)))
+        if t.host.enabled:
+            from tiers.host import HostTier
+            pinned = {"auto": has_gpu, "true": True, "false": False}[t.host.pinned]
+            if pinned and not has_gpu:
+                raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
+            try:
+                out.append(("host", HostTier(t.host.capacity, pinned=pinned, shared=t.host.shared)))
+            except (MemoryError, OSError) as e:
+                raise ConfigError(f"tiers.host.capacity: cannot allocate {format_size(t.host.capacity)} of host "
+                                  f"memory ({e}); lower it") from None
+        if t.nvme.enabled:
+            from tiers.nvme.tier import NVMeTier
+            try:
+                pathlib.Path(t.nvme.path).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
+            try:
+                out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
+            except (ValueError, NotImplementedError, OSError, TierError) as e:
+                raise ConfigError(f"tiers.nvme: {e}") from None
+        if t.remote.enabled:       # the cluster, last; returns at once even with the master down
+            out.append(("remote", build_remote_tier(t.remote)))
+    except BaseException:
+        _close_all(out)
+        raise
+    return out
+
+
+def build_manager(cfg: Config, named: list[tuple[str, Tier]] | None = None) -> TierManager:
+    """The tier manager with the configured tiers and per-tier eviction policies."""
+    named = build_tiers(cfg) if named is None else named
+    policies = []
+    for name, tier in named:
+        pc = cfg.tier_policy(name)
+        try:
+            policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params, tier_name=name))
+        except ConfigError as e:
+            key = f"tiers.{name}.policy" if getattr(cfg.tiers, name).policy is not None else "policy"
+            _close_all(named)
+            raise ConfigError(f"{key}.params: {e}") from None
+    return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True,
+                       watermarks=(cfg.policy.low_watermark, cfg.policy.high_watermark),
+                       cluster=cluster_options(cfg.tiers.remote))
+
+
+@dataclasses.dataclass
+class Daemon:
+    """A running daemon: gRPC server, its address and the manager behind it.
+
+    ``server, address = start_server(cfg)`` unpacks to the Daemon itself and its
+    address; ``server.stop(grace)`` stops serving and closes the tiers.
+    """
+
+    server: grpc.Server
+    address: str
+    manager: TierManager
+    service: KVStoreService
+    health: health.HealthServicer
+    monitor: HealthMonitor | None = None
+    background: list = dataclasses.field(default_factory=list)
+    socket: UnixSocket | None = None
+    metrics: object = None
+    events: object = None
+    _stopped: bool = False
+
+    def __iter__(self):
+        return iter((self, self.address))
+
+    def stop(self, grace: float | None = None, persist_s: float = 60.0) -> threading.Event:
+        """Stop serving (waiting up to ``grace`` s for calls in flight), copy blocks held only
+        in memory to NVMe (up to ``persist_s`` s; 0 skips it) and close the tiers."""
+        if self._stopped:
+            ev = threading.Event()
+            ev.set()
+            return ev
+        self._stopped = True
+        if self.monitor is not None:
+            self.monitor.stop()
+        self.health.enter_graceful_shutdown()
+        for item in self.background:
+            item.stop()
+        ev = self.server.stop(grace)
+        ev.wait()
+        if persist_s > 0:
+            n = self.manager.persist(timeout=persist_s)
+            if n:
+                log.info("kept %d blocks by copying them from memory to NVMe before stopping", n)
+        self.manager.close()
+        if self.socket is not None:
+            self.socket.release()
+        return ev
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+
+def _start_prefetch(cfg: Config, manager: TierManager, sessions):
+    """The prefetch scheduler: moves blocks when ``[prefetch] enabled``; with prefetch off it
+    still runs, observing only, when a policy learns from it (``next_use``). Its clock is
+    monotonic: client unix times are converted on arrival (:mod:`kvstore.service.validate`)."""
+    from kvstore.policy.hints import UsesReuseModel
+    if not cfg.prefetch.enabled and not any(isinstance(p, UsesReuseModel) for p in manager.policies):
+        return None
+    from kvstore.agent.prefetch import PrefetchScheduler
+    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.monotonic, sessions=sessions)
+    scheduler.start()
+    return scheduler
+
+
+class Every:
+    """Calls ``fn`` every ``period_s`` seconds on a daemon thread until :meth:`stop`."""
+
+    def __init__(self, period_s: float, fn, name: str):
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.wait(period_s):
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - keep ticking; the error is logged loudly
+                    log.exception("%s failed", name)
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _eviction_log(manager: TierManager):
+    """Record recent evictions and refusals (bounded) for ``kvstore explain``; returns the
+    function that explains a prompt's keys against the store."""
+    from kvstore.service.explain import EvictionLog, LocalStoreView, explain_prompt
+    from kvstore.service.validate import to_unix
+
+    record = EvictionLog(capacity=100_000)
+    for p in manager.policies:       # times on the daemon's monotonic clock; shown as unix
+        p.listener = lambda ev: record.record(dataclasses.replace(ev, time=to_unix(ev.time)))
+    manager.writes.on_refused = lambda key: record.record_refusal(key, time.time())
+    view = LocalStoreView(manager, record)
+    return lambda keys: explain_prompt(keys, view)
+
+
+def _start_metrics(cfg: Config, manager: TierManager, monitor: HealthMonitor, hints):
+    """The Prometheus endpoint (``[metrics] listen``), or None when off."""
+    if not cfg.metrics.listen:
+        return None
+    from kvstore.service.metrics import Metrics
+    try:
+        return Metrics(manager, cfg.blocks.block_tokens, cfg.metrics.listen,
+                       serving=lambda: monitor.serving, prefetch=hints)
+    except OSError as e:
+        raise ConfigError(f"metrics.listen: cannot serve on {cfg.metrics.listen} ({e})") from None
+
+
+def _start_events(cfg: Config, manager: TierManager):
+    """The KV event publisher (``[events] enabled``), or None when off. It starts with the
+    blocks held now (recovered from NVMe) and then follows the catalogue's events."""
+    if not cfg.events.enabled:
+        return None
+    import zmq
+
+    from kvstore.store.catalogue import BlockEvent
+    from kvstore.service.events import KVEventPublisher
+    try:
+        pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"events.endpoint: cannot bind {cfg.events.endpoint} or "
+                          f"{cfg.events.replay_endpoint or 'the replay endpoint'} ({e})") from None
+    with manager.lock:
+        held = [BlockEvent("stored", e.key, manager.tier_name(i), manager.tier_kind(i), e.size, "recovered",
+                           meta=e.meta)
+                for e in manager.catalogue.entries() for i in e.tiers]
+        manager.events.subscribe(pub.on_event)
+        pub.start(held)
+    return pub
+
+
+def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, auth: Authenticator | None):
+    """The shared-arena hand-out socket, or None and the reason the path is off."""
+    from kvstore.service.arena_server import ArenaServer
+    shared = manager.shared_tier
+    if shared is None:
+        return None, "the host tier is not shared memory ([tiers.host] shared = false, or no host tier)"
+    if cfg.server.tenants:
+        return None, "multi-tenant config ([server.tenants]): a mapped arena would show every tenant's blocks"
+    if sock is None:
+        return None, "the daemon listens on TCP: the shared arena is for clients on its unix socket"
+    seg = manager.tiers[shared].capabilities.shared.segment()
+    try:
+        arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth).start()
+    except OSError as e:
+        log.warning("shared arena socket unavailable (%s); same-node clients use gRPC", e)
+        return None, f"cannot bind the arena socket: {e}"
+    return arena, ""
+
+
+def start_server(cfg: Config) -> Daemon:
+    """Build the tiers and start serving ``cfg`` in background threads.
+
+    Returns the :class:`Daemon` (it unpacks as ``daemon, address``).
+    Raises ConfigError for a config that cannot be served (unbindable address, ...).
+    """
+    manager = build_manager(cfg)
+    background: list = []
+    try:
+        auth = Authenticator.from_config(cfg.server)
+        interceptors = [BearerTokenInterceptor(auth)] if auth is not None else []
+        interceptors.append(RequestDecodeInterceptor())
+        # SO_REUSEPORT off: a second daemon on the same TCP port is refused, not served beside it
+        options = channel_options(cfg.server.max_message_bytes) + [("grpc.so_reuseport", 0)]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
+                                                        thread_name_prefix="kvstore-rpc"),
+                             options=options, interceptors=interceptors)
+        sessions = SessionTable(manager.policies)
+        hints = _start_prefetch(cfg, manager, sessions)
+        if hints is not None:
+            background.append(hints)
+            apply_hint = hints.session_hint
+        else:                               # hints still steer eviction; TTLs need a tick
+            def apply_hint(h):
+                return sessions.apply(h, time.monotonic())
+            background.append(Every(1.0, lambda: sessions.tick(time.monotonic()), "kvstore-sessions"))
+        explain = _eviction_log(manager)
+        health_servicer = health.HealthServicer()
+        folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
+        monitor = HealthMonitor(manager, health_servicer, folders=folders)
+        metrics = _start_metrics(cfg, manager, monitor, hints)
+        if metrics is not None:
+            background.append(metrics)
+        events = _start_events(cfg, manager)
+        if events is not None:
+            background.append(events)
+        info = pb.InfoReply(version=__version__, block_tokens=cfg.blocks.block_tokens, key_hash=cfg.blocks.hash,
+                            max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=MAX_LEASE_TTL_S)
+        service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes,
+                                 max_message_bytes=cfg.server.max_message_bytes, hints=hints, auth=auth,
+                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s, health=monitor, info=info,
+                                 default_lease_ttl_s=cfg.server.lease_ttl_s,
+                                 observe=metrics.observe if metrics is not None else None,
+                                 tally=metrics.tally if metrics is not None else None,
+                                 sessions=apply_hint, explain=explain)
+        pb_grpc.add_KVStoreServicer_to_server(service, server)
+        server.add_generic_rpc_handlers((data_handler(service),))
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        address, sock = bind(server, cfg)
+        try:
+            arena, refused = _start_arena(cfg, manager, sock, auth)
+            if arena is not None:
+                background.append(arena)
+                service.arena_id = arena.identity
+                info.shm_socket = str(arena.path.resolve())
+                info.shm_arena_bytes = arena.size
+            info.shm_refused = refused
+            server.start()
+        except BaseException:
+            if sock is not None:
+                sock.release()
+            raise
+    except BaseException:
+        for item in background:
+            item.stop()
+        manager.close()
+        raise
+    monitor.start()
+    return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
+                  background=background, socket=sock, metrics=metrics, events=events)

@@ -1,0 +1,113 @@
+"""Checks of every number and key a client sends, before anything changes.
+
+Each function returns the value in the form the store uses or raises
+:class:`kvstore.common.errors.InvalidRequest` naming the field; no state changes before they
+pass. Client-supplied unix times are converted once, here, to the daemon's monotonic
+clock (:func:`to_monotonic`), so stepping the wall clock never moves a deadline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterable, Sequence
+
+from kvstore.common.errors import InvalidRequest
+from kvstore.common.types import KEY_BYTES
+
+MAX_KEYS = 1 << 20
+"""Most keys one request may carry."""
+
+MAX_BLOCK_BYTES = 1 << 40
+"""Largest block a client may announce (bytes); tiers refuse what they cannot hold."""
+
+MAX_RANGES = 4096
+"""Most byte ranges one Get may ask for (a TP rank asks for 2 per layer)."""
+
+MAX_CLOCK_SKEW_S = 24 * 3600.0
+"""A client time further than this from the daemon's now is refused (seconds)."""
+
+
+def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
+    """Every key 32 bytes, at most :data:`MAX_KEYS` of them."""
+    if len(keys) > MAX_KEYS:
+        raise InvalidRequest(f"{field}: {len(keys)} keys; at most {MAX_KEYS} per request")
+    out = list(keys)
+    if out and set(map(len, out)) != {KEY_BYTES}:      # one C-level pass; the loop only names the culprit
+        for i, k in enumerate(out):
+            if len(k) != KEY_BYTES:
+                raise InvalidRequest(f"{field}[{i}] has {len(k)} bytes; block keys are {KEY_BYTES} bytes")
+    return out
+
+
+def check_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """Byte ranges of a Get: at most :data:`MAX_RANGES`, none overlapping another, none
+    ending past :data:`MAX_BLOCK_BYTES` (no block can be that long), so the bytes returned
+    per block never exceed the block. A range past the end of one stored block makes that
+    block a miss (checked per block). Raises InvalidRequest."""
+    out = list(ranges)
+    if not out:
+        return None
+    if len(out) > MAX_RANGES:
+        raise InvalidRequest(f"{len(out)} byte ranges; at most {MAX_RANGES} per request")
+    end = 0
+    for off, length in sorted(out):
+        if off + length > MAX_BLOCK_BYTES:
+            raise InvalidRequest(f"byte range ({off}, {length}) ends past the largest block ({MAX_BLOCK_BYTES} bytes)")
+        if off < end:
+            raise InvalidRequest(f"byte range ({off}, {length}) overlaps another range")
+        end = off + length
+    return out
+
+
+def check_number(value: float, field: str, *, low: float = 0.0, high: float = math.inf,
+                 low_inclusive: bool = True) -> float:
+    """A finite number in ``[low, high]`` (``(low, high]`` unless ``low_inclusive``)."""
+    if not math.isfinite(value):
+        raise InvalidRequest(f"{field}: {value!r} is not a finite number")
+    if value < low or (not low_inclusive and value == low) or value > high:
+        bound = "[" if low_inclusive else "("
+        raise InvalidRequest(f"{field}: {value!r} is outside {bound}{low}, {high}]")
+    return float(value)
+
+
+MIN_TTL_S = 1.0
+"""Shortest lease or reservation a client may ask for (seconds): a client copies blocks
+while its lease lives, and one that expired mid-copy could let the space be reused."""
+
+
+def check_ttl(value: float, field: str, default: float, maximum: float) -> float:
+    """A TTL in seconds: 0 means ``default``; otherwise in ``[MIN_TTL_S, maximum]``."""
+    if value == 0:
+        return default
+    return check_number(value, field, low=MIN_TTL_S, high=maximum)
+
+
+def check_size(value: int, field: str, maximum: int = MAX_BLOCK_BYTES) -> int:
+    """A block size in bytes, in ``(0, maximum]``."""
+    if not 0 < value <= maximum:
+        raise InvalidRequest(f"{field}: {value} bytes is outside (0, {maximum}]")
+    return int(value)
+
+
+def to_monotonic(unix_s: float, field: str, now_unix: float | None = None,
+                 now_mono: float | None = None) -> float:
+    """A client's unix time (seconds; 0: now) as a time on the daemon's monotonic clock.
+
+    Raises InvalidRequest for a time that is not finite, negative, or further than
+    :data:`MAX_CLOCK_SKEW_S` from now.
+    """
+    now_u = time.time() if now_unix is None else now_unix
+    now_m = time.monotonic() if now_mono is None else now_mono
+    if unix_s == 0:
+        return now_m
+    check_number(unix_s, field, low=0.0)
+    if abs(unix_s - now_u) > MAX_CLOCK_SKEW_S:
+        raise InvalidRequest(f"{field}: {unix_s!r} is more than {MAX_CLOCK_SKEW_S:.0f} s from the daemon's "
+                             f"clock ({now_u:.0f})")
+    return now_m + (unix_s - now_u)
+
+
+def to_unix(mono_s: float) -> float:
+    """A monotonic time of the daemon as unix time (for replies)."""
+    return time.time() + (mono_s - time.monotonic())

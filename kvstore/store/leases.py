@@ -1,0 +1,286 @@
+"""Leases and zero-copy reservations: the same-node data plane of the store.
+
+A **lease** pins blocks (the catalogue's one pin mechanism, with a TTL and an owner) so
+that a client on the same node reads them in place: in the shared host arena, or in HBM
+through CUDA IPC. A block only in a lower tier is promoted into the arena first. A
+**reservation** is a put whose room is in the shared arena: the client writes the bytes
+there itself and commits. Both belong to the tenant that made them and end by their TTL
+when the client goes away (:meth:`Leases.maintain`), so a killed client costs nothing
+but the time until then.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tiers import errors as terr
+from tiers.base import IpcHandle, TierKind
+
+from kvstore.store.catalogue import Claim, Entry
+from kvstore.common.errors import (
+    BlockNotFound,
+    InvalidRequest,
+    KVStoreError,
+    SizeConflict,
+    TierFull,
+    TierIOError,
+    WriteConflict,
+)
+from kvstore.store.placement import Placement
+from kvstore.common.types import ReserveStatus
+from kvstore.store.writes import PutOutcome, check_key
+
+log = logging.getLogger("kvstore.store.leases")
+
+MAX_LEASE_TTL_S = 600.0
+"""Longest lease or reservation a client may ask for (seconds)."""
+
+MAX_LEASES = 65536
+"""Most leases alive at once; past it a Lease grants nothing (``resume_at`` 0: the client
+reads by gRPC instead), counted in ``leases_refused``. Never ends a lease early."""
+
+_NO_ROOM = object()
+
+
+@dataclass(frozen=True)
+class LeasedBlock:
+    """Where one leased block is (``found`` False: a miss; nothing else is set).
+
+    ``tier`` is the tier the client reads from; ``offset``/``size`` are bytes in the
+    shared host arena, or ``ipc`` locates it in HBM (CUDA IPC).
+    """
+
+    key: bytes
+    found: bool
+    tier: TierKind | None = None
+    offset: int = 0
+    size: int = 0
+    ipc: IpcHandle | None = None
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """A granted lease: its id, one :class:`LeasedBlock` per key looked at (in order; with
+    ``prefix`` the list ends at the first miss, which is included), its TTL, and
+    ``resume_at``: the index of the first key not looked at when the grant stopped early
+    for lack of room or budget (None: every key was looked at)."""
+
+    lease_id: str
+    blocks: tuple[LeasedBlock, ...]
+    ttl_s: float
+    resume_at: int | None = None
+
+
+
+
+
+class Leases:
+    """Leases and shared-arena reservations of one :class:`~kvstore.store.manager.TierManager`."""
+
+    def __init__(self, placement: Placement, shared_tier: int | None,
+                 begin_put: Callable[..., PutOutcome],
+                 page_in: Callable[..., object] = lambda keys, prefix=False: set()):
+        self.catalogue = placement.cat
+        self.tiers = placement.tiers
+        self.counters = placement.counters
+        self._placement = placement
+        self._shared = shared_tier
+        self._begin_put = begin_put
+        self._page_in = page_in        # blocks only in the cluster into the arena (Reads.page_in)
+        self._device = next((i for i, t in enumerate(self.tiers) if t.capabilities.device is not None), None)
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
+              device: bool = False, max_bytes: int | None = None) -> LeaseGrant:
+        """Pin blocks for a client that reads them in place, for ``ttl_s`` seconds.
+
+        A block in HBM is located by its IPC handle when ``device`` (the client is on the
+        GPU), else in the shared host arena; a block only in a lower tier (or only in the
+        cluster) is brought into the arena first. With ``prefix`` the grant ends at the
+        first miss. The grant also ends early (``LeaseGrant.resume_at``) once
+        ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
+        room: the client releases, then asks for the rest. A grant that holds no block creates
+        no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
+        (``resume_at`` 0). Raises InvalidRequest (bad key, TTL), KVStoreError when no tier
+        can be mapped by clients.
+        """
+        if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN
+            raise InvalidRequest(f"lease ttl must be in (0, {MAX_LEASE_TTL_S}] seconds, got {ttl_s}")
+        for k in keys:
+            check_key(k)
+        if self._shared is None and not (device and self._device is not None):
+            raise KVStoreError("no tier can be read in place by clients (no shared host arena or HBM tier)")
+        cat = self.catalogue
+        if cat.num_leases >= MAX_LEASES:
+            self.counters.inc("leases_refused")
+            return LeaseGrant("", (), ttl_s, resume_at=0)
+        self._page_in(keys, prefix=prefix)    # blocks only in the cluster: one batch
+        if max_bytes is None:
+            max_bytes = self.tiers[self._shared].capacity_bytes // 4 if self._shared is not None else 1 << 62
+        blocks: list[LeasedBlock] = []
+        held: list[Entry] = []
+        state = {"leased": 0, "resume_at": None}
+        try:
+            n = 0
+            while n < len(keys):
+                n = self._grant_run(keys, n, device, prefix, max_bytes, blocks, held, state)
+                if n >= len(keys) or state["resume_at"] is not None or (prefix and blocks and not blocks[-1].found):
+                    break
+                got = self._lease_promoted(keys[n], state, max_bytes, bool(held))   # needs a promotion first
+                if got is _NO_ROOM:
+                    state["resume_at"] = n
+                    break
+                if got is None:
+                    blocks.append(LeasedBlock(keys[n], False))
+                    self.counters.inc("get_misses")
+                    if prefix:
+                        break
+                else:
+                    held.append(got[0])
+                    blocks.append(got[1])
+                    state["leased"] += got[1].size
+                n += 1
+            if not held:                 # misses only (or no room yet): nothing to hold
+                return LeaseGrant("", tuple(blocks), ttl_s, state["resume_at"])
+            with cat.lock:
+                lease = cat.lease(held, ttl_s, owner)
+        except BaseException:
+            for e in held:
+                cat.unpin(e)
+            raise
+        self.counters.inc("leases_granted")
+        self.counters.inc("leased_blocks", len(held))
+        self.counters.inc("leased_bytes", state["leased"])
+        return LeaseGrant(lease.lease_id, tuple(blocks), ttl_s, state["resume_at"])
+
+    def _grant_run(self, keys, n, device, prefix, max_bytes, blocks, held, state) -> int:
+        """Grant keys from index ``n`` on while they are already where the client reads them
+        (one catalogue lock for the run); returns the index of the first key that needs a
+        promotion (or ``len(keys)``, or where the grant stopped)."""
+        cat, placement = self.catalogue, self._placement
+        shared, dev = self._shared, self._device if device else None
+        extent = self.tiers[shared].capabilities.shared.extent if shared is not None else None
+        kind = self.tiers[shared].kind if shared is not None else None
+        with cat.lock:
+            while n < len(keys):
+                key = keys[n]
+                e = cat.get(key)
+                if e is None:
+                    blocks.append(LeasedBlock(key, False))
+                    self.counters.inc("get_misses")
+                    n += 1
+                    if prefix:
+                        return n
+                    continue
+                if held and state["leased"] + e.size > max_bytes:
+                    state["resume_at"] = n
+                    return n
+                if dev is not None and dev in e.tiers:
+                    tier = self.tiers[dev]
+                    block = LeasedBlock(key, True, tier.kind, 0, e.size, tier.capabilities.device.ipc_handle(key))
+                elif shared is not None and shared in e.tiers:
+                    offset, size = extent(key)
+                    block = LeasedBlock(key, True, kind, offset, size)
+                else:
+                    return n
+                e.pins += 1
+                placement.touch(e)
+                held.append(e)
+                blocks.append(block)
+                state["leased"] += e.size
+                n += 1
+        return n
+
+    def _lease_promoted(self, key: bytes, state: dict, max_bytes: int, holding: bool):
+        """Promote ``key`` into the shared arena and pin it: ``(entry, LeasedBlock)``, None
+        (a miss) or ``_NO_ROOM`` (no room without evicting pinned blocks, or over budget)."""
+        cat = self.catalogue
+        entry = cat.pin(key)
+        if entry is None:
+            return None
+        try:
+            if holding and state["leased"] + entry.size > max_bytes:
+                cat.unpin(entry)
+                return _NO_ROOM
+            s = self._shared
+            if s is None:
+                raise terr.BlockNotStored("no shared arena")
+            with cat.lock:
+                self._placement.touch(entry)
+            t = self._placement.promote(entry, s, wait=True)
+            if t is None:                   # no room without evicting pinned blocks
+                cat.unpin(entry)
+                return _NO_ROOM
+            if not t.ok or s not in entry.tiers:
+                raise terr.BlockNotStored("promotion into the shared arena failed")
+            offset, size = self.tiers[s].capabilities.shared.extent(key)
+            return entry, LeasedBlock(key, True, self.tiers[s].kind, offset, size)
+        except terr.TierError as e:
+            log.debug("lease of %s: %s", key.hex()[:16], e)
+            cat.unpin(entry)
+            return None
+        except BaseException:
+            cat.unpin(entry)
+            raise
+
+    def release(self, lease_id: str, owner: str = "") -> bool:
+        """End a lease early. False when unknown, expired or another owner's."""
+        return self.catalogue.release(lease_id, owner)
+
+    def maintain(self) -> None:
+        """Expire leases and zero-copy reservations whose TTL passed (the daemon's
+        background thread calls this; tests may call it directly)."""
+        n = self.catalogue.expire()
+        if n:
+            self.counters.inc("leases_expired", n)
+        with self.catalogue.lock:
+            stale = self.catalogue.expired_claims(self.catalogue.clock())
+        for claim in stale:
+            with self.catalogue.lock:
+                if self.catalogue.end_claim(claim):
+                    if claim.tier >= 0:
+                        self.tiers[claim.tier].abort(claim.key)
+                    self.counters.inc("reservations_expired")
+                    log.info("reservation of block %s expired uncommitted; its room is reclaimed",
+                             claim.key.hex()[:16])
+
+
+    def reserve_shared(self, key: bytes, nbytes: int, owner: str, ttl_s: float,
+                       meta=None) -> tuple[int, ReserveStatus, str]:
+        """A zero-copy put's reservation in the shared arena: ``(offset, status, detail)``.
+
+        The client writes ``nbytes`` at ``offset`` of its mapping, then commits
+        (:meth:`find_claim` + :meth:`commit_put` with ``in_place``). Refusals are
+        statuses, not errors, so one batch can mix them; a key another client is writing
+        is BUSY at once (no wait).
+        """
+        if self._shared is None:
+            return 0, ReserveStatus.NO_ROOM, "no shared arena"
+        with self.catalogue.lock:
+            if self.catalogue.claim(key) is not None:
+                return 0, ReserveStatus.BUSY, "another client is writing it"
+        try:
+            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared, meta=meta)
+        except SizeConflict as e:
+            return 0, ReserveStatus.SIZE_CONFLICT, str(e)
+        except (TierFull, TierIOError) as e:
+            return 0, ReserveStatus.NO_ROOM, str(e)
+        except WriteConflict as e:
+            return 0, ReserveStatus.BUSY, str(e)
+        if outcome.already_present:
+            return 0, ReserveStatus.ALREADY_PRESENT, ""
+        if outcome.not_admitted:
+            return 0, ReserveStatus.NOT_ADMITTED, ""
+        offset, _ = self.tiers[self._shared].capabilities.shared.extent(key)
+        return offset, ReserveStatus.RESERVED, ""
+
+    def find_claim(self, key: bytes, owner: str) -> Claim:
+        """The open zero-copy reservation of ``key`` made by ``owner``.
+        Raises BlockNotFound (none, expired, or another owner's)."""
+        with self.catalogue.lock:
+            claim = self.catalogue.claim(key)
+            if claim is None or claim.owner != owner or claim.deadline is None:
+                raise BlockNotFound(f"no open reservation of block {key.hex()[:16]} (expired or never made)")
+            return claim
+

@@ -1,0 +1,285 @@
+"""Puts: the two-phase write protocol of the store (claim, reserve, write, commit).
+
+A put claims its key in the catalogue before room is made (a second put of the same key
+waits for the first instead of reserving), reserves room in the fastest tier whose
+admission policy takes the block (:meth:`kvstore.store.placement.Placement.reserve_locked`
+evicts or demotes as needed), copies the bytes in without the lock, and commits: the
+block becomes visible. With ``write_through`` the commit returns only once every lower
+tier holds a copy. The first writer of a key wins (:class:`~kvstore.common.errors.SizeConflict`
+for another size). Zero-copy reservations (the shared arena) carry an owner and a
+deadline; :meth:`kvstore.store.leases.Leases.maintain` reclaims expired ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from tiers import errors as terr
+
+from kvstore.store.catalogue import Claim
+from kvstore.common.errors import (
+    BlockNotFound,
+    InvalidRequest,
+    SizeConflict,
+    TierFull,
+    TierIOError,
+    WriteConflict,
+)
+from kvstore.store.placement import Placement
+from kvstore.policy import NoVictim
+from kvstore.common.types import KEY_BYTES
+
+log = logging.getLogger("kvstore.store.writes")
+
+WRITE_BACK = "write_back"
+WRITE_THROUGH = "write_through"
+
+MAX_SIZE_CONFLICTS_LOGGED = 4096
+"""Keys remembered so that each size conflict is logged once (oldest forgotten first)."""
+
+
+@dataclass
+class PutOutcome:
+    """What :meth:`Writes.begin_put` decided: the block is stored already, no tier's
+    admission policy wants it (``not_admitted``: a normal outcome, nothing stored), or
+    room was reserved (``pending``, a :class:`~kvstore.store.catalogue.Claim`)."""
+
+    key: bytes
+    already_present: bool
+    pending: Claim | None = None
+    not_admitted: bool = False
+
+
+class _NotAdmitted(Exception):
+    """No tier's admission policy accepted the block (internal)."""
+
+
+def check_key(key: bytes) -> None:
+    if len(key) != KEY_BYTES:
+        raise InvalidRequest(f"block keys are {KEY_BYTES} bytes, got {len(key)}")
+
+
+class Writes:
+    """The put protocol of one :class:`~kvstore.store.manager.TierManager`.
+
+    Attributes:
+        put_failure: ``(monotonic time, why)`` of the last put that found no room or
+            whose medium failed, cleared by the next successful commit (health).
+    """
+
+    def __init__(self, placement: Placement, write_policy: str, writer_wait_s: float):
+        if write_policy not in (WRITE_BACK, WRITE_THROUGH):
+            raise ValueError(f"unknown write policy {write_policy!r}")
+        self.catalogue = placement.cat
+        self.tiers = placement.tiers
+        self.policies = placement.policies
+        self.counters = placement.counters
+        self.clock = placement.clock
+        self._placement = placement
+        self.write_policy = write_policy
+        self.writer_wait_s = writer_wait_s
+        self.put_failure: tuple[float, str] | None = None
+        self.on_refused = None      # called with the key of a put no tier admitted (explain-miss)
+        self.cluster = None         # the cluster level, set by the manager (kvstore.cluster.cluster)
+        self._size_conflicts_logged: OrderedDict[bytes, None] = OrderedDict()
+
+    def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
+                  tier: int | None = None, meta=None) -> PutOutcome:
+        """Phase one of a put: claim ``key`` and reserve room for ``nbytes`` bytes.
+
+        Args:
+            key: 32-byte block key; nbytes: payload bytes (> 0).
+            owner: the tenant allowed to finish the put.
+            ttl_s: a zero-copy reservation's lifetime (the client writes into the shared
+                arena); it is reclaimed after this many seconds if not committed.
+            tier: reserve in this tier only (the shared arena for zero-copy puts).
+            meta: what routers index the block by (:class:`kvstore.common.types.BlockMeta`),
+                published with its KV events.
+        Returns already_present (and touches the block) when it is stored with the same
+        size; waits for another client's in-flight write of the same key.
+        Raises:
+            InvalidRequest: bad key length or size.
+            SizeConflict: the key is stored with another size (first writer wins).
+            TierFull: no tier has or can make room.
+            WriteConflict: another client's write of the key did not finish in time.
+        """
+        check_key(key)
+        if nbytes <= 0:
+            raise InvalidRequest(f"block size must be > 0 bytes, got {nbytes}")
+        cat = self.catalogue
+        deadline = time.monotonic() + self.writer_wait_s
+        with cat.lock:
+            while True:
+                e = cat.get(key)
+                if e is not None:
+                    if e.size != nbytes:
+                        self._size_conflict(key, e.size, nbytes)
+                    self._placement.touch(e)
+                    self.counters.inc("puts_already_present")
+                    return PutOutcome(key, already_present=True)
+                if cat.claim(key) is None and cat.raw(key) is None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WriteConflict(f"block {key.hex()[:16]} is still being written or read by another client")
+                cat.changed.wait(remaining)
+            # Claim the key before making room: making room may release the lock while it
+            # waits on a demotion, and a second put of the same key must wait, not reserve.
+            claim = Claim(key, nbytes, owner=owner,
+                          deadline=None if ttl_s is None else cat.clock() + ttl_s, meta=meta)
+            cat.add_claim(claim)
+            try:
+                claim.tier = self._reserve_somewhere(key, nbytes, tier)
+            except _NotAdmitted:
+                cat.end_claim(claim)
+                self.counters.inc("puts_not_admitted")
+                if self.on_refused is not None:
+                    self.on_refused(key)
+                return PutOutcome(key, already_present=False, not_admitted=True)
+            except BaseException:
+                cat.end_claim(claim)
+                raise
+            return PutOutcome(key, already_present=False, pending=claim)
+
+    def _size_conflict(self, key: bytes, stored: int, asked: int) -> None:
+        self.counters.inc("puts_size_conflict")
+        if key not in self._size_conflicts_logged:
+            self._size_conflicts_logged[key] = None
+            if len(self._size_conflicts_logged) > MAX_SIZE_CONFLICTS_LOGGED:
+                self._size_conflicts_logged.popitem(last=False)
+            log.warning("put of block %s with %d bytes refused: it is stored with %d bytes (first writer wins)",
+                        key.hex()[:16], asked, stored)
+        raise SizeConflict(f"block {key.hex()[:16]} is stored with {stored} bytes; a put of {asked} bytes "
+                           "under the same key is refused (first writer wins)")
+
+    def _reserve_somewhere(self, key: bytes, nbytes: int, only: int | None) -> int:
+        """Reserve ``nbytes`` in the fastest tier that admits the block (lock held). A
+        failure marks :attr:`put_failure` (health) unless the put was limited to ``only``
+        one tier (a zero-copy reservation, which falls back to a normal put)."""
+        errors: list[str] = []
+        now = self.clock()
+        admitted = False
+        for i, tier in enumerate(self.tiers):
+            if only is not None and i != only:
+                continue
+            if tier.capabilities.remote is not None:
+                continue    # the cluster gets blocks by demotion or publishing, never a put's first copy
+            if not self.policies[i].admit(key, nbytes, now):
+                continue
+            admitted = True
+            try:
+                self._placement.reserve_locked(i, key, nbytes, incoming=key)
+                return i
+            except TierIOError as err:
+                if only is None:
+                    self.put_failure = (time.monotonic(), f"{tier.name}: {err}")
+                raise
+            except (TierFull, NoVictim) as err:
+                errors.append(f"{tier.name}: {err}")
+        if not admitted:
+            raise _NotAdmitted()
+        if only is None:
+            self.counters.inc("puts_rejected_full")
+        message = f"no tier can hold a {nbytes}-byte block: " + "; ".join(errors[-3:])
+        if only is None:
+            self.put_failure = (time.monotonic(), message)
+        raise TierFull(message)
+
+    def write_chunk(self, pending: Claim, offset: int, data: Any) -> None:
+        """Copy one chunk of an open put (in order). Runs without the lock.
+
+        Raises InvalidRequest for an out-of-order or oversize chunk, TierIOError (and
+        TierFull for a full disk) when the medium fails.
+        """
+        n = memoryview(data).nbytes
+        try:
+            self.tiers[pending.tier].write(pending.key, offset, data)
+        except terr.InvalidAccess as e:
+            raise InvalidRequest(str(e)) from None
+        except terr.TierFull as e:             # a full disk (DiskFull)
+            raise TierFull(f"{self.tiers[pending.tier].name}: {e}") from None
+        except terr.TierError as e:
+            raise TierIOError(f"{self.tiers[pending.tier].name}: {e}") from None
+        pending.written = offset + n
+
+    def commit_put(self, pending: Claim, *, in_place: bool = False) -> None:
+        """Phase two: make a fully written block visible (and write it through).
+
+        ``in_place``: the client filled the reservation through the shared arena; its
+        bytes are taken as written. Raises InvalidRequest when fewer bytes than declared
+        were written (the put is aborted), TierIOError when the medium fails (aborted too).
+        """
+        tier = self.tiers[pending.tier]
+        if in_place:
+            host = tier.capabilities.host
+            if host is None:
+                self.abort_put(pending)
+                raise InvalidRequest(f"{tier.name} cannot be written in place")
+            host.mark_written(pending.key, pending.size)
+            pending.written = pending.size
+        if pending.written != pending.size:
+            self.abort_put(pending)
+            raise InvalidRequest(f"block {pending.key.hex()[:16]}: {pending.written} of {pending.size} "
+                                 "declared bytes received")
+        cat = self.catalogue
+        with cat.lock:
+            if cat.claim(pending.key) is not pending:
+                raise BlockNotFound(f"the put of block {pending.key.hex()[:16]} expired or was aborted")
+            try:
+                tier.commit(pending.key)
+            except BaseException as e:
+                tier.abort(pending.key)
+                cat.end_claim(pending)
+                if isinstance(e, terr.TierFull):
+                    raise TierFull(f"{tier.name}: committing block {pending.key.hex()[:16]} failed: {e}") from None
+                if isinstance(e, terr.TierError):
+                    raise TierIOError(f"{tier.name}: committing block {pending.key.hex()[:16]} failed: {e}") from None
+                raise
+            cat.end_claim(pending)
+            self.put_failure = None
+            entry = self._placement.new_entry(pending.key, pending.size, pending.tier, "put", pending.meta)
+            self.policies[pending.tier].insert(pending.key, pending.size, self.clock())
+            self.counters.inc("blocks_put")
+            self.counters.inc("bytes_put", pending.size)
+            self._placement.kick_if_full(pending.tier)
+            if self.write_policy == WRITE_THROUGH:
+                for j in range(pending.tier + 1, len(self.tiers)):
+                    if self.tiers[j].capabilities.remote is not None:
+                        continue    # the cluster: batched at the end of the put call (Cluster.put_done)
+                    try:    # acknowledged only once every lower copy exists (crash-safe)
+                        self._placement.copy_locked(entry, pending.tier, j, "write_through")
+                        self.counters.inc("write_through_copies")
+                    except (TierFull, NoVictim, TierIOError) as e:
+                        log.warning("write-through of %s to %s failed: %s",
+                                    pending.key.hex()[:16], self.tiers[j].name, e)
+                        self.counters.inc("write_through_failed")
+
+    def abort_put(self, pending: Claim) -> None:
+        """Drop an open put and its reserved room. Safe to call twice."""
+        with self.catalogue.lock:
+            if self.catalogue.end_claim(pending):
+                if pending.tier >= 0:
+                    self.tiers[pending.tier].abort(pending.key)
+                self.counters.inc("puts_aborted")
+
+    def put(self, key: bytes, data: Any) -> bool:
+        """Store a whole block in one call. Returns False when it was already stored or no
+        tier admitted it. Raises as :meth:`begin_put` and :meth:`write_chunk`."""
+        outcome = self.begin_put(key, memoryview(data).nbytes)
+        if outcome.already_present or outcome.not_admitted:
+            return False
+        assert outcome.pending is not None
+        try:
+            self.write_chunk(outcome.pending, 0, data)
+        except BaseException:
+            self.abort_put(outcome.pending)
+            raise
+        self.commit_put(outcome.pending)
+        if self.cluster is not None:
+            self.cluster.put_done([key])
+        return True
+

@@ -1,0 +1,225 @@
+"""The NVMe tier's two-phase write protocol: reservations, temp files, commit.
+
+::
+
+    reserve(key, n)      capacity counted (Space.take); nothing on disk yet
+    write(key, off, b)   first call opens blocks/ab/cd/<hex>.tmp (a spare file renamed
+                         into place, or a new file); bytes go through BlockWriter
+    commit(key)          header written; spare leftovers cut; [fsync]; close;
+                         rename .tmp -> <hex>; [fsync folder]; index put
+    abort(key)           temp file removed, capacity returned
+
+A failure anywhere drops the reservation and its files (a renamed file too, when the
+index update failed), so a failed commit leaves nothing. A crash leaves a temp file
+(removed at the next start) or a complete, renamed file (indexed from its header at the
+next start if the index update was lost).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import lmdb
+
+from tiers.base import check_chunk
+from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, TierIOError
+from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
+from tiers.nvme.index import BlockIndex
+from tiers.nvme.read import HeaderCache
+from tiers.nvme.space import DISK_FULL_ERRNOS, Space
+from tiers.nvme.spare import SpareFiles
+from tiers.nvme.write import BlockWriter, PendingBlock
+
+log = logging.getLogger("kvstore.tiers.nvme")
+
+REPAIR_HINT = "stop the daemon and run `kvstore repair-index {path}`"
+
+
+class Reservations:
+    """Open reservations of one NVMe tier folder and the steps that publish them.
+
+    ``lock`` is the tier's lock (it guards ``pending``, the index and ``space``);
+    file I/O runs outside it.
+    """
+
+    def __init__(self, *, folder: str, name: str, lock: threading.Lock, index: BlockIndex, space: Space,
+                 writer: BlockWriter, spares: SpareFiles | None, direct: bool, fsync: bool,
+                 headers: HeaderCache):
+        self.folder = folder
+        self.blocks_dir = os.path.join(folder, "blocks")
+        self.name = name
+        self.pending: dict[bytes, PendingBlock] = {}
+        self._lock = lock
+        self._index = index
+        self._space = space
+        self._writer = writer
+        self._spares = spares
+        self._fsync = fsync
+        self._headers = headers
+        self._dirs: set[str] = set()
+        o_direct = os.O_DIRECT if direct else 0
+        self._reuse_flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | o_direct
+        self._new_flags = self._reuse_flags | os.O_CREAT | os.O_TRUNC
+
+    def reserve(self, key: bytes, nbytes: int, chunk: int) -> None:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise InvalidAccess(f"{self.name}: block keys are {KEY_BYTES} bytes")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidAccess(f"block size must be an integer >= 0 bytes, got {nbytes!r}")
+        p = PendingBlock(key, nbytes, chunk, block_path(self.blocks_dir, key))
+        with self._lock:
+            if key in self._index.entries or key in self.pending:
+                raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
+            self._space.take(p.disk, f"a block of {nbytes} bytes")
+            self.pending[key] = p
+
+    def get(self, key: bytes) -> PendingBlock:
+        """The reservation of ``key`` (call under the lock). Raises BlockNotStored."""
+        p = self.pending.get(key)
+        if p is None:
+            raise BlockNotStored(f"block {bytes(key).hex()[:16]} is not reserved in {self.name}")
+        return p
+
+    def open_temp(self, p: PendingBlock) -> int:
+        """Open the block's temp file: a spare file renamed into place, or a new file."""
+        path = p.path
+        folder = os.path.dirname(path)
+        if folder not in self._dirs:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            self._dirs.add(folder)
+        temp = path + ".tmp"
+        spare = self._spares.take() if self._spares is not None else None
+        if spare is not None:
+            try:
+                os.rename(spare[0], temp)
+                fd = os.open(temp, self._reuse_flags)
+                p.reused = spare[1]
+                return fd
+            except OSError as e:               # not a usable file: make a new one
+                log.debug("%s: spare file %s not reused: %s", self.name, spare[0], e)
+                for stale in (spare[0], temp):
+                    try:
+                        os.unlink(stale)
+                    except OSError:
+                        pass
+        return os.open(temp, self._new_flags, 0o600)
+
+    def write(self, key: bytes, offset: int, src: memoryview) -> None:
+        with self._lock:
+            p = self.get(key)
+            check_chunk(offset, src.nbytes, p.written, p.size)
+            p.written = offset + src.nbytes
+        try:
+            if p.fd < 0:
+                p.fd = self.open_temp(p)
+            self._writer.write(p, offset, src)
+        except OSError as e:
+            self.discard(p)
+            raise self.io_error("writing", key, e) from e
+
+    def write_from_device(self, key: bytes, device: Any, device_buf: Any, available: int) -> None:
+        """Fill a whole reservation from device memory through ``device``
+        (:class:`tiers.nvme.device.DeviceFiles`); ``available`` is the buffer's size."""
+        with self._lock:
+            p = self.get(key)
+            if p.written:
+                raise InvalidAccess(f"block {key.hex()[:16]} already has {p.written} bytes written")
+            if available < p.size:
+                raise InvalidAccess(f"the device buffer has {available} bytes, the block {p.size}")
+            p.written = p.size
+        try:
+            p.fd = self.open_temp(p)
+            p.sums = device.write(p.path + ".tmp", p.fd, device_buf, p.size, p.chunk, p.header_len)
+            p.file_off = p.disk
+        except (OSError, RuntimeError) as e:
+            self.discard(p)
+            raise self.io_error("writing", key, e) from e
+
+    def commit(self, key: bytes) -> None:
+        with self._lock:
+            p = self.get(key)
+            if p.written != p.size:
+                raise InvalidAccess(f"block {key.hex()[:16]}: {p.written} of {p.size} bytes written")
+        final = p.path
+        renamed = False
+        try:
+            if p.fd < 0:                       # a zero-byte block: no write call came
+                p.fd = self.open_temp(p)
+            self._writer.finish(p)
+            if p.reused > p.disk:              # a spare file: cut stale bytes past the block
+                os.ftruncate(p.fd, p.disk)
+            if self._fsync:
+                os.fsync(p.fd)
+            fd, p.fd = p.fd, -1
+            os.close(fd)
+            os.rename(final + ".tmp", final)
+            renamed = True
+            if self._fsync:
+                fsync_folder(os.path.dirname(final))
+            with self._lock:
+                self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
+                del self.pending[key]
+            self._headers.put(key, p.size, p.chunk, tuple(p.sums))
+        except (OSError, lmdb.Error) as e:
+            self.discard(p, final if renamed else None)
+            raise self.io_error("committing", key, e) from e
+        finally:
+            self._writer.release(p)
+
+    def abort(self, key: bytes) -> None:
+        p = self.pending.get(key)
+        if p is not None:
+            self.discard(p)
+
+    def discard(self, p: PendingBlock, final: str | None = None) -> None:
+        """Drop a reservation: its capacity, its temp file (and ``final`` if given)."""
+        with self._lock:
+            if self.pending.get(p.key) is p:
+                del self.pending[p.key]
+                self._space.give(p.disk)
+        if p.fd >= 0:
+            fd, p.fd = p.fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for path in (p.path + ".tmp", final):
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("%s: cannot remove %s: %s (the next start will)", self.name, path, e)
+        self._writer.release(p)
+
+    def discard_all(self) -> None:
+        with self._lock:
+            pending = list(self.pending.values())
+        for p in pending:
+            self.discard(p)
+
+    def io_error(self, doing: str, key: bytes, e: BaseException) -> TierIOError:
+        """The error to raise for a failed write step: DiskFull for ENOSPC/EDQUOT."""
+        cause = e.__cause__ if isinstance(e, TierIOError) and e.__cause__ is not None else e
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
+            with self._lock:
+                return self._space.disk_full(f"{doing} block {key.hex()[:16]} failed: disk full")
+        if isinstance(e, lmdb.Error):
+            return TierIOError(f"{self.name}: block {key.hex()[:16]}: the index update failed ({e}); "
+                               f"if it persists, {REPAIR_HINT.format(path=self.folder)}")
+        return TierIOError(f"{self.name}: {doing} block {key.hex()[:16]} failed: {e}")
+
+
+def fsync_folder(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["REPAIR_HINT", "Reservations", "fsync_folder"]

@@ -1,0 +1,327 @@
+"""Reconciling the NVMe tier's index with its block files at start, and the offline
+index repair (``kvstore repair-index PATH``).
+
+The block files are the truth; the index is a cache of their headers. At start every
+file under ``blocks/`` is looked at once (``scandir`` + ``stat``; a header is read only
+when the index does not vouch for the file):
+
+==============================================  =========================================
+found                                           done
+==============================================  =========================================
+``<hex>.tmp``                                   deleted: never renamed, so never a block
+indexed file of the indexed length              kept (its checksums are checked on read)
+file not indexed, or of another length, whose   indexed from its header (a crash between
+header is valid and names this key              rename and index update, a lost index)
+file with a bad header, a short file, a         moved to ``quarantine/`` (never deleted)
+symbolic link, a key file in the wrong folder
+index entry without a file                      dropped
+any other name                                  left alone, with a warning
+==============================================  =========================================
+
+So a damaged or lost index costs no block: the tier rebuilds it from the headers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import lmdb
+import xxhash
+
+from tiers.errors import TierUnavailable
+from tiers.nvme.format import (
+    FORMAT_KEY,
+    PAGE,
+    BlockHeader,
+    HeaderError,
+    IndexEntry,
+    decode_header,
+    header_length,
+    key_of_name,
+)
+from tiers.nvme.index import BlockIndex, check_data_file
+
+log = logging.getLogger("kvstore.tiers.nvme")
+
+
+@dataclass
+class RecoveryReport:
+    """What opening an NVMe tier folder found and did (counts of files and entries).
+
+    Attributes:
+        blocks: blocks indexed afterwards; ``file_bytes`` their files' bytes.
+        adopted: block files indexed from their headers (not in the index before).
+        corrected: index entries replaced from their file's header (another length).
+        dropped: index entries without a usable file.
+        quarantined: files moved to ``quarantine/`` (bad header, short, misplaced);
+            ``quarantined_bytes`` their bytes (on disk, outside the tier's capacity).
+        temps_removed: temp files of unfinished writes deleted.
+        trimmed: oldest blocks deleted because they exceeded the capacity.
+        index_damage: why the old index could not be used (None when it could).
+        index_moved_to: where the old index was moved (None when it was not).
+        index_rebuilt: the index was rebuilt from the block files' headers.
+    """
+
+    blocks: int = 0
+    file_bytes: int = 0
+    adopted: int = 0
+    corrected: int = 0
+    dropped: int = 0
+    quarantined: int = 0
+    quarantined_bytes: int = 0
+    temps_removed: int = 0
+    trimmed: int = 0
+    index_damage: str | None = None
+    index_moved_to: str | None = None
+    index_rebuilt: bool = False
+    quarantine_dir: str = field(default="", repr=False)
+
+    def summary(self) -> str:
+        parts = [f"{self.blocks} blocks ({self.file_bytes} bytes on disk)"]
+        if self.index_rebuilt:
+            parts.append("index rebuilt from the block files' headers")
+        if self.index_damage:
+            parts.append(f"old index damaged: {self.index_damage}")
+        if self.index_moved_to:
+            parts.append(f"old index kept in {self.index_moved_to}")
+        for label, n in (("indexed from their headers", self.adopted), ("index entries corrected", self.corrected),
+                         ("index entries without a file dropped", self.dropped),
+                         ("temp files removed", self.temps_removed),
+                         ("oldest blocks deleted to fit the capacity", self.trimmed)):
+            if n:
+                parts.append(f"{n} {label}")
+        if self.quarantined:
+            parts.append(f"{self.quarantined} files ({self.quarantined_bytes} bytes) moved to "
+                         f"{self.quarantine_dir}: bad header, short or misplaced; inspect and delete them")
+        return "; ".join(parts)
+
+
+def read_header(path: str, key: bytes) -> BlockHeader:
+    """Read and verify the header of the block file at ``path`` (not following a symbolic
+    link). Raises HeaderError (also for an unreadable file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise HeaderError(f"cannot open: {e.strerror}") from None
+    try:
+        first = os.pread(fd, PAGE, 0)
+        h = header_length(memoryview(first))
+        buf = first if h <= len(first) else first + os.pread(fd, h - len(first), len(first))
+        return decode_header(memoryview(buf), key)
+    except OSError as e:
+        raise HeaderError(f"cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+class _Quarantine:
+    def __init__(self, folder: str, report: RecoveryReport):
+        self.folder = folder
+        self.report = report
+        report.quarantine_dir = folder
+
+    def move(self, path: str, why: str) -> None:
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        name = os.path.basename(path)
+        target, n = os.path.join(self.folder, name), 1
+        while os.path.lexists(target):
+            n += 1
+            target = os.path.join(self.folder, f"{name}.{n}")
+        try:
+            size = os.lstat(path).st_size
+            os.rename(path, target)
+        except OSError as e:
+            log.warning("cannot move %s to %s: %s; left in place", path, self.folder, e)
+            return
+        self.report.quarantined += 1
+        self.report.quarantined_bytes += size
+        log.warning("moved %s to %s: %s", path, target, why)
+
+
+def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: RecoveryReport) -> None:
+    """Make ``index`` agree with the block files under ``blocks_dir`` (see the module
+    docstring); fills ``report``. Call with no write in flight. When the index cannot be
+    written (a full or read-only disk), its in-memory entries are still made to agree with
+    the files (the next start that can write it catches up). Raises OSError when
+    ``blocks_dir`` cannot be listed."""
+    quarantine = _Quarantine(quarantine_dir, report)
+    kept: dict[bytes, IndexEntry] = {}
+    updates: list[tuple[bytes, IndexEntry]] = []
+    for top in os.scandir(blocks_dir):
+        if not top.is_dir(follow_symlinks=False):
+            log.warning("leaving alone an unknown file %s", top.path)
+            continue
+        for sub in os.scandir(top.path):
+            if not sub.is_dir(follow_symlinks=False):
+                log.warning("leaving alone an unknown file %s", sub.path)
+                continue
+            prefix = top.name + sub.name
+            for f in os.scandir(sub.path):
+                _classify(f, prefix, index, kept, updates, quarantine, report)
+    dropped = [k for k in index.entries if k not in kept]
+    try:
+        if dropped:
+            index.delete(dropped)
+        if updates:
+            index.put_many(updates)
+    except lmdb.Error as e:
+        for k in dropped:
+            index.entries.pop(k, None)
+        index.entries.update(updates)
+        log.warning("cannot bring the index on disk up to date with the block files (%s); serving what the "
+                    "files hold (%d entries dropped, %d added or corrected in memory); the next start "
+                    "catches up", e, len(dropped), len(updates))
+    report.dropped += len(dropped)
+
+
+def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, updates: list,
+              quarantine: _Quarantine, report: RecoveryReport) -> None:
+    name = f.name
+    if name.endswith(".tmp") and key_of_name(name[:-4]) is not None:
+        try:
+            os.unlink(f.path)
+            report.temps_removed += 1
+        except OSError as e:
+            log.warning("cannot remove %s: %s", f.path, e)
+        return
+    key = key_of_name(name)
+    if key is None:
+        log.warning("leaving alone an unknown file %s", f.path)
+        return
+    if not name.startswith(prefix):
+        quarantine.move(f.path, "a block file in the wrong folder")
+        return
+    if not f.is_file(follow_symlinks=False):
+        quarantine.move(f.path, "not a regular file")
+        return
+    size = f.stat(follow_symlinks=False).st_size
+    entry = index.entries.get(key)
+    if entry is not None and size == entry.file_bytes:
+        kept[key] = entry
+        return
+    try:
+        header = read_header(f.path, key)
+    except HeaderError as e:
+        quarantine.move(f.path, f"bad block header ({e})")
+        return
+    if size < header.header_bytes + header.size:
+        quarantine.move(f.path, f"truncated: {size} of {header.file_bytes} bytes")
+        return
+    found = IndexEntry.of(header)
+    kept[key] = found
+    if entry is None:
+        report.adopted += 1
+        updates.append((key, found))
+    elif entry != found:
+        report.corrected += 1
+        updates.append((key, found))
+
+
+def trim_to_capacity(index: BlockIndex, space, remove_file, name: str) -> int:
+    """Delete the oldest written blocks (``remove_file(key, file bytes)``, then the index
+    entries) until ``space.used`` fits ``space.configured``; return how many. For a
+    folder reopened with a smaller capacity."""
+    by_age = sorted(index.entries.items(), key=lambda kv: kv[1].written_at)
+    victims = []
+    for key, entry in by_age:
+        if space.used <= space.configured:
+            break
+        victims.append(key)
+        space.give(entry.file_bytes)
+    log.warning("%s: %d stored blocks exceed the capacity of %d bytes; deleting the %d oldest",
+                name, len(by_age), space.configured, len(victims))
+    for key in victims:
+        remove_file(key, index.entries[key].file_bytes)
+    index.delete(victims)
+    return len(victims)
+
+
+def audit_folder(path: str | os.PathLike, verify_payload: bool = True) -> dict:
+    """Compare a closed NVMe tier folder's index with its block files, changing nothing
+    (for tests and operators). Reads the index read-only after :func:`check_data_file`.
+
+    Returns counts: ``indexed``, ``files`` (block files), ``temp`` (``*.tmp``), ``orphans``
+    (block files without an index entry; the next start indexes them from their header
+    when it is valid), ``missing`` (entries without a file), ``bad_size`` (file length
+    not the entry's), ``bad_header``, ``bad_checksum`` (a payload chunk fails, when
+    ``verify_payload``), ``misplaced`` (not under ``ab/cd/`` of their name), ``other``
+    (any other file under ``blocks/``), and ``keys`` (the indexed keys, a set).
+    Raises IndexDamaged for an index that fails the check.
+    """
+    folder = os.path.abspath(os.fspath(path))
+    out = dict(indexed=0, files=0, temp=0, orphans=0, missing=0, bad_size=0, bad_header=0, bad_checksum=0,
+               misplaced=0, other=0, keys=set())
+    index: dict[bytes, IndexEntry] = {}
+    if os.path.exists(os.path.join(folder, "index", "data.mdb")):
+        check_data_file(os.path.join(folder, "index", "data.mdb"))
+        env = lmdb.open(os.path.join(folder, "index"), readonly=True, lock=False, subdir=True)
+        try:
+            with env.begin() as txn:
+                index = {bytes(k): IndexEntry.unpack(bytes(v)) for k, v in txn.cursor() if k != FORMAT_KEY}
+        finally:
+            env.close()
+    out["indexed"], out["keys"] = len(index), set(index)
+    seen = set()
+    for root, _, names in os.walk(os.path.join(folder, "blocks")):
+        for name in names:
+            f = os.path.join(root, name)
+            if name.endswith(".tmp"):
+                out["temp"] += 1
+                continue
+            key = key_of_name(name)
+            if key is None:
+                out["other"] += 1
+                continue
+            out["files"] += 1
+            if os.path.relpath(root, os.path.join(folder, "blocks")) != os.path.join(name[:2], name[2:4]):
+                out["misplaced"] += 1
+            entry = index.get(key)
+            if entry is None:
+                out["orphans"] += 1
+                continue
+            seen.add(key)
+            if os.lstat(f).st_size != entry.file_bytes:
+                out["bad_size"] += 1
+                continue
+            try:
+                header = read_header(f, key)
+            except HeaderError:
+                out["bad_header"] += 1
+                continue
+            if verify_payload:
+                with open(f, "rb") as fh:
+                    fh.seek(header.header_bytes)
+                    data = memoryview(fh.read(header.size))
+                c = header.chunk_bytes
+                if [xxhash.xxh3_64_intdigest(data[i:i + c]) for i in range(0, header.size, c)] != list(header.sums):
+                    out["bad_checksum"] += 1
+    out["missing"] = len(set(index) - seen)
+    return out
+
+
+def repair_index(path: str | os.PathLike) -> RecoveryReport:
+    """Rebuild the index of an NVMe tier folder from its block files' headers, offline.
+
+    The current index (damaged or not) is moved aside to ``index.replaced-<UTC time>``
+    (or ``index.damaged-...``) and kept; files are handled as at start (module
+    docstring), no block is deleted for capacity. Needs the folder's lock: no daemon may
+    be using the folder.
+
+    Returns the :class:`RecoveryReport`. Raises :class:`tiers.errors.TierUnavailable`
+    (folder missing, in use, or unusable).
+    """
+    from tiers.nvme.tier import NVMeTier               # nvme imports this module
+
+    folder = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(os.path.join(folder, "blocks")):
+        raise TierUnavailable(f"{folder} is not an NVMe tier folder (it has no blocks/ folder)")
+    tier = NVMeTier(folder, 1 << 62, direct=False, spare_files=0, rebuild_index=True)
+    try:
+        return tier.recovery
+    finally:
+        tier.close()
+
+
+__all__ = ["RecoveryReport", "audit_folder", "read_header", "reconcile", "repair_index", "trim_to_capacity"]

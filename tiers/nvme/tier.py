@@ -1,0 +1,438 @@
+"""The NVMe tier: one self-describing file per block on a local disk, an LMDB index;
+blocks survive restarts.
+
+Modules (one responsibility each):
+
+=========================  ==============================================================
+:mod:`tiers.nvme`          the tier: opening, reads, frees, the Tier interface
+:mod:`tiers.nvme.format`   on-disk format: folder layout, block header, index values
+:mod:`tiers.nvme.commit`   the two-phase write protocol: reservations, temp files, commit
+:mod:`tiers.nvme.write`    writing a block file (chunk checksums, O_DIRECT staging)
+:mod:`tiers.nvme.read`     ranged, verified reads straight into the caller's buffer
+:mod:`tiers.nvme.files`       folder lock, aligned buffers, O_DIRECT probe, vectored I/O
+:mod:`tiers.nvme.index`    the LMDB index, checked before it is mapped
+:mod:`tiers.nvme.recover`  index <-> files reconciliation, rebuild, repair, audit
+:mod:`tiers.nvme.space`    capacity accounting, disk full
+:mod:`tiers.nvme.spare`    freed files kept for reuse
+:mod:`tiers.nvme.device`   GPUDirect Storage (kvikio) in the same format
+=========================  ==============================================================
+
+Crash safety (SIGKILL at any point): a block is written to ``<hex>.tmp`` (payload, then
+the header with its checksums), renamed to ``<hex>`` (so a file with a block's name is
+always complete), then indexed; a free moves the file away before it drops the index
+entry, so a freed block never comes back. At start (:mod:`tiers.nvme.recover`) temp
+files are deleted and every other file is checked against the index; a block file the
+index does not know (a crash between rename and index update, a lost or damaged index)
+is indexed from its header. With ``fsync=True`` files, folders and the index are also
+flushed before a block is visible (power-loss safety), at a large cost in put latency.
+
+Reads verify every byte they serve: the header (magic, checksum, key, size) and the
+xxh3_64 of every chunk read; a missing, truncated, misplaced or altered file raises
+:class:`~tiers.errors.BlockCorrupt`, never wrong bytes.
+
+Disk full (ENOSPC/EDQUOT while writing, e.g. a capacity larger than the free space): the
+write raises :class:`~tiers.errors.DiskFull`; from then on :attr:`NVMeTier.capacity_bytes`
+is what the disk can take (its blocks, spare files and free space) until the disk has
+room for the configured capacity again, so the manager evicts instead of failing.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+from tiers.base import (
+    NO_CAPABILITIES,
+    ByteRanges,
+    Capabilities,
+    Tier,
+    TierKind,
+    byte_view,
+    check_ranges,
+    output_view,
+)
+from tiers.errors import BlockCorrupt, BlockNotStored, InvalidAccess, TierIOError, TierUnavailable
+from tiers.gds import gds_available, gds_info
+from tiers.nvme.commit import REPAIR_HINT, Reservations
+from tiers.nvme.format import (
+    DEFAULT_CHUNK_BYTES,
+    IndexEntry,
+    block_path,
+    check_chunk_bytes,
+    file_bytes,
+    floor_page,
+    header_bytes,
+)
+from tiers.nvme.index import BlockIndex
+from tiers.nvme.files import BufferPool, ReadThreads, lock_folder, probe_direct
+from tiers.nvme.read import HeaderCache, read_block
+from tiers.nvme.recover import RecoveryReport, reconcile, trim_to_capacity
+from tiers.nvme.space import Space
+from tiers.nvme.spare import SpareFiles
+from tiers.nvme.write import BlockWriter
+
+log = logging.getLogger("kvstore.tiers.nvme")
+
+IO_CHOICES = ("auto", "posix", "gds")
+
+
+@dataclass(frozen=True)
+class ReadCounters:
+    """Reads since the tier opened: ``reads`` calls, ``bytes_served`` to callers,
+    ``bytes_read`` from the files (headers and whole chunks included)."""
+
+    reads: int
+    bytes_served: int
+    bytes_read: int
+
+
+class NVMeTier(Tier):
+    """Blocks as files under ``path`` with an LMDB index (format: :mod:`tiers.nvme.format`).
+
+    Args:
+        path: the tier's folder (created if missing). One process at a time may open it.
+        capacity_bytes: bytes of disk the tier may use: each block costs its whole file,
+            header and padding included (:func:`tiers.nvme.format.file_bytes`).
+        name: tier name in logs and stats.
+        io: ``"posix"``, ``"gds"`` (also move blocks to and from device memory through
+            kvikio, declared as ``capabilities.device_files``; needs a CUDA GPU and
+            kvikio) or ``"auto"`` (gds when :func:`tiers.gds.gds_available`). Host
+            writes and reads use POSIX I/O in every mode.
+        fsync: flush files, folders and the index to the device before a commit returns.
+        direct: None probes the filesystem and uses O_DIRECT when it is accepted; False
+            forces buffered I/O; True requires O_DIRECT.
+        chunk_bytes: checksum granularity of new blocks (a power of two >= 4096 bytes):
+            a ranged read reads and verifies whole chunks.
+        map_size: initial LMDB map size in bytes; doubled whenever the index fills it.
+        max_buffer_bytes: bytes of free aligned buffers kept for reuse.
+        header_cache_bytes: memory for the chunk checksums of recently written or read
+            blocks (a read of a cached block skips its header).
+        read_threads: threads issuing the separate reads of one ranged read together
+            (a TP rank's KV heads); 1 reads them one by one.
+        spare_files: most freed files kept for reuse in ``path/spare`` (0: none).
+        spare_bytes: most bytes those files may hold (default: capacity / 16, at most
+            1 GiB); they are on disk in addition to :attr:`used_bytes`.
+        rebuild_index: move the index aside and rebuild it from the block files
+            (what :func:`tiers.nvme.recover.repair_index` does).
+
+    Opening reconciles the index with the files (:mod:`tiers.nvme.recover`; the outcome
+    is :attr:`recovery`) and deletes the oldest blocks beyond ``capacity_bytes``.
+    Reads and writes of different blocks may run concurrently from several threads.
+
+    Raises:
+        ValueError: a bad argument, ``io="gds"`` without a CUDA GPU and kvikio.
+        TierUnavailable: ``path`` cannot be used, is held by another process, refuses
+            O_DIRECT with ``direct=True``, or has an index that cannot be rebuilt.
+    """
+
+    kind = TierKind.NVME
+    volatile = False
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, name: str = "nvme",
+                 io: str = "auto", fsync: bool = False, direct: bool | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, map_size: int = 1 << 30,
+                 max_buffer_bytes: int = 64 << 20, header_cache_bytes: int = 32 << 20, read_threads: int = 4,
+                 spare_files: int = 256, spare_bytes: int | None = None, rebuild_index: bool = False):
+        if io not in IO_CHOICES:
+            raise ValueError(f"io must be one of {', '.join(IO_CHOICES)}, got {io!r}")
+        if io == "gds" and not gds_available():
+            raise ValueError(f"io = gds needs a CUDA GPU and kvikio ({gds_info().reason})")
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity must be an integer >= 0 bytes, got {capacity_bytes!r}")
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.name = name
+        self.io = "gds" if io == "gds" or (io == "auto" and gds_available()) else "posix"
+        self.path = os.path.abspath(os.fspath(path))
+        self._capacity = capacity_bytes
+        self._fsync = bool(fsync)
+        self._blocks_dir = os.path.join(self.path, "blocks")
+        self._lock = threading.Lock()
+        self._counts_lock = threading.Lock()
+        self._counts = [0, 0, 0]             # reads, bytes served, bytes read
+        self._closed = False
+        self._headers = HeaderCache(header_cache_bytes)
+        self._threads = ReadThreads(read_threads) if read_threads > 1 else None
+        self._index: BlockIndex | None = None
+        self._device = None
+        self._lock_fd = lock_folder(self.path, name)
+        try:
+            self._open(direct, map_size, max_buffer_bytes, spare_files, spare_bytes, rebuild_index)
+        except BaseException:
+            if self._index is not None:
+                self._index.close()
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self, direct, map_size, max_buffer_bytes, spare_files, spare_bytes, rebuild_index) -> None:
+        """The rest of ``__init__``, once the folder is locked."""
+        accepted = probe_direct(self.path) if direct is not False else False
+        if direct and not accepted:
+            raise TierUnavailable(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT (direct=True)")
+        self.direct = accepted
+        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if accepted else 0)
+        self._pool = BufferPool(max_buffer_bytes)
+        self._spares: SpareFiles | None = None
+        if spare_files > 0:
+            limit = min(self._capacity // 16, 1 << 30) if spare_bytes is None else spare_bytes
+            self._spares = SpareFiles(os.path.join(self.path, "spare"), spare_files, limit)
+        self._space = Space(self.path, self._capacity, lambda: self.spare_bytes, self.name)
+        report = self.recovery = RecoveryReport()
+        hint = REPAIR_HINT.format(path=self.path)
+        try:
+            self._index = BlockIndex(self.path, fsync=self._fsync, map_size=map_size, name=self.name,
+                                     rebuild=rebuild_index)
+            report.index_damage, report.index_moved_to = self._index.damage, self._index.moved_to
+            reconcile(self._blocks_dir, os.path.join(self.path, "quarantine"), self._index, report)
+            report.index_rebuilt = (rebuild_index or self._index.damage is not None
+                                    or (self._index.absent and report.adopted > 0))
+        except (OSError, lmdb.Error) as e:
+            raise TierUnavailable(f"{self.name}: cannot open or rebuild the index in {self.path}: {e}; "
+                                  f"{hint}") from e
+        self._space.used = sum(e.file_bytes for e in self._index.entries.values())
+        if self._space.used > self._capacity:
+            report.trimmed = trim_to_capacity(self._index, self._space, self._remove_file, self.name)
+        report.blocks, report.file_bytes = len(self._index.entries), self._space.used
+        self._writes = Reservations(folder=self.path, name=self.name, lock=self._lock, index=self._index,
+                                    space=self._space, writer=BlockWriter(accepted, self._pool),
+                                    spares=self._spares, direct=accepted, fsync=self._fsync,
+                                    headers=self._headers)
+        if self.io == "gds":
+            from tiers.nvme.device import DeviceFiles, kvikio_backend
+            self._device = DeviceFiles(kvikio_backend())
+        level = logging.WARNING if (report.quarantined or report.index_damage) else logging.INFO
+        log.log(level, "%s: opened %s: %s", self.name, self.path, report.summary())
+
+    # -------------------------------------------------------------- accounting
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """``device_files`` (GPUDirect Storage) when ``io`` is ``"gds"``."""
+        return Capabilities(device_files=self) if self._device is not None else NO_CAPABILITIES
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The configured capacity; after the disk filled up (DiskFull), what the disk can
+        take, until it has room for the configured capacity again."""
+        return self._space.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._space.used
+
+    @property
+    def max_block_bytes(self) -> int:
+        cap = self.capacity_bytes
+        return max(0, floor_page(cap - header_bytes(cap, self.chunk_bytes)))
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes (at most) in spare files: on disk, but outside :attr:`used_bytes`."""
+        return self._spares.nbytes if self._spares is not None else 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index.entries
+
+    def __len__(self) -> int:
+        return len(self._index.entries)
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes >= 0 and self._space.fits(file_bytes(nbytes, self.chunk_bytes))
+
+    def size_of(self, key: bytes) -> int:
+        return self._entry(key).size
+
+    def read_counters(self) -> ReadCounters:
+        """Reads since the tier opened, with the bytes read from the files (amplification)."""
+        with self._counts_lock:
+            return ReadCounters(*self._counts)
+
+    def _entry(self, key: bytes) -> IndexEntry:
+        entry = self._index.entries.get(key)
+        if entry is None:
+            raise BlockNotStored(f"block {bytes(key).hex()[:16]} is not stored in {self.name}")
+        return entry
+
+    def _file(self, key: bytes) -> str:
+        return block_path(self._blocks_dir, key)
+
+    def _what(self, key: bytes) -> str:
+        return f"{self.name}: block {key.hex()[:16]}"
+
+    # -------------------------------------------------------------- two-phase write (nvme_commit)
+
+    def reserve(self, key: bytes, nbytes: int) -> None:
+        self._writes.reserve(key, nbytes, self.chunk_bytes)
+
+    def write(self, key: bytes, offset: int, data: Any) -> None:
+        self._writes.write(key, offset, byte_view(data))
+
+    def commit(self, key: bytes) -> None:
+        self._writes.commit(key)
+
+    def abort(self, key: bytes) -> None:
+        self._writes.abort(key)
+
+    # -------------------------------------------------------------- reads
+
+    def read_into(self, key: bytes, out: Any, ranges: ByteRanges | None = None) -> int:
+        """Read a block (or ``ranges`` of it, concatenated) into the start of ``out``,
+        reading from the file only the chunks the ranges touch and verifying each against
+        the header (see :mod:`tiers.nvme.read`). Page-aligned ``out`` under O_DIRECT is
+        filled by the kernel directly; other buffers through a pooled bounce buffer.
+
+        Raises BlockNotStored, InvalidAccess (a range outside the block, ``out`` too small
+        or read-only), BlockCorrupt (missing, truncated, misplaced or altered file: the
+        caller frees the block), TierIOError."""
+        entry = self._entry(key)
+        total = check_ranges(ranges, entry.size)
+        view = output_view(out, total)
+        path = self._file(key)
+        try:
+            fd = os.open(path, self._read_flags)
+        except OSError as e:
+            if self._index.entries.get(key) is not entry:
+                raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}") from None
+            if e.errno == errno.ENOENT:
+                raise BlockCorrupt(f"{self._what(key)}: file {path} is missing") from None
+            if e.errno == errno.ELOOP:
+                raise BlockCorrupt(f"{self._what(key)}: {path} is a symbolic link") from None
+            raise TierIOError(f"{self.name}: cannot open {path}: {e}") from e
+        try:
+            nread, sums = read_block(fd, key, entry, view, ranges, direct=self.direct, pool=self._pool,
+                                     what=self._what(key),
+                                     sums=self._headers.get(key, entry.size, entry.chunk_bytes),
+                                     threads=self._threads)
+            if sums is not None:
+                self._headers.put(key, entry.size, entry.chunk_bytes, sums)
+        except BlockCorrupt:
+            self._headers.drop(key)
+            if self._index.entries.get(key) is not entry:           # freed (and reused) meanwhile
+                raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}") from None
+            raise
+        except OSError as e:
+            raise TierIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
+        finally:
+            os.close(fd)
+        with self._counts_lock:
+            self._counts[0] += 1
+            self._counts[1] += total
+            self._counts[2] += nread
+        return total
+
+    # -------------------------------------------------------------- device files (GDS)
+
+    def write_from_device(self, key: bytes, device_buf: Any) -> None:
+        """Fill a whole reservation from C-contiguous device array ``device_buf`` (at least
+        the reserved size in bytes) by kvikio (:mod:`tiers.nvme.device`); :meth:`commit`
+        then writes the header and publishes the block as after :meth:`write`.
+
+        Raises BlockNotStored (not reserved), InvalidAccess (already partly written, a
+        buffer too small or not a CUDA array), DiskFull/TierIOError (the reservation is
+        then dropped), TierIOError when ``io`` is not ``"gds"``.
+        """
+        device = self._require_device()
+        self._writes.write_from_device(key, device, device_buf, self._device_bytes(device, device_buf))
+
+    def read_into_device(self, key: bytes, device_buf: Any) -> int:
+        """Read a committed block into the start of device array ``device_buf`` by kvikio
+        and verify its header and every chunk; return its size in bytes. On BlockCorrupt
+        the buffer holds the bad bytes (the caller drops them).
+
+        Raises BlockNotStored, BlockCorrupt (missing, truncated, altered file), InvalidAccess
+        (buffer too small or not a CUDA array), TierIOError.
+        """
+        device = self._require_device()
+        entry = self._entry(key)
+        if self._device_bytes(device, device_buf) < entry.size:
+            raise InvalidAccess(f"the device buffer is smaller than the block's {entry.size} bytes")
+        path = self._file(key)
+        try:
+            device.read(path, key, entry, device_buf, self._what(key))
+        except FileNotFoundError:
+            raise BlockCorrupt(f"{self._what(key)}: file {path} is missing") from None
+        except BlockCorrupt:
+            raise
+        except (OSError, RuntimeError) as e:
+            raise TierIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
+        with self._counts_lock:
+            self._counts[0] += 1
+            self._counts[1] += entry.size
+            self._counts[2] += entry.file_bytes
+        return entry.size
+
+    def _require_device(self):
+        if self._device is None:
+            raise TierIOError(f"{self.name}: device file I/O needs io = gds (this tier uses {self.io})")
+        return self._device
+
+    @staticmethod
+    def _device_bytes(device, device_buf: Any) -> int:
+        try:
+            return device.device_bytes(device_buf)
+        except (TypeError, ValueError) as e:
+            raise InvalidAccess(str(e)) from None
+
+    # -------------------------------------------------------------- free, restart, close
+
+    def free(self, key: bytes) -> None:
+        with self._lock:
+            entry = self._entry(key)
+            self._headers.drop(key)
+            self._remove_file(key, entry.file_bytes)
+            try:
+                self._index.delete([key])
+            except lmdb.Error as e:            # no file: the next start drops the entry
+                self._index.entries.pop(key, None)
+                log.warning("%s: cannot delete block %s from the index (%s); the next start will",
+                            self.name, key.hex()[:16], e)
+            self._space.give(entry.file_bytes)
+
+    def _remove_file(self, key: bytes, nbytes: int) -> None:
+        """Move a block's file to the spare files, or delete it."""
+        path = self._file(key)
+        if self._spares is not None and self._spares.give(path, nbytes):
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("%s: cannot remove %s: %s", self.name, path, e)
+
+    def recover(self) -> list[tuple[bytes, int]]:
+        """The blocks held, as ``(key, payload bytes)``, oldest written first. Opening the
+        tier already reconciled the index with the files (:attr:`recovery` says what it found)."""
+        with self._lock:
+            items = sorted(self._index.entries.items(), key=lambda kv: kv[1].written_at)
+        return [(key, entry.size) for key, entry in items]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._writes.discard_all()
+        if self._spares is not None:
+            self._spares.close()
+        self._index.close()
+        self._pool.close()
+        if self._threads is not None:
+            self._threads.close()
+        if self._device is not None:
+            self._device.close()
+        os.close(self._lock_fd)           # releases the flock
+
+    def describe(self) -> str:
+        mode = "O_DIRECT" if self.direct else "buffered"
+        if self._device is not None:
+            mode += f", kvikio {gds_info().mode} for device buffers"
+        return f"{self.name}(nvme, {self.capacity_bytes} bytes, {self.path}, {mode})"
+
+
+__all__ = ["IO_CHOICES", "NVMeTier", "ReadCounters"]
