@@ -17,7 +17,7 @@ or only the byte ranges it asks for (a tensor-parallel rank reads its KV heads),
 medium reads no more than it needs to verify them.
 
 A tier never evicts on its own: when :meth:`Tier.reserve` finds no room it raises
-:class:`tiers.errors.TierFull` and the manager decides what to move away.
+:class:`tiers.errors.NoRoom` and the manager decides what to move away.
 
 **Capabilities.** What a medium can do beyond this interface is declared, typed, in
 :attr:`Tier.capabilities` (a :class:`Capabilities` record of :class:`typing.Protocol`
@@ -203,11 +203,11 @@ class DeviceFileIO(Protocol):
 
     def write_from_device(self, key: bytes, device_buf: Any) -> None:
         """Fill a whole reservation from a C-contiguous device array (commit follows).
-        Raises BlockNotStored, TierIOError."""
+        Raises BlockNotStored, MediaIOError."""
 
     def read_into_device(self, key: bytes, device_buf: Any) -> int:
         """Read a committed block into the start of a device array and verify it; returns
-        its size. Raises BlockNotStored, BlockCorrupt, TierIOError, InvalidAccess."""
+        its size. Raises BlockNotStored, BlockCorrupt, MediaIOError, InvalidAccess."""
 
 
 @runtime_checkable
@@ -217,19 +217,19 @@ class RemoteStore(Protocol):
     The tier's own bookkeeping (``in``, ``len``, ``used_bytes``) covers the blocks this
     node put; these calls ask the cluster, one round trip per batch, so a local miss
     costs one call however many blocks it covers. Every call is bounded by the tier's
-    deadline; when the cluster cannot be reached it raises TierIOError quickly (a
+    deadline; when the cluster cannot be reached it raises MediaIOError quickly (a
     circuit breaker refuses calls for a while after repeated failures), never hangs.
     """
 
     def exists_many(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list[bool]:
         """For each 32-byte key, whether the cluster holds a block under it now, waiting
         ``deadline_s`` seconds at most (None: the tier's own deadline).
-        Raises TierIOError, InvalidAccess (a malformed key)."""
+        Raises MediaIOError, InvalidAccess (a malformed key)."""
 
     def sizes_many(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list[int | None]:
         """For each key, the payload bytes of the block the cluster holds under it, or None
         (absent); one round trip. A hint (it may come from a cache): the get that
-        follows verifies. Raises TierIOError, InvalidAccess."""
+        follows verifies. Raises MediaIOError, InvalidAccess."""
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
         """Fetch whole blocks into the start of writable buffers ``outs`` (one per key,
@@ -237,18 +237,18 @@ class RemoteStore(Protocol):
         copied, or None for a miss: not in the cluster, a corrupt or truncated copy (then
         dropped from the cluster), a block larger than its buffer, or a peer that did not
         answer. Wrong bytes are never reported as a block.
-        Raises TierIOError (the cluster is unreachable), InvalidAccess."""
+        Raises MediaIOError (the cluster is unreachable), InvalidAccess."""
 
     def put_many(self, items: Sequence[tuple[bytes, Any]]) -> list[bool]:
         """Store ``(key, payload)`` blocks in the cluster in one batch; per item True
-        when the cluster holds it afterwards (already there counts). Raises TierFull
-        (beyond this node's capacity), TierIOError, InvalidAccess."""
+        when the cluster holds it afterwards (already there counts). Raises NoRoom
+        (beyond this node's capacity), MediaIOError, InvalidAccess."""
 
     def send(self, key: bytes) -> None:
         """Store a fully written reservation (``reserve`` + ``write``) in the cluster now,
         so that the ``commit`` that follows does no network I/O (the store core commits
         under its lock). Raises BlockNotStored, InvalidAccess (not fully written),
-        TierIOError (the reservation stays until ``abort``)."""
+        MediaIOError (the reservation stays until ``abort``)."""
 
     def call_counters(self) -> dict[str, int]:
         """Counts since start (no network call): ``calls`` into the cluster library,
@@ -328,9 +328,9 @@ class Tier(abc.ABC):
         """Allocate room for a block of ``nbytes`` bytes; the block stays invisible.
 
         Raises:
-            TierFull: not enough (contiguous) free space, or larger than :attr:`max_block_bytes`.
+            NoRoom: not enough (contiguous) free space, or larger than :attr:`max_block_bytes`.
             BlockExists: ``key`` is already reserved or committed here.
-            TierIOError: the medium failed.
+            MediaIOError: the medium failed.
         """
 
     @abc.abstractmethod
@@ -339,7 +339,7 @@ class Tier(abc.ABC):
 
         Chunks must arrive in order (``offset`` equal to the bytes written so far).
         Raises BlockNotStored (not reserved), InvalidAccess (out of order, oversize),
-        TierIOError (and DiskFull) on I/O failure.
+        MediaIOError (and DiskFull) on I/O failure.
         """
 
     @abc.abstractmethod
@@ -347,7 +347,7 @@ class Tier(abc.ABC):
         """Make a fully written reservation readable.
 
         Raises BlockNotStored (not reserved), InvalidAccess (fewer bytes than reserved were
-        written), TierIOError (the reservation is then dropped).
+        written), MediaIOError (the reservation is then dropped).
         """
 
     @abc.abstractmethod
@@ -366,7 +366,7 @@ class Tier(abc.ABC):
             InvalidAccess: a range outside the block, or ``out`` too small or read-only.
             BlockCorrupt: checksum mismatch or truncated data (``out`` may then hold
                 garbage, never reported as the block).
-            TierIOError: the medium failed.
+            MediaIOError: the medium failed.
         """
 
     @abc.abstractmethod

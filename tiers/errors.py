@@ -8,15 +8,15 @@ client.
 ==================  ===========================================================
 error               meaning
 ==================  ===========================================================
-TierFull            no (contiguous) room for the reservation; evict and retry
+NoRoom            no (contiguous) room for the reservation; evict and retry
 DiskFull            the filesystem filled before the tier reached its capacity
 BlockNotStored      the key is not committed (or not reserved) in this tier
 BlockExists         the key is already reserved or committed in this tier
 InvalidAccess       an out-of-order chunk, a byte range outside the block, a
                     commit before every byte arrived, an output buffer too small
 BlockCorrupt        stored bytes fail their checksum or are truncated; never served
-TierIOError         the medium failed (I/O error, device gone, remote peer down)
-TierUnavailable     the medium cannot be opened: its folder cannot be created or
+MediaIOError         the medium failed (I/O error, device gone, remote peer down)
+MediaUnavailable     the medium cannot be opened: its folder cannot be created or
                     used, another process holds it, its index cannot be rebuilt
 ==================  ===========================================================
 """
@@ -24,51 +24,51 @@ TierUnavailable     the medium cannot be opened: its folder cannot be created or
 from __future__ import annotations
 
 
-class TierError(Exception):
+class MediaError(Exception):
     """Base class of every medium error."""
 
 
-class TierFull(TierError):
+class NoRoom(MediaError):
     """Not enough free (contiguous) space for a reservation, or a block larger than the
     largest block the tier can ever hold."""
 
 
-class BlockNotStored(TierError, KeyError):
+class BlockNotStored(MediaError, KeyError):
     """The key is not committed (or, for reservation calls, not reserved) here."""
 
     def __str__(self) -> str:          # KeyError would quote the message
         return str(self.args[0]) if self.args else "block not stored"
 
 
-class BlockExists(TierError, ValueError):
+class BlockExists(MediaError, ValueError):
     """A reservation of a key that this tier already holds or is writing."""
 
 
-class InvalidAccess(TierError, ValueError):
+class InvalidAccess(MediaError, ValueError):
     """A call that breaks the tier protocol: an out-of-order or oversize chunk, a commit
     before every reserved byte was written, a byte range outside the block, an output
     buffer smaller than what is read."""
 
 
-class BlockCorrupt(TierError):
+class BlockCorrupt(MediaError):
     """A block's stored bytes fail their checksum or are truncated. The block is never
     served; the caller drops this copy."""
 
 
-class TierIOError(TierError, OSError):
+class MediaIOError(MediaError, OSError):
     """The medium failed: an I/O error, a timeout, a device or remote peer gone."""
 
 
-class TierUnavailable(TierIOError):
+class MediaUnavailable(MediaIOError):
     """A tier cannot be opened: its folder cannot be created or used, another process
     (a second daemon) holds it, or its damaged index cannot be moved aside and rebuilt.
     The message names the folder and, where one exists, the command that repairs it."""
 
 
-class DiskFull(TierIOError, TierFull):
+class DiskFull(MediaIOError, NoRoom):
     """The filesystem ran out of space (ENOSPC/EDQUOT) before the tier reached its
-    configured capacity. It is a TierFull (evict and retry) and a TierIOError."""
+    configured capacity. It is a NoRoom (evict and retry) and a MediaIOError."""
 
 
-__all__ = ["TierError", "TierFull", "BlockNotStored", "BlockExists", "InvalidAccess", "BlockCorrupt",
-           "TierIOError", "TierUnavailable", "DiskFull"]
+__all__ = ["MediaError", "NoRoom", "BlockNotStored", "BlockExists", "InvalidAccess", "BlockCorrupt",
+           "MediaIOError", "MediaUnavailable", "DiskFull"]

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tiers.errors import BlockCorrupt, TierIOError
+from tiers.errors import BlockCorrupt, MediaIOError
 
 from tiers.gpu import GPUUnavailable, cuda_buffer, gpu_info
 
@@ -134,7 +134,7 @@ def write_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int | None 
     Raises:
         GPUUnavailable: no GPU or no kvikio.
         ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
-        TierIOError: the write failed or was short (a file it created is removed).
+        MediaIOError: the write failed or was short (a file it created is removed).
     """
     kvikio = _kvikio()
     n = _payload_bytes(buf, nbytes)
@@ -146,7 +146,7 @@ def write_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int | None 
         finally:
             f.close()
         if written != n:
-            raise TierIOError(f"short GDS write to {os.fspath(path)!r}: {written} of {n} bytes")
+            raise MediaIOError(f"short GDS write to {os.fspath(path)!r}: {written} of {n} bytes")
         if pad:
             os.truncate(path, size)                  # the tail reads as zeros
         if fsync:
@@ -155,14 +155,14 @@ def write_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int | None 
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    except TierIOError:
+    except MediaIOError:
         if truncate:
             _remove_quietly(path)
         raise
     except (OSError, RuntimeError) as e:             # kvikio raises RuntimeError for cuFile errors
         if truncate:
             _remove_quietly(path)
-        raise TierIOError(f"GDS write of {n} bytes to {os.fspath(path)!r} failed: {e}") from e
+        raise MediaIOError(f"GDS write of {n} bytes to {os.fspath(path)!r} failed: {e}") from e
     return size
 
 
@@ -176,7 +176,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int, file_of
         ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
         FileNotFoundError: no such file.
         BlockCorrupt: the file ends before ``file_offset + nbytes``.
-        TierIOError: the read failed.
+        MediaIOError: the read failed.
     """
     kvikio = _kvikio()
     n = _payload_bytes(buf, nbytes)
@@ -185,7 +185,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int, file_of
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise TierIOError(f"cannot stat {os.fspath(path)!r}: {e}") from e
+        raise MediaIOError(f"cannot stat {os.fspath(path)!r}: {e}") from e
     if on_disk < file_offset + n:
         raise BlockCorrupt(f"block file {os.fspath(path)!r} is truncated: {on_disk} of {file_offset + n} bytes")
     if n == 0:
@@ -197,7 +197,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int, file_of
         finally:
             f.close()
     except (OSError, RuntimeError) as e:
-        raise TierIOError(f"GDS read of {n} bytes from {os.fspath(path)!r} failed: {e}") from e
+        raise MediaIOError(f"GDS read of {n} bytes from {os.fspath(path)!r} failed: {e}") from e
     if got != n:
         raise BlockCorrupt(f"short GDS read from {os.fspath(path)!r}: {got} of {n} bytes")
 

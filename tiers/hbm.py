@@ -53,7 +53,7 @@ from tiers.base import (
     check_ranges,
     output_view,
 )
-from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
+from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, NoRoom
 from tiers.gpu import cuda_buffer, gpu_available, require_gpu
 from tiers.host import ExtentAllocator
 
@@ -90,9 +90,9 @@ class _Slots:
 
     def allocate(self, nbytes: int) -> tuple[int, int]:
         if nbytes > self.slot_bytes:
-            raise TierFull(f"a {nbytes}-byte block does not fit a {self.slot_bytes}-byte slot")
+            raise NoRoom(f"a {nbytes}-byte block does not fit a {self.slot_bytes}-byte slot")
         if not self._free:
-            raise TierFull(f"all {self.capacity // self.slot_bytes} slots are taken")
+            raise NoRoom(f"all {self.capacity // self.slot_bytes} slots are taken")
         self.used += self.slot_bytes
         return self._free.pop(), self.slot_bytes
 
@@ -303,12 +303,12 @@ class HBMTier(Tier):
             if key in self._blocks:
                 raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
             if nbytes > self.max_block_bytes:
-                raise TierFull(f"{self.name}: a {nbytes}-byte block exceeds the largest block "
+                raise NoRoom(f"{self.name}: a {nbytes}-byte block exceeds the largest block "
                                f"({self.max_block_bytes} bytes)")
             try:
                 offset, alloc = self._alloc.allocate(nbytes)
-            except TierFull as e:
-                raise TierFull(f"{self.name}: {nbytes} bytes do not fit: {e}") from None
+            except NoRoom as e:
+                raise NoRoom(f"{self.name}: {nbytes} bytes do not fit: {e}") from None
             self._blocks[key] = _Block(offset, alloc, nbytes)
 
     def _reserved(self, key: bytes) -> _Block:

@@ -31,7 +31,7 @@ from tiers.base import (
     check_ranges,
     output_view,
 )
-from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, TierFull
+from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, NoRoom
 from tiers.memory import DEFAULT_ALIGNMENT, allocate_host_buffer
 
 # A free extent is kept in the size index as one int, ``size << _SHIFT | start``: ints sort
@@ -104,7 +104,7 @@ class ExtentAllocator:
     def allocate(self, nbytes: int) -> tuple[int, int]:
         """Allocate room for ``nbytes`` bytes; return ``(start, size)``, size being rounded up.
 
-        Raises TierFull when no free extent is large enough (also when the total free
+        Raises NoRoom when no free extent is large enough (also when the total free
         space would be, but is fragmented), ValueError for a negative size.
         """
         if nbytes < 0:
@@ -113,7 +113,7 @@ class ExtentAllocator:
         by_size = self._by_size
         i = bisect_left(by_size, size << _SHIFT)
         if i == len(by_size):
-            raise TierFull(f"no free extent of {size} bytes ({self.free_bytes} bytes free in "
+            raise NoRoom(f"no free extent of {size} bytes ({self.free_bytes} bytes free in "
                            f"{len(by_size)} extents, largest {self.largest_free})")
         item = by_size.pop(i)
         extent, start = item >> _SHIFT, item & _START_MASK
@@ -286,8 +286,8 @@ class HostTier(Tier):
                 raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
             try:
                 start, alloc = self._alloc.allocate(nbytes)
-            except TierFull as e:
-                raise TierFull(f"{self.name}: {nbytes} bytes do not fit: {e}") from None
+            except NoRoom as e:
+                raise NoRoom(f"{self.name}: {nbytes} bytes do not fit: {e}") from None
             self._reserved[key] = _HostBlock(start, alloc, nbytes)
 
     def write(self, key: bytes, offset: int, data) -> None:

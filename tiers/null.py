@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tiers.base import ByteRanges, Tier, TierKind, check_ranges
-from tiers.errors import BlockExists, BlockNotStored, TierFull
+from tiers.errors import BlockExists, BlockNotStored, NoRoom
 
 
 class NullTier(Tier):
@@ -51,7 +51,7 @@ class NullTier(Tier):
         if key in self._sizes or key in self._reserved:
             raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
         if not self.fits(nbytes):
-            raise TierFull(f"{self.name}: {nbytes} bytes do not fit ({self._used}/{self._capacity} used)")
+            raise NoRoom(f"{self.name}: {nbytes} bytes do not fit ({self._used}/{self._capacity} used)")
         self._reserved[key] = nbytes
         self._used += nbytes
 

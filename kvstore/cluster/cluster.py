@@ -146,7 +146,7 @@ class Cluster:
             try:
                 hits = self.store.exists_many(ask, deadline_s=self.options.lookup_timeout_s)
                 found = {k for k, hit in zip(ask, hits) if hit}
-            except terr.TierError as e:
+            except terr.MediaError as e:
                 self.counters.inc("remote_lookup_failures")
                 log.debug("cluster lookup of %d blocks failed: %s", len(ask), e)
         codes = bytearray()
@@ -241,7 +241,7 @@ class Cluster:
         """Page in ``keys`` (none held here); returns the key a prefix stopped at."""
         try:
             sizes = self.store.sizes_many(keys)
-        except terr.TierError as e:
+        except terr.MediaError as e:
             self.counters.inc("remote_pull_failures")
             log.debug("cluster size check of %d blocks failed: %s", len(keys), e)
             return keys[0] if prefix else None
@@ -287,7 +287,7 @@ class Cluster:
                 outs = [np.empty(size, np.uint8) for _, size, _ in claims]
             try:
                 got = self.store.get_many_into([key for key, _, _ in claims], outs)
-            except terr.TierError as e:
+            except terr.MediaError as e:
                 self.counters.inc("remote_pull_failures")
                 log.debug("cluster get of %d blocks failed: %s", len(claims), e)
                 got = [None] * len(claims)

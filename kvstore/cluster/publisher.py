@@ -117,7 +117,7 @@ class Publisher:
                 items.append((e.key, data))
         try:
             ok = c.store.put_many(items) if items else []
-        except terr.TierError as err:
+        except terr.MediaError as err:
             counters.inc("remote_publish_failed", len(items))
             log.debug("publishing %d blocks failed: %s", len(items), err)
             return 0
@@ -145,7 +145,7 @@ class Publisher:
         if dest is not None and dest in e.tiers:
             try:
                 return self.m.tiers[dest].capabilities.host.view(e.key)
-            except terr.TierError:
+            except terr.MediaError:
                 pass
         for i in list(e.tiers):
             if i == self.c.index:
@@ -154,7 +154,7 @@ class Publisher:
             try:
                 self.m.tiers[i].read_into(e.key, buf)
                 return buf
-            except terr.TierError as err:
+            except terr.MediaError as err:
                 log.debug("reading block %s to publish it failed: %s", e.key.hex()[:16], err)
         return None
 

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from tiers.base import Tier
-from tiers.errors import TierError
+from tiers.errors import MediaError
 
 from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
@@ -89,7 +89,7 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
                 raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
             try:
                 out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
-            except (ValueError, NotImplementedError, OSError, TierError) as e:
+            except (ValueError, NotImplementedError, OSError, MediaError) as e:
                 raise ConfigError(f"tiers.nvme: {e}") from None
         if t.remote.enabled:       # the cluster, last; returns at once even with the master down
             out.append(("remote", build_remote_tier(t.remote)))

@@ -216,7 +216,7 @@ class Leases:
                 raise terr.BlockNotStored("promotion into the shared arena failed")
             offset, size = self.tiers[s].capabilities.shared.extent(key)
             return entry, LeasedBlock(key, True, self.tiers[s].kind, offset, size)
-        except terr.TierError as e:
+        except terr.MediaError as e:
             log.debug("lease of %s: %s", key.hex()[:16], e)
             cat.unpin(entry)
             return None

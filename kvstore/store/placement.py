@@ -147,7 +147,7 @@ class Placement(TransferMixin):
             self.tiers[i].free(entry.key)
         except terr.BlockNotStored:
             pass
-        except terr.TierError as e:
+        except terr.MediaError as e:
             log.warning("freeing block %s in %s failed: %s", entry.key.hex()[:16], self.tiers[i].name, e)
         if reason == "evicted":
             self.policies[i].evicted(entry.key)
@@ -284,7 +284,7 @@ class Placement(TransferMixin):
                 if self.cat.raw(key) is not entry or entry.deleted:
                     return  # deleted while it was copied: nothing to demote, its room is free
                 self.counters.inc("demotions_failed")
-                if isinstance(t.error, terr.TierFull) and attempt == 1:
+                if isinstance(t.error, terr.NoRoom) and attempt == 1:
                     continue   # the disk filled up: the tier now evicts to fit, so retry once
                 if best_effort:
                     log.debug("demotion of block %s to %s failed (%s); dropping it", key.hex()[:16],
@@ -292,7 +292,7 @@ class Placement(TransferMixin):
                     if self.cat.raw(key) is not entry or i not in entry.tiers or entry.pins:
                         return  # deleted, or read while the copy was tried: keep it
                     break
-                cls = TierFull if isinstance(t.error, terr.TierFull) else TierIOError
+                cls = TierFull if isinstance(t.error, terr.NoRoom) else TierIOError
                 raise cls(f"demotion of block {key.hex()[:16]} from {self.tiers[i].name} to "
                           f"{self.tiers[i + 1].name} failed: {t.error}")
         self.counters.inc(f"evictions_{self.tiers[i].name}")
@@ -308,8 +308,8 @@ class Placement(TransferMixin):
             try:
                 tier.reserve(key, nbytes)
                 return
-            except terr.TierFull as e:
+            except terr.NoRoom as e:
                 if attempt == 2 or nbytes > tier.max_block_bytes:
                     raise TierFull(f"{tier.name}: {e}") from None
-            except terr.TierIOError as e:
+            except terr.MediaIOError as e:
                 raise TierIOError(f"{tier.name}: reserving {nbytes} bytes failed: {e}") from None

@@ -154,7 +154,7 @@ class BlockReader:
                 tier.read_into(entry.key, out, ranges)
             except terr.InvalidAccess as e:
                 raise InvalidRequest(str(e)) from None
-            except (terr.BlockCorrupt, terr.TierIOError, terr.BlockNotStored) as e:
+            except (terr.BlockCorrupt, terr.MediaIOError, terr.BlockNotStored) as e:
                 corrupt = isinstance(e, terr.BlockCorrupt)
                 log.warning("dropping %s copy of block %s: %s", tier.name, entry.key.hex()[:16], e)
                 m.counters.inc("corrupt_blocks" if corrupt else "read_errors")

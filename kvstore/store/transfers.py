@@ -87,7 +87,7 @@ class TransferMixin:
             try:
                 self.mover.submit(t.src, t.dst, lambda: self._copy_bytes(t))
             except RuntimeError as e:        # the mover is stopped: the store is closing
-                self._finish_locked(t, terr.TierIOError(str(e)))
+                self._finish_locked(t, terr.MediaIOError(str(e)))
                 return
         if not wait:
             return
@@ -120,8 +120,8 @@ class TransferMixin:
                 err = e
         if err is not None or t.abandoned or gone:
             dst.abort(t.key)
-            t.error = err or (terr.TierIOError(f"transfer exceeded {self.transfer_timeout_s}s")
-                              if t.abandoned else terr.TierError("the block was deleted during the copy"))
+            t.error = err or (terr.MediaIOError(f"transfer exceeded {self.transfer_timeout_s}s")
+                              if t.abandoned else terr.MediaError("the block was deleted during the copy"))
             if err is not None or t.abandoned:
                 self.counters.inc("transfers_failed")
                 log.warning("copy of block %s from %s to %s failed: %s", t.key.hex()[:16],
@@ -139,7 +139,7 @@ class TransferMixin:
         if t.abandoned or t.done.is_set():
             return
         t.abandoned = True
-        t.error = terr.TierIOError(f"transfer did not finish in {self.transfer_timeout_s}s")
+        t.error = terr.MediaIOError(f"transfer did not finish in {self.transfer_timeout_s}s")
         self.counters.inc("transfers_timed_out")
         self.cat.unpin(t.entry)
 

@@ -200,9 +200,9 @@ class Writes:
             self.tiers[pending.tier].write(pending.key, offset, data)
         except terr.InvalidAccess as e:
             raise InvalidRequest(str(e)) from None
-        except terr.TierFull as e:             # a full disk (DiskFull)
+        except terr.NoRoom as e:             # a full disk (DiskFull)
             raise TierFull(f"{self.tiers[pending.tier].name}: {e}") from None
-        except terr.TierError as e:
+        except terr.MediaError as e:
             raise TierIOError(f"{self.tiers[pending.tier].name}: {e}") from None
         pending.written = offset + n
 
@@ -234,9 +234,9 @@ class Writes:
             except BaseException as e:
                 tier.abort(pending.key)
                 cat.end_claim(pending)
-                if isinstance(e, terr.TierFull):
+                if isinstance(e, terr.NoRoom):
                     raise TierFull(f"{tier.name}: committing block {pending.key.hex()[:16]} failed: {e}") from None
-                if isinstance(e, terr.TierError):
+                if isinstance(e, terr.MediaError):
                     raise TierIOError(f"{tier.name}: committing block {pending.key.hex()[:16]} failed: {e}") from None
                 raise
             cat.end_claim(pending)

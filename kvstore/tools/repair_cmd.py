@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import argparse
 
-from tiers.errors import TierIOError
+from tiers.errors import MediaIOError
 from tiers.nvme.recover import repair_index
 
 
 def cmd_repair_index(args: argparse.Namespace) -> int:
     try:
         report = repair_index(args.path)
-    except TierIOError as e:
+    except MediaIOError as e:
         print(f"kvstore repair-index: {e}")
         return 1
     print(f"kvstore repair-index: {args.path}: {report.summary()}")

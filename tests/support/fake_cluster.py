@@ -3,9 +3,9 @@ level (:mod:`kvstore.cluster.cluster`) without Mooncake.
 
 ``FakeCluster`` is the shared store (objects by key, first writer wins) with fault hooks:
 
-- ``down``: every call raises TierIOError at once (a dead master, an open circuit);
+- ``down``: every call raises MediaIOError at once (a dead master, an open circuit);
 - ``stall_s``: every call waits this long (at most its deadline) and then raises
-  TierIOError (a stalled master: the real tier's guard gives up at the deadline);
+  MediaIOError (a stalled master: the real tier's guard gives up at the deadline);
 - ``corrupt``: keys whose copies fail verification: reads raise BlockCorrupt, batch gets
   report a miss and drop the copy (as :class:`tiers.mooncake.MooncakeTier` does).
 
@@ -20,7 +20,7 @@ import threading
 import time
 
 from tiers.base import Capabilities, Tier, TierKind, byte_view, check_chunk, check_ranges, output_view
-from tiers.errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, TierFull, TierIOError
+from tiers.errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, NoRoom, MediaIOError
 
 
 class FakeCluster:
@@ -36,10 +36,10 @@ class FakeCluster:
 
     def check(self, deadline_s: float | None = None) -> None:
         if self.down:
-            raise TierIOError("fake cluster: master unreachable")
+            raise MediaIOError("fake cluster: master unreachable")
         if self.stall_s:
             time.sleep(min(self.stall_s, deadline_s or self.timeout_s))
-            raise TierIOError("fake cluster: no answer within the deadline")
+            raise MediaIOError("fake cluster: no answer within the deadline")
 
 
 class FakeRemoteTier(Tier):
@@ -83,12 +83,12 @@ class FakeRemoteTier(Tier):
 
     def reserve(self, key: bytes, nbytes: int) -> None:
         if self.cluster.down:
-            raise TierIOError("fake cluster: not connected")
+            raise MediaIOError("fake cluster: not connected")
         with self._lock:
             if key in self.own or key in self._pending:
                 raise BlockExists(f"{key.hex()[:16]} already here")
             if self._used + nbytes > self._capacity:
-                raise TierFull(f"{self.name}: {nbytes} bytes do not fit")
+                raise NoRoom(f"{self.name}: {nbytes} bytes do not fit")
             self._pending[key] = [bytearray(nbytes), 0, False]
             self._used += nbytes
 

@@ -5,9 +5,9 @@ capabilities (for manager, mover, prefetch and reliability tests).
 settable at any time:
 
 - ``write_gate``: a ``threading.Event`` that ``write`` waits on (a hung or slow disk; it
-  gives up after ``gate_timeout`` s with TierIOError); ``writing`` is set once a write
+  gives up after ``gate_timeout`` s with MediaIOError); ``writing`` is set once a write
   waits there, ``waiting_writes`` counts them;
-- ``fail_writes``: ``write`` raises TierIOError (a failing medium);
+- ``fail_writes``: ``write`` raises MediaIOError (a failing medium);
 - ``read_gate``: a ``threading.Event`` that ``read_into`` waits on (a slow read);
   ``reading`` is set when a read waits there;
 - ``corrupt``: keys whose reads raise BlockCorrupt.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 
 from tiers.base import Capabilities, Tier, TierKind, byte_view, check_chunk, check_ranges, output_view
-from tiers.errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, TierFull, TierIOError
+from tiers.errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, NoRoom, MediaIOError
 
 
 class MemTier(Tier):
@@ -90,7 +90,7 @@ class MemTier(Tier):
             if key in self.data or key in self._reserved:
                 raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
             if self._used + nbytes > self._capacity:
-                raise TierFull(f"{self.name}: {nbytes} bytes do not fit ({self._used}/{self._capacity})")
+                raise NoRoom(f"{self.name}: {nbytes} bytes do not fit ({self._used}/{self._capacity})")
             self._used += nbytes
             self._reserved[key] = bytearray(nbytes)
             self._written[key] = 0
@@ -109,9 +109,9 @@ class MemTier(Tier):
         self.writes += 1
         gate = self.write_gate
         if gate is not None and not self._gate(gate, self.writing, "waiting_writes"):
-            raise TierIOError(f"{self.name}: write of {key.hex()[:16]} hung for {self.gate_timeout}s")
+            raise MediaIOError(f"{self.name}: write of {key.hex()[:16]} hung for {self.gate_timeout}s")
         if self.fail_writes:
-            raise TierIOError(f"{self.name}: injected write failure")
+            raise MediaIOError(f"{self.name}: injected write failure")
         src = bytes(byte_view(data))
         with self._lock:
             buf = self._reserved.get(key)

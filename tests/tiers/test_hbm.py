@@ -19,7 +19,7 @@ import pytest
 
 from kvstore.client.ipc import close_attachments, open_block
 from tiers.base import TierKind, read_bytes
-from tiers.errors import BlockNotStored, TierFull
+from tiers.errors import BlockNotStored, NoRoom
 from tiers.hbm import ALIGNMENT, HBMTier
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -87,7 +87,7 @@ def test_full_tier_raises_and_fits_is_exact(tier):
         put(tier, i, 4096)
     assert tier.used_bytes == tier.capacity_bytes
     assert not tier.fits(1)
-    with pytest.raises(TierFull):
+    with pytest.raises(NoRoom):
         tier.reserve(key(99), 1)
     tier.free(key(3))
     tier.free(key(4))
@@ -137,7 +137,7 @@ def test_slots():
         put(t, 1, 10)
         assert t.used_bytes == 3000
         assert not t.fits(3001)
-        with pytest.raises(TierFull, match="largest block"):
+        with pytest.raises(NoRoom, match="largest block"):
             t.reserve(key(2), 3001)
         put(t, 2, 3000)
         put(t, 3, 2999)

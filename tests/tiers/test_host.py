@@ -8,7 +8,7 @@ import pytest
 
 from tiers.base import read_bytes
 
-from tiers.errors import BlockNotStored, TierFull
+from tiers.errors import BlockNotStored, NoRoom
 from tiers.base import TierKind
 from tiers.host import ExtentAllocator, HostTier
 
@@ -55,7 +55,7 @@ def test_allocator_best_fit_picks_smallest_hole():
     assert a.allocate(100) == (192, 128)          # the 2-unit hole, not the first or largest
     assert a.allocate(10) == (64, 64)
     assert not a.can_allocate(193)
-    with pytest.raises(TierFull):
+    with pytest.raises(NoRoom):
         a.allocate(193)
 
 
@@ -99,7 +99,7 @@ def test_allocator_random_sequence_against_unit_model():
             expected = _model_fits(units, need)
             assert a.can_allocate(nbytes) == expected, step
             if not expected:
-                with pytest.raises(TierFull):
+                with pytest.raises(NoRoom):
                     a.allocate(nbytes)
                 continue
             start, size = a.allocate(nbytes)
@@ -197,7 +197,7 @@ def test_capacity_never_exceeded_and_fits_matches_reserve():
         t.reserve(K(i), 60)
         assert t.used_bytes == 64 * (i + 1) <= t.capacity_bytes
     assert not t.fits(1)
-    with pytest.raises(TierFull):
+    with pytest.raises(NoRoom):
         t.reserve(K(99), 1)
     assert t.used_bytes == 512
     for i in range(8):
@@ -214,7 +214,7 @@ def test_coalescing_makes_room_for_a_big_block_after_frees():
     assert t.used_bytes == 512 and t.free_extents == 2
     assert t.fragmentation == pytest.approx(0.5)
     assert not t.fits(512)
-    with pytest.raises(TierFull):
+    with pytest.raises(NoRoom):
         t.reserve(K(9), 512)
     t.free(K(1))                                  # 0, 1, 2 join into 768 bytes
     assert t.fits(768) and t.fragmentation == 0.0
@@ -239,7 +239,7 @@ def test_random_blocks_keep_their_bytes():
         fits = t.fits(n)
         key = K(step)
         if not fits:
-            with pytest.raises(TierFull):
+            with pytest.raises(NoRoom):
                 t.reserve(key, n)
             continue
         data = rng.randbytes(n)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tiers.base import RemoteStore, TierKind, read_bytes
-from tiers.errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, TierFull
+from tiers.errors import BlockCorrupt, BlockExists, BlockNotStored, InvalidAccess, NoRoom
 from tiers.mooncake.object_format import HEADER_BYTES, encode_into, object_bytes
 
 
@@ -67,7 +67,7 @@ def test_two_phase_protocol_errors(make_tier):
     assert K(1) not in tier and tier.used_bytes == 0
     with pytest.raises(BlockNotStored):
         tier.write(K(1), 0, b"x")
-    with pytest.raises(TierFull):
+    with pytest.raises(NoRoom):
         tier.reserve(K(2), 3 << 20)                           # the header does not fit either
     with pytest.raises(InvalidAccess):
         tier.reserve(b"short", 10)
@@ -99,7 +99,7 @@ def test_exists_get_and_put_in_batches(make_tier):
         assert outs[i].tobytes() == items[i][1]
     with pytest.raises(InvalidAccess):
         tier.get_many_into(keys, outs[:2])
-    with pytest.raises(TierFull):
+    with pytest.raises(NoRoom):
         tier.put_many([(K(99), bytes(64 << 20))])            # larger than the staging buffer
 
 

@@ -1,6 +1,6 @@
 """Faults of the Mooncake cluster seen through the remote tier: a master killed, stalled
 or down at start, and a peer killed. Each costs remote hits only: calls raise
-TierIOError within their deadline (plus a generous allowance for a loaded machine),
+MediaIOError within their deadline (plus a generous allowance for a loaded machine),
 never hang, never return wrong bytes, and the tier recovers when the cluster does.
 
 Without the tier's guard these calls block ~4.4 s (killed master), 30 s (stalled
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tiers.errors import BlockNotStored, TierIOError
+from tiers.errors import BlockNotStored, MediaIOError
 from tiers.mooncake.guard import RemoteState, RemoteUnavailable
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def timed(fn, *args):
     t0 = time.monotonic()
     try:
         return fn(*args), time.monotonic() - t0
-    except TierIOError as exc:
+    except MediaIOError as exc:
         return exc, time.monotonic() - t0
 
 
@@ -63,7 +63,7 @@ def works(tier, i):
             return False
         out = bytearray(MIB)
         return tier.get_many_into([K(i)], [out]) == [MIB] and bytes(out) == block(i)
-    except TierIOError:
+    except MediaIOError:
         return False
 
 
@@ -78,7 +78,7 @@ def test_master_killed_mid_operation_then_restarted(own_master, make_tier):
         outs = [bytearray(MIB) for _ in range(4)]
         while not stop.is_set():
             got, took = timed(tier.get_many_into, [K(i) for i in range(4)], outs)
-            if isinstance(got, TierIOError):
+            if isinstance(got, MediaIOError):
                 failures.append((type(got).__name__, took))
             else:
                 wrong.extend(i for i, n in enumerate(got) if n is not None and bytes(outs[i]) != block(i))
@@ -94,7 +94,7 @@ def test_master_killed_mid_operation_then_restarted(own_master, make_tier):
     assert all(took < deadline for _, took in failures), failures
     assert tier.health.state in (RemoteState.OPEN, RemoteState.HALF_OPEN)
     assert "RemoteUnavailable" in {name for name, _ in failures}      # the breaker refused calls
-    with pytest.raises(TierIOError):
+    with pytest.raises(MediaIOError):
         tier.exists_many([K(0)])
 
     own_master.start()                                                # a new, empty master
@@ -113,7 +113,7 @@ def test_master_stalled_then_resumed(own_master, make_tier):
         for call in (lambda: tier.exists_many([K(1)]), lambda: tier.read_into(K(1), bytearray(MIB)),
                      lambda: tier.put_many([(K(2), block(2))])):
             got, took = timed(call)
-            assert isinstance(got, TierIOError), got
+            assert isinstance(got, MediaIOError), got
             assert took < tier.config.deadline_s(MIB) + ALLOWANCE_S
     finally:
         own_master.resume()
@@ -122,7 +122,7 @@ def test_master_stalled_then_resumed(own_master, make_tier):
     def read_back():
         try:
             return tier.read_into(K(1), out) == MIB
-        except TierIOError:
+        except MediaIOError:
             return False
 
     assert wait_until(read_back)                                      # same master: the block survived
@@ -159,12 +159,12 @@ def test_peer_killed_costs_only_remote_hits(own_master, make_tier):
         assert client.put_many([(K(i), block(i)) for i in range(3)]) == [True] * 3   # all on the peer
         peer.pause()                                                  # a peer that stops answering
         got, took = timed(client.read_into, K(0), bytearray(MIB))
-        assert isinstance(got, TierIOError) and took < client.config.deadline_s(MIB) + ALLOWANCE_S
+        assert isinstance(got, MediaIOError) and took < client.config.deadline_s(MIB) + ALLOWANCE_S
         peer.kill()
         outs = [bytearray(MIB) for _ in range(3)]
         got, took = timed(client.get_many_into, [K(i) for i in range(3)], outs)
         assert took < client.config.deadline_s(3 * MIB) + ALLOWANCE_S
-        assert isinstance(got, TierIOError) or got == [None] * 3      # misses, never bytes
+        assert isinstance(got, MediaIOError) or got == [None] * 3      # misses, never bytes
         # The master drops the dead peer's segment after its client TTL (3 s): plain misses.
         assert wait_until(lambda: client.exists_many([K(0)]) == [False])
         with pytest.raises(BlockNotStored):

@@ -27,9 +27,9 @@ from tiers.errors import (
     BlockNotStored,
     DiskFull,
     InvalidAccess,
-    TierFull,
-    TierIOError,
-    TierUnavailable,
+    NoRoom,
+    MediaIOError,
+    MediaUnavailable,
 )
 from tiers.nvme.tier import NVMeTier
 from tiers.nvme.format import PAGE
@@ -149,7 +149,7 @@ def test_capacity_counts_whole_files_and_is_never_exceeded(open_nvme):
     assert t.used_bytes == 5 * PAGE
     assert t.fits(PAGE) and not t.fits(PAGE + 1)
     assert t.max_block_bytes == 6 * PAGE
-    with pytest.raises(TierFull):
+    with pytest.raises(NoRoom):
         t.reserve(K(3), PAGE + 1)
     t.reserve(K(3), PAGE)
     assert t.used_bytes == t.capacity_bytes == 7 * PAGE
@@ -230,7 +230,7 @@ def test_restart_recovers_blocks_and_reads_match(open_nvme):
 
 def test_second_process_cannot_open_the_same_folder(open_nvme):
     t = open_nvme()
-    with pytest.raises(TierUnavailable, match="in use by another process"):
+    with pytest.raises(MediaUnavailable, match="in use by another process"):
         open_nvme()
     t.close()
     open_nvme()                                     # the lock went with close()
@@ -238,7 +238,7 @@ def test_second_process_cannot_open_the_same_folder(open_nvme):
 
 def test_unusable_folder_is_tier_unavailable(tmp_path):
     (tmp_path / "file").write_text("not a folder")
-    with pytest.raises(TierUnavailable, match="cannot use the tier folder"):
+    with pytest.raises(MediaUnavailable, match="cannot use the tier folder"):
         NVMeTier(tmp_path / "file", 1 << 20)
 
 
@@ -387,7 +387,7 @@ def test_disk_full_on_write_leaves_nothing_behind(open_nvme, monkeypatch, chunke
             t.commit(K(2))
         else:
             t.write(K(2), 0, data)
-    assert isinstance(info.value, TierFull) and isinstance(info.value, TierIOError)
+    assert isinstance(info.value, NoRoom) and isinstance(info.value, MediaIOError)
     monkeypatch.undo()
     assert K(2) not in t and t.used_bytes == disk_bytes(4)
     assert len(block_files(t.path)) == 1            # no temp file
@@ -405,7 +405,7 @@ def test_rename_failure_on_commit_is_an_io_error(open_nvme, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "rename", broken)
-    with pytest.raises(TierIOError, match="committing"):
+    with pytest.raises(MediaIOError, match="committing"):
         t.commit(K(1))
     monkeypatch.undo()
     assert K(1) not in t and t.used_bytes == 0 and block_files(t.path) == []
@@ -420,7 +420,7 @@ def test_index_failure_on_commit_removes_the_renamed_file(open_nvme, monkeypatch
         raise lmdb.Error("simulated index failure")
 
     monkeypatch.setattr(t._index, "put", broken)
-    with pytest.raises(TierIOError, match="simulated index failure.*kvstore repair-index"):
+    with pytest.raises(MediaIOError, match="simulated index failure.*kvstore repair-index"):
         t.commit(K(1))
     monkeypatch.undo()
     assert K(1) not in t and t.used_bytes == 0 and block_files(t.path) == []
@@ -442,7 +442,7 @@ def test_bad_arguments_are_value_errors(tmp_path):
         NVMeTier(tmp_path / "b", 1 << 20, io="gds")
     t = NVMeTier(tmp_path / "c", 1 << 20, io="auto")
     assert t.io == "posix"
-    with pytest.raises(TierIOError, match="needs io = gds"):
+    with pytest.raises(MediaIOError, match="needs io = gds"):
         t.read_into_device(K(1), None)
     t.close()
 

@@ -23,7 +23,7 @@ import lmdb
 import pytest
 
 from nvme_support import ROOT, K, block_files, file_of, payload, put, read
-from tiers.errors import TierUnavailable
+from tiers.errors import MediaUnavailable
 from tiers.nvme.tier import NVMeTier
 from tiers.nvme.format import PAGE
 from tiers.nvme.recover import repair_index
@@ -255,7 +255,7 @@ def test_crash_around_the_rename(tmp_path, when):
 
 def test_repair_index_command(store):
     t = NVMeTier(store, 1 << 30)
-    with pytest.raises(TierUnavailable, match="in use"):       # never under a running daemon
+    with pytest.raises(MediaUnavailable, match="in use"):       # never under a running daemon
         repair_index(store)
     t.close()
     with open(data_file(store), "r+b") as f:                    # garbage over the first meta page

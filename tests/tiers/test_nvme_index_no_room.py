@@ -5,7 +5,7 @@ daemon killed while its disk was full, then restarted on it).
   it is, never moved aside as damaged (which would throw away a good index and then need
   room to build a new one).
 - When no index can be created at all (the disk refuses LMDB's files), opening the tier
-  fails with :class:`~tiers.errors.TierUnavailable` naming the cause (the daemon turns it
+  fails with :class:`~tiers.errors.MediaUnavailable` naming the cause (the daemon turns it
   into a one-line error), never an internal exception.
 """
 
@@ -19,7 +19,7 @@ import pytest
 
 from nvme_support import K, payload, put, read
 from tiers.nvme import index as nvme_index
-from tiers.errors import TierUnavailable
+from tiers.errors import MediaUnavailable
 from tiers.nvme.tier import NVMeTier
 
 
@@ -61,7 +61,7 @@ def test_no_room_for_any_index_is_tier_unavailable(tmp_path, monkeypatch):
         raise lmdb.DiskError("mdb_env_open: No space left on device")
 
     monkeypatch.setattr(nvme_index.lmdb, "open", refuse)
-    with pytest.raises(TierUnavailable, match="No space left on device"):
+    with pytest.raises(MediaUnavailable, match="No space left on device"):
         NVMeTier(tmp_path / "nvme", 64 << 20)
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tiers.errors import BlockCorrupt, InvalidAccess, TierIOError
+from tiers.errors import BlockCorrupt, InvalidAccess, MediaIOError
 from tiers.mooncake.object_format import HEADER_BYTES, encode_into, object_bytes, object_name, verify
 from tiers.mooncake.guard import CallGuard, RemoteTimeout, RemoteUnavailable
 from tiers.mooncake.staging import ALIGN, StagingArena, StagingBusy
@@ -92,7 +92,7 @@ def test_staging_busy_then_waits_for_release():
     assert not s.can_lease(2 * ALIGN)
     with pytest.raises(StagingBusy):
         s.lease(2 * ALIGN)
-    assert issubclass(StagingBusy, TierIOError)
+    assert issubclass(StagingBusy, MediaIOError)
     threading.Timer(0.2, held.release).start()
     got = s.lease(2 * ALIGN, wait_s=30)             # released by the timer well before
     assert got.offset == 0
@@ -113,9 +113,9 @@ class FakeClock:
 def test_guard_returns_results_and_judges_them():
     g = CallGuard("t", timeout_s=30)
     assert g.call(lambda a, b: a + b, 2, 3) == 5
-    with pytest.raises(TierIOError, match="bad code"):
+    with pytest.raises(MediaIOError, match="bad code"):
         g.call(lambda: -900, judge=lambda rc: "bad code" if rc < 0 else None)
-    with pytest.raises(TierIOError, match="ZeroDivisionError"):
+    with pytest.raises(MediaIOError, match="ZeroDivisionError"):
         g.call(lambda: 1 / 0)
     st = g.stats()
     assert (st.calls, st.failures, st.consecutive_failures, st.breaker) == (3, 2, 2, "closed")
@@ -169,7 +169,7 @@ def test_breaker_opens_fails_fast_probes_and_closes():
         return 0
 
     for _ in range(2):
-        with pytest.raises(TierIOError):
+        with pytest.raises(MediaIOError):
             g.call(down, judge=judge)
     assert g.breaker == "open"
     with pytest.raises(RemoteUnavailable, match="unavailable"):
@@ -179,7 +179,7 @@ def test_breaker_opens_fails_fast_probes_and_closes():
     assert calls == [] and g.stats().rejected == 1
     clock.now = 5.0                                    # cooldown over: one probe
     assert g.breaker == "half_open"
-    with pytest.raises(TierIOError):
+    with pytest.raises(MediaIOError):
         g.call(down, judge=judge)                      # the probe fails: open again
     assert g.breaker == "open"
     clock.now = 10.0

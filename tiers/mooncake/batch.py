@@ -16,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from tiers.base import byte_view
-from tiers.errors import BlockCorrupt, InvalidAccess, TierFull, TierIOError
+from tiers.errors import BlockCorrupt, InvalidAccess, NoRoom, MediaIOError
 from tiers.mooncake.client import (
     INVALID_PARAMS,
     MASTER_DOWN,
@@ -76,7 +76,7 @@ def _batch_call(tier: "MooncakeTier", fn: Callable[..., list[int]], *args: Any, 
 def get_many_into(tier: "MooncakeTier", keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
     """Fetch and verify blocks into ``outs``; per key the payload bytes or None (a miss:
     absent, corrupt (then removed from the cluster), larger than its out, or a peer that
-    did not serve it). Raises TierIOError (master unreachable, deadline, breaker open,
+    did not serve it). Raises MediaIOError (master unreachable, deadline, breaker open,
     staging busy), InvalidAccess (lengths differ, a bad key, a read-only out)."""
     if len(keys) != len(outs):
         raise InvalidAccess(f"{len(keys)} keys but {len(outs)} output buffers")
@@ -138,14 +138,14 @@ def _drop(tier: "MooncakeTier", store: Any, keys: list[bytes]) -> None:
         tier._forget(key)
     try:
         tier._guard.call(store.batch_remove, [tier._name(k) for k in keys], True, judge=_all_master_down)
-    except TierIOError as exc:
+    except MediaIOError as exc:
         log.warning("%s: could not remove %d corrupt remote copies: %s", tier.name, len(keys), exc)
 
 
 def put_many(tier: "MooncakeTier", items: Sequence[tuple[bytes, Any]]) -> list[bool]:
     """Store blocks in the cluster; per item True when the cluster holds it afterwards.
-    Raises TierFull (beyond this node's capacity, or a block larger than the largest),
-    TierIOError (master unreachable, deadline, breaker open), InvalidAccess (a bad key)."""
+    Raises NoRoom (beyond this node's capacity, or a block larger than the largest),
+    MediaIOError (master unreachable, deadline, breaker open), InvalidAccess (a bad key)."""
     keys = [key for key, _ in items]
     for key in keys:
         check_key(key)
@@ -162,7 +162,7 @@ def put_many(tier: "MooncakeTier", items: Sequence[tuple[bytes, Any]]) -> list[b
     sizes = {i: object_bytes(views[i].nbytes) for i in todo}
     too_big = [i for i in todo if views[i].nbytes > tier.max_block_bytes]
     if too_big:
-        raise TierFull(f"{tier.name}: a {views[too_big[0]].nbytes}-byte block exceeds the largest remote block "
+        raise NoRoom(f"{tier.name}: a {views[too_big[0]].nbytes}-byte block exceeds the largest remote block "
                        f"({tier.max_block_bytes} bytes)")
     total = sum(sizes.values())
     if todo:
@@ -170,7 +170,7 @@ def put_many(tier: "MooncakeTier", items: Sequence[tuple[bytes, Any]]) -> list[b
         tier._guard.check()
     with tier._lock:
         if tier._used + total > tier.capacity_bytes:
-            raise TierFull(f"{tier.name}: {total} bytes do not fit ({tier._used}/{tier.capacity_bytes} used)")
+            raise NoRoom(f"{tier.name}: {total} bytes do not fit ({tier._used}/{tier.capacity_bytes} used)")
         tier._used += total
     outstanding = set(todo)                       # indices whose bytes are counted but not confirmed
     try:
@@ -211,7 +211,7 @@ def sizes_many(tier: "MooncakeTier", keys: Sequence[bytes], deadline_s: float | 
     """Payload bytes of each block the cluster holds (None: absent, or an object too
     short to be a block), from one ``batch_get_replica_desc`` call. The library may
     answer from its metadata cache, so a size is a hint: the get that follows
-    verifies. Raises TierIOError (unreachable, deadline, breaker open), InvalidAccess."""
+    verifies. Raises MediaIOError (unreachable, deadline, breaker open), InvalidAccess."""
     names = [tier._name(k) for k in keys]
     if not names:
         return []
@@ -263,7 +263,7 @@ class Remover:
             try:
                 store = self._tier._session()
                 self._tier._guard.call(store.batch_remove, names, True, judge=_all_master_down)
-            except TierIOError as exc:
+            except MediaIOError as exc:
                 self.failed += len(names)
                 log.info("%s: %d remote removals dropped: %s", self._tier.name, len(names), exc)
             except Exception:                          # never let the thread die

@@ -19,7 +19,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tiers.errors import TierIOError
+from tiers.errors import MediaIOError
 from tiers.mooncake.guard import RemoteUnavailable
 
 log = logging.getLogger("kvstore.tiers.remote")
@@ -55,7 +55,7 @@ def code_name(rc: int) -> str:
     return f"{_CODE_NAMES.get(rc, 'ERROR')} ({rc})"
 
 
-class MooncakeUnavailable(TierIOError):
+class MooncakeUnavailable(MediaIOError):
     """The Mooncake client library cannot be loaded on this machine (the reason says
     which package is missing)."""
 
@@ -229,24 +229,24 @@ def open_session(config: MooncakeConfig, staging_address: int, staging_bytes: in
 
     Raises:
         MooncakeUnavailable: the library cannot be loaded.
-        TierIOError: the master or metadata server is unreachable, or setup or
+        MediaIOError: the master or metadata server is unreachable, or setup or
             registration failed.
     """
     cls = store_class()
     for address in (config.master, config.metadata_server):
         why = reachable(address, config.timeout_s)
         if why:
-            raise TierIOError(f"mooncake: {why}")
+            raise MediaIOError(f"mooncake: {why}")
     if config.set_library_timeouts:
         apply_library_timeouts(config.timeout_s)
     store = cls()
     rc = store.setup(config.setup_args())
     if rc != 0:
-        raise TierIOError(f"mooncake: setup with master {config.master} failed: {code_name(rc)}")
+        raise MediaIOError(f"mooncake: setup with master {config.master} failed: {code_name(rc)}")
     rc = store.register_buffer(staging_address, staging_bytes)
     if rc != 0:
         _close_quietly(store)
-        raise TierIOError(f"mooncake: registering the {staging_bytes}-byte staging buffer failed: {code_name(rc)}")
+        raise MediaIOError(f"mooncake: registering the {staging_bytes}-byte staging buffer failed: {code_name(rc)}")
     return store
 
 
@@ -283,7 +283,7 @@ class Connector:
         while not self._closed.is_set():
             try:
                 store = open_session(self.config, *self._staging)
-            except Exception as exc:                 # TierIOError, or the library raised
+            except Exception as exc:                 # MediaIOError, or the library raised
                 if str(exc) != self.error:
                     log.warning("%s: cannot connect to the cluster (retrying): %s", self.name, exc)
                 self.error = str(exc)

@@ -7,7 +7,7 @@ after ~90 s, a get from a stopped peer after 30 s (see ``docs/remote_tier.md``).
 cache must turn those into fast misses, so every call goes through :class:`CallGuard`:
 
 - **Deadline.** The call runs on one of a few daemon worker threads; the caller waits
-  at most its deadline, then gets :class:`RemoteTimeout` (a TierIOError). A call
+  at most its deadline, then gets :class:`RemoteTimeout` (a MediaIOError). A call
   cannot be cancelled once running: it is *abandoned*, keeps its worker until the
   library returns, and ``on_abandon`` runs then, so buffers it uses are reused only
   after it is really done. At most ``max_in_flight`` calls (running or abandoned) exist
@@ -32,16 +32,16 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tiers.errors import TierIOError
+from tiers.errors import MediaIOError
 
 log = logging.getLogger("kvstore.tiers.remote")
 
 
-class RemoteTimeout(TierIOError):
+class RemoteTimeout(MediaIOError):
     """A remote call did not finish by its deadline; it was abandoned, not cancelled."""
 
 
-class RemoteUnavailable(TierIOError):
+class RemoteUnavailable(MediaIOError):
     """Refused without calling: the breaker is open, the client is not connected, or too
     many calls are in flight."""
 
@@ -260,7 +260,7 @@ class CallGuard:
         Args:
             deadline_s: seconds to wait (default :attr:`timeout_s`).
             judge: maps the result to an error text when it means "remote unavailable"
-                (counted as a failure, raised as TierIOError), or None when it is a
+                (counted as a failure, raised as MediaIOError), or None when it is a
                 usable answer (a success for the breaker).
             on_abandon: called once the call has finished (from its worker thread, or
                 at once when it never started) after its deadline passed. After a
@@ -270,7 +270,7 @@ class CallGuard:
         Raises:
             RemoteUnavailable: refused without running (breaker open, saturated).
             RemoteTimeout: not finished by the deadline.
-            TierIOError: ``fn`` raised, or ``judge`` rejected the result.
+            MediaIOError: ``fn`` raised, or ``judge`` rejected the result.
         """
         self._admit()
         deadline = self.timeout_s if deadline_s is None else deadline_s
@@ -288,11 +288,11 @@ class CallGuard:
             raise RemoteTimeout(f"{self.name}: no answer within {deadline:.1f}s") from None
         except Exception as exc:
             self.record_failure(f"{type(exc).__name__}: {exc}")
-            raise TierIOError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+            raise MediaIOError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
         error = judge(result) if judge is not None else None
         if error:
             self.record_failure(error)
-            raise TierIOError(f"{self.name}: {error}")
+            raise MediaIOError(f"{self.name}: {error}")
         self._succeed()
         return result
 

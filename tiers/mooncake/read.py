@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tiers.base import ByteRanges, check_ranges, output_view
-from tiers.errors import BlockCorrupt, BlockNotStored, TierIOError
+from tiers.errors import BlockCorrupt, BlockNotStored, MediaIOError
 from tiers.mooncake.client import INVALID_PARAMS, MASTER_DOWN, OBJECT_NOT_FOUND, code_name
 from tiers.mooncake.object_format import HEADER_BYTES, check_key, object_bytes, verify
 from tiers.mooncake.guard import RemoteTimeout
@@ -24,7 +24,7 @@ def _master_down(rc: int) -> str | None:
 
 def size_of(tier: "MooncakeTier", key: bytes) -> int:
     """Payload bytes of a block in the cluster (no call when this node put it).
-    Raises BlockNotStored, BlockCorrupt (an object too short for a header), TierIOError."""
+    Raises BlockNotStored, BlockCorrupt (an object too short for a header), MediaIOError."""
     check_key(key)
     n = tier._own.get(key)
     if n is not None:
@@ -33,7 +33,7 @@ def size_of(tier: "MooncakeTier", key: bytes) -> int:
     if rc == OBJECT_NOT_FOUND:
         raise BlockNotStored(f"{tier.name}: block {key.hex()[:16]} is not in the cluster")
     if rc < 0:
-        raise TierIOError(f"{tier.name}: size of {key.hex()[:16]}: {code_name(rc)}")
+        raise MediaIOError(f"{tier.name}: size of {key.hex()[:16]}: {code_name(rc)}")
     if rc < HEADER_BYTES:
         tier._corrupt += 1
         raise BlockCorrupt(f"{tier.name}: remote block {key.hex()[:16]} is {rc} bytes, shorter than its header")
@@ -49,7 +49,7 @@ def read_into(tier: "MooncakeTier", key: bytes, out: Any, ranges: ByteRanges | N
     this node did not put costs one more call (its size).
 
     Raises BlockNotStored, InvalidAccess, BlockCorrupt (wrong, truncated or foreign
-    copy; the caller drops it with :meth:`MooncakeTier.free`), TierIOError (master or
+    copy; the caller drops it with :meth:`MooncakeTier.free`), MediaIOError (master or
     peer down, deadline passed, breaker open)."""
     size = size_of(tier, key)
     total = check_ranges(ranges, size)
@@ -66,7 +66,7 @@ def read_into(tier: "MooncakeTier", key: bytes, out: Any, ranges: ByteRanges | N
         raise BlockCorrupt(f"{tier.name}: remote block {key.hex()[:16]} is longer than its {size} bytes")
     if rc < 0:
         tier._peer_errors += 1
-        raise TierIOError(f"{tier.name}: read of {key.hex()[:16]} failed: {code_name(rc)}")
+        raise MediaIOError(f"{tier.name}: read of {key.hex()[:16]} failed: {code_name(rc)}")
     try:
         try:
             payload = verify(lease.view[:rc], key, size)

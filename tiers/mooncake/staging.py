@@ -17,14 +17,14 @@ import bisect
 import threading
 import time
 
-from tiers.errors import InvalidAccess, TierIOError
+from tiers.errors import InvalidAccess, MediaIOError
 from tiers.memory import allocate_host_buffer
 
 ALIGN = 4096
 _LEAKED: list = []          # buffers kept alive because a call may still write into them
 
 
-class StagingBusy(TierIOError):
+class StagingBusy(MediaIOError):
     """No room in the staging buffer now: too many blocks are being moved."""
 
 

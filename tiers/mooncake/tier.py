@@ -16,7 +16,7 @@ whichever node put it.
 Failures cost only remote hits: every library call runs on a worker thread with a
 deadline (``timeout_s`` plus ``nbytes / min_throughput``) behind a circuit breaker
 (:mod:`tiers.mooncake.guard`), and the session with the master is made in the background,
-so a master that is down at start, dies, stalls or is partitioned gives TierIOError
+so a master that is down at start, dies, stalls or is partitioned gives MediaIOError
 quickly, never a hang or a crash. Measured behaviour: ``docs/remote_tier.md``.
 
 The calls a store core makes while holding its own lock never touch the network:
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import xxhash
 
 from tiers.base import ByteRanges, Capabilities, Tier, TierKind, byte_view, check_chunk
-from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, TierFull, TierIOError
+from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, NoRoom, MediaIOError
 from tiers.mooncake.batch import Remover, get_many_into, put_many, sizes_many
 from tiers.mooncake.client import (
     MASTER_DOWN,
@@ -87,7 +87,7 @@ class MooncakeTier(Tier):
         config: connection, capacity, staging and deadline settings.
         name: the tier's name in logs and stats.
         wait_connected_s: block up to this many seconds for the first session (the
-            tier is usable without it: calls raise TierIOError until it connects).
+            tier is usable without it: calls raise MediaIOError until it connects).
 
     Raises:
         MooncakeUnavailable: the Mooncake wheel or libibverbs1 is missing.
@@ -165,7 +165,7 @@ class MooncakeTier(Tier):
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit in this node's share of the cluster (capacity only: an
-        unreachable cluster is not a full one; :meth:`reserve` raises TierIOError then)."""
+        unreachable cluster is not a full one; :meth:`reserve` raises MediaIOError then)."""
         return nbytes <= self.max_block_bytes and self._used + object_bytes(nbytes) <= self.config.capacity_bytes
 
     # ------------------------------------------------------------------ two-phase write
@@ -173,14 +173,14 @@ class MooncakeTier(Tier):
     def reserve(self, key: bytes, nbytes: int) -> None:
         """Reserve room for a block; its bytes are staged in host memory until commit.
 
-        Raises TierFull (beyond capacity or :attr:`max_block_bytes`), BlockExists,
-        TierIOError (not connected, breaker open, or the staging buffer full now).
+        Raises NoRoom (beyond capacity or :attr:`max_block_bytes`), BlockExists,
+        MediaIOError (not connected, breaker open, or the staging buffer full now).
         """
         check_key(key)
         if nbytes < 0:
             raise InvalidAccess(f"block size must be >= 0 bytes, got {nbytes}")
         if nbytes > self.max_block_bytes:
-            raise TierFull(f"{self.name}: a {nbytes}-byte block exceeds the largest remote block "
+            raise NoRoom(f"{self.name}: a {nbytes}-byte block exceeds the largest remote block "
                            f"({self.max_block_bytes} bytes)")
         self._session()
         self._guard.check()
@@ -189,7 +189,7 @@ class MooncakeTier(Tier):
             if key in self._own or key in self._pending:
                 raise BlockExists(f"{self.name}: block {key.hex()[:16]} already stored or being written")
             if self._used + obj > self.config.capacity_bytes:
-                raise TierFull(f"{self.name}: {obj} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
+                raise NoRoom(f"{self.name}: {obj} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
             lease = self._staging.lease(obj)
             self._pending[key] = _Pending(lease, nbytes)
             self._used += obj
@@ -219,7 +219,7 @@ class MooncakeTier(Tier):
         it. Call it without holding locks others wait on. A block the cluster already
         holds under this key counts as stored (keys name content).
 
-        Raises BlockNotStored, InvalidAccess (not fully written), TierIOError (the
+        Raises BlockNotStored, InvalidAccess (not fully written), MediaIOError (the
         cluster failed; the reservation stays until :meth:`abort`)."""
         with self._lock:
             p = self._written(key)
@@ -237,7 +237,7 @@ class MooncakeTier(Tier):
             p.abandoned = True          # the lease goes back when the call really ends
             raise
         if rc not in (0, OBJECT_ALREADY_EXISTS):
-            raise TierIOError(f"{self.name}: put of {key.hex()[:16]} failed: {code_name(rc)}")
+            raise MediaIOError(f"{self.name}: put of {key.hex()[:16]} failed: {code_name(rc)}")
         p.sent = True
 
     def commit(self, key: bytes) -> None:
@@ -245,7 +245,7 @@ class MooncakeTier(Tier):
         first unless :meth:`send` did (then this call waits on the network).
 
         Raises BlockNotStored, InvalidAccess (not fully written; the reservation stays),
-        TierIOError (the reservation is dropped)."""
+        MediaIOError (the reservation is dropped)."""
         with self._lock:
             p = self._written(key)
             del self._pending[key]
@@ -276,7 +276,7 @@ class MooncakeTier(Tier):
 
     def size_of(self, key: bytes) -> int:
         """Payload bytes of a block in the cluster (no call when this node put it).
-        Raises BlockNotStored, BlockCorrupt (an object too short for a header), TierIOError."""
+        Raises BlockNotStored, BlockCorrupt (an object too short for a header), MediaIOError."""
         return size_of(self, key)
 
     def read_into(self, key: bytes, out: Any, ranges: ByteRanges | None = None) -> int:
@@ -288,7 +288,7 @@ class MooncakeTier(Tier):
         this node did not put costs one more call (its size).
 
         Raises BlockNotStored, InvalidAccess, BlockCorrupt (wrong, truncated or foreign
-        copy; the caller drops it with :meth:`free`), TierIOError (master or peer down,
+        copy; the caller drops it with :meth:`free`), MediaIOError (master or peer down,
         deadline passed, breaker open)."""
         return read_into(self, key, out, ranges)
 
@@ -313,7 +313,7 @@ class MooncakeTier(Tier):
     def exists_many(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list[bool]:
         """For each key, whether the cluster holds its block now (one ``batch_is_exist``,
         waited on ``deadline_s`` seconds at most, default ``timeout_s``). Keys this node
-        put and the cluster lost are forgotten. Raises TierIOError, InvalidAccess."""
+        put and the cluster lost are forgotten. Raises MediaIOError, InvalidAccess."""
         names = [self._name(k) for k in keys]
         if not names:
             return []
@@ -395,7 +395,7 @@ class MooncakeTier(Tier):
             try:
                 self._guard.call(store.close, deadline_s=max(5.0, 4 * self.config.timeout_s))
                 ended = True
-            except TierIOError as exc:
+            except MediaIOError as exc:
                 log.warning("%s: closing the Mooncake session: %s", self.name, exc)
         if not ended:
             log.warning("%s: a Mooncake call is still running; its session stays open until exit", self.name)

@@ -25,7 +25,7 @@ from typing import Any
 import lmdb
 
 from tiers.base import check_chunk
-from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, TierIOError
+from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
 from tiers.nvme.index import BlockIndex
 from tiers.nvme.read import HeaderCache
@@ -202,16 +202,16 @@ class Reservations:
         for p in pending:
             self.discard(p)
 
-    def io_error(self, doing: str, key: bytes, e: BaseException) -> TierIOError:
+    def io_error(self, doing: str, key: bytes, e: BaseException) -> MediaIOError:
         """The error to raise for a failed write step: DiskFull for ENOSPC/EDQUOT."""
-        cause = e.__cause__ if isinstance(e, TierIOError) and e.__cause__ is not None else e
+        cause = e.__cause__ if isinstance(e, MediaIOError) and e.__cause__ is not None else e
         if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
             with self._lock:
                 return self._space.disk_full(f"{doing} block {key.hex()[:16]} failed: disk full")
         if isinstance(e, lmdb.Error):
-            return TierIOError(f"{self.name}: block {key.hex()[:16]}: the index update failed ({e}); "
+            return MediaIOError(f"{self.name}: block {key.hex()[:16]}: the index update failed ({e}); "
                                f"if it persists, {REPAIR_HINT.format(path=self.folder)}")
-        return TierIOError(f"{self.name}: {doing} block {key.hex()[:16]} failed: {e}")
+        return MediaIOError(f"{self.name}: {doing} block {key.hex()[:16]} failed: {e}")
 
 
 def fsync_folder(folder: str) -> None:

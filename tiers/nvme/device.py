@@ -49,11 +49,11 @@ class DeviceBackend(Protocol):
 
     def write_file(self, path: str, device_buf: Any, nbytes: int, file_offset: int) -> None:
         """Write the first ``nbytes`` of ``device_buf`` into existing file ``path`` at
-        ``file_offset``. Raises TierIOError, OSError."""
+        ``file_offset``. Raises MediaIOError, OSError."""
 
     def read_file(self, path: str, device_buf: Any, nbytes: int, file_offset: int) -> None:
         """Read ``nbytes`` at ``file_offset`` of ``path`` into ``device_buf``. Raises
-        BlockCorrupt (short file), TierIOError, OSError."""
+        BlockCorrupt (short file), MediaIOError, OSError."""
 
     def host_buffer(self, nbytes: int) -> tuple[np.ndarray, Any]:
         """A host staging buffer (uint8, ``nbytes``) and the object that owns it."""
@@ -123,7 +123,7 @@ class DeviceFiles:
     def write(self, temp: str, fd: int, device_buf: Any, size: int, chunk: int, header_len: int) -> list[int]:
         """Write a block's payload from ``device_buf`` into its open temp file (``fd``, path
         ``temp``) after the header, pad it to whole pages; return the chunk checksums.
-        Raises TierIOError, OSError."""
+        Raises MediaIOError, OSError."""
         sums = self.chunk_sums(device_buf, size, chunk)
         if size:
             self.backend.write_file(temp, device_buf, size, header_len)
@@ -132,7 +132,7 @@ class DeviceFiles:
 
     def read(self, path: str, key: bytes, entry: IndexEntry, device_buf: Any, what: str) -> None:
         """Read a block into the start of ``device_buf`` and verify its header and chunks.
-        Raises BlockCorrupt, FileNotFoundError, TierIOError, OSError."""
+        Raises BlockCorrupt, FileNotFoundError, MediaIOError, OSError."""
         if os.path.islink(path):
             raise BlockCorrupt(f"{what}: {path} is a symbolic link")
         if not os.path.exists(path):

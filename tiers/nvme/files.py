@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tiers.errors import TierUnavailable
+from tiers.errors import MediaUnavailable
 from tiers.nvme.format import PAGE
 
 MIN_BUFFER_BYTES = 64 << 10
@@ -32,17 +32,17 @@ _GIL_FREE_COPY = 64 << 10      # copies at least this long go through numpy, whi
 def lock_folder(path: str, name: str) -> int:
     """Create the tier folder (and its ``blocks/``) and take the flock on ``LOCK``, so one
     process at a time uses it; return the lock file's descriptor (closing it releases
-    the lock). Raises TierUnavailable naming the folder."""
+    the lock). Raises MediaUnavailable naming the folder."""
     try:
         os.makedirs(os.path.join(path, "blocks"), mode=0o700, exist_ok=True)
         fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        raise TierUnavailable(f"{name}: cannot use the tier folder {path}: {e.strerror}") from e
+        raise MediaUnavailable(f"{name}: cannot use the tier folder {path}: {e.strerror}") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
-        raise TierUnavailable(f"{name}: {path} is in use by another process (another daemon?)") from e
+        raise MediaUnavailable(f"{name}: {path} is in use by another process (another daemon?)") from e
     return fd
 
 

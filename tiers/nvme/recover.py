@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import lmdb
 import xxhash
 
-from tiers.errors import TierUnavailable
+from tiers.errors import MediaUnavailable
 from tiers.nvme.format import (
     FORMAT_KEY,
     PAGE,
@@ -309,14 +309,14 @@ def repair_index(path: str | os.PathLike) -> RecoveryReport:
     docstring), no block is deleted for capacity. Needs the folder's lock: no daemon may
     be using the folder.
 
-    Returns the :class:`RecoveryReport`. Raises :class:`tiers.errors.TierUnavailable`
+    Returns the :class:`RecoveryReport`. Raises :class:`tiers.errors.MediaUnavailable`
     (folder missing, in use, or unusable).
     """
     from tiers.nvme.tier import NVMeTier               # nvme imports this module
 
     folder = os.path.abspath(os.fspath(path))
     if not os.path.isdir(os.path.join(folder, "blocks")):
-        raise TierUnavailable(f"{folder} is not an NVMe tier folder (it has no blocks/ folder)")
+        raise MediaUnavailable(f"{folder} is not an NVMe tier folder (it has no blocks/ folder)")
     tier = NVMeTier(folder, 1 << 62, direct=False, spare_files=0, rebuild_index=True)
     try:
         return tier.recovery

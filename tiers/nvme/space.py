@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Callable
 
-from tiers.errors import DiskFull, TierFull
+from tiers.errors import DiskFull, NoRoom
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -50,10 +50,10 @@ class Space:
         return self._disk_room() if self._disk_limited else self.configured
 
     def take(self, nbytes: int, what: str) -> None:
-        """Count ``nbytes`` more. Raises TierFull (nothing counted) when they do not fit."""
+        """Count ``nbytes`` more. Raises NoRoom (nothing counted) when they do not fit."""
         capacity = self.capacity
         if self.used + nbytes > capacity:
-            raise TierFull(f"{self.name}: {what} ({nbytes} bytes on disk) does not fit "
+            raise NoRoom(f"{self.name}: {what} ({nbytes} bytes on disk) does not fit "
                            f"({self.used}/{capacity} bytes used)")
         self.used += nbytes
 

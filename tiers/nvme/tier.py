@@ -57,7 +57,7 @@ from tiers.base import (
     check_ranges,
     output_view,
 )
-from tiers.errors import BlockCorrupt, BlockNotStored, InvalidAccess, TierIOError, TierUnavailable
+from tiers.errors import BlockCorrupt, BlockNotStored, InvalidAccess, MediaIOError, MediaUnavailable
 from tiers.gds import gds_available, gds_info
 from tiers.nvme.commit import REPAIR_HINT, Reservations
 from tiers.nvme.format import (
@@ -127,7 +127,7 @@ class NVMeTier(Tier):
 
     Raises:
         ValueError: a bad argument, ``io="gds"`` without a CUDA GPU and kvikio.
-        TierUnavailable: ``path`` cannot be used, is held by another process, refuses
+        MediaUnavailable: ``path`` cannot be used, is held by another process, refuses
             O_DIRECT with ``direct=True``, or has an index that cannot be rebuilt.
     """
 
@@ -173,7 +173,7 @@ class NVMeTier(Tier):
         """The rest of ``__init__``, once the folder is locked."""
         accepted = probe_direct(self.path) if direct is not False else False
         if direct and not accepted:
-            raise TierUnavailable(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT (direct=True)")
+            raise MediaUnavailable(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT (direct=True)")
         self.direct = accepted
         self._read_flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if accepted else 0)
         self._pool = BufferPool(max_buffer_bytes)
@@ -192,7 +192,7 @@ class NVMeTier(Tier):
             report.index_rebuilt = (rebuild_index or self._index.damage is not None
                                     or (self._index.absent and report.adopted > 0))
         except (OSError, lmdb.Error) as e:
-            raise TierUnavailable(f"{self.name}: cannot open or rebuild the index in {self.path}: {e}; "
+            raise MediaUnavailable(f"{self.name}: cannot open or rebuild the index in {self.path}: {e}; "
                                   f"{hint}") from e
         self._space.used = sum(e.file_bytes for e in self._index.entries.values())
         if self._space.used > self._capacity:
@@ -288,7 +288,7 @@ class NVMeTier(Tier):
 
         Raises BlockNotStored, InvalidAccess (a range outside the block, ``out`` too small
         or read-only), BlockCorrupt (missing, truncated, misplaced or altered file: the
-        caller frees the block), TierIOError."""
+        caller frees the block), MediaIOError."""
         entry = self._entry(key)
         total = check_ranges(ranges, entry.size)
         view = output_view(out, total)
@@ -302,7 +302,7 @@ class NVMeTier(Tier):
                 raise BlockCorrupt(f"{self._what(key)}: file {path} is missing") from None
             if e.errno == errno.ELOOP:
                 raise BlockCorrupt(f"{self._what(key)}: {path} is a symbolic link") from None
-            raise TierIOError(f"{self.name}: cannot open {path}: {e}") from e
+            raise MediaIOError(f"{self.name}: cannot open {path}: {e}") from e
         try:
             nread, sums = read_block(fd, key, entry, view, ranges, direct=self.direct, pool=self._pool,
                                      what=self._what(key),
@@ -316,7 +316,7 @@ class NVMeTier(Tier):
                 raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}") from None
             raise
         except OSError as e:
-            raise TierIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
+            raise MediaIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
         finally:
             os.close(fd)
         with self._counts_lock:
@@ -333,8 +333,8 @@ class NVMeTier(Tier):
         then writes the header and publishes the block as after :meth:`write`.
 
         Raises BlockNotStored (not reserved), InvalidAccess (already partly written, a
-        buffer too small or not a CUDA array), DiskFull/TierIOError (the reservation is
-        then dropped), TierIOError when ``io`` is not ``"gds"``.
+        buffer too small or not a CUDA array), DiskFull/MediaIOError (the reservation is
+        then dropped), MediaIOError when ``io`` is not ``"gds"``.
         """
         device = self._require_device()
         self._writes.write_from_device(key, device, device_buf, self._device_bytes(device, device_buf))
@@ -345,7 +345,7 @@ class NVMeTier(Tier):
         the buffer holds the bad bytes (the caller drops them).
 
         Raises BlockNotStored, BlockCorrupt (missing, truncated, altered file), InvalidAccess
-        (buffer too small or not a CUDA array), TierIOError.
+        (buffer too small or not a CUDA array), MediaIOError.
         """
         device = self._require_device()
         entry = self._entry(key)
@@ -359,7 +359,7 @@ class NVMeTier(Tier):
         except BlockCorrupt:
             raise
         except (OSError, RuntimeError) as e:
-            raise TierIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
+            raise MediaIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
         with self._counts_lock:
             self._counts[0] += 1
             self._counts[1] += entry.size
@@ -368,7 +368,7 @@ class NVMeTier(Tier):
 
     def _require_device(self):
         if self._device is None:
-            raise TierIOError(f"{self.name}: device file I/O needs io = gds (this tier uses {self.io})")
+            raise MediaIOError(f"{self.name}: device file I/O needs io = gds (this tier uses {self.io})")
         return self._device
 
     @staticmethod
