@@ -1,29 +1,28 @@
-"""Reference tensor-parallel runner and the adapter that pages agent prefixes back from kvstore.
+"""Engine plug-ins that page agent prefixes back from kvstore instead of recomputing them.
 
-Modules, one responsibility each:
+The top-level modules are shared by every plug-in: :mod:`~engine_adapter.layout` (the
+stored block payload layout ``[layer][k|v][kv_head][token][head_dim]``, its byte ranges
+per TP rank, and the reference runner's namespace), :mod:`~engine_adapter.engine_keys`
+(store keys from an engine's block hashes or tokens, and an engine's namespace),
+:mod:`~engine_adapter.store_io` (the plug-ins' one data path to the store: lookup, load,
+save) and :mod:`~engine_adapter.background` (the background job runner that puts new
+blocks off the engine step). They import only ``kvstore.common``, ``kvstore.client``
+and ``kernels``.
 
-==============  =============================================================
-``config``      :class:`ModelConfig` (architecture), :class:`EngineConfig`
-``weights``     seeded or safetensors weights, Megatron split per TP rank
-``model``       Llama decoder of one TP rank over a paged KV cache
-``paged_cache`` per-layer paged KV cache (vLLM layout), block table, allocator
-``layout``      stored block payload layout and the store namespace
-``transfer``    background page back (get_into per layer group) and background store
-``adapter``     Lookup, MIN agreement of TP ranks, per-layer gate, store of new blocks
-``runner``      prefill / decode / greedy generation of one TP rank
-``tp``          TP collectives and the process launcher
-``session``     synthetic multi-turn agent session
-``demo``        ``kvstore agent-demo``
-``store_io``    the engine plugins' one data path to the store (lookup/load/save)
-``engine_keys`` store keys from an engine's block hashes or tokens, namespaces
-``vllm_*``      the vLLM KV connector (``vllm_connector``: loaded by vLLM;
-                ``vllm_plan``: scheduler side; ``vllm_worker``: worker side;
-                ``vllm_kv_views``: vLLM's cache layouts; ``vllm_settings``)
-``sglang_backend`` the SGLang HiCache storage backend
-==============  =============================================================
+:mod:`engine_adapter.reference` is the reference tensor-parallel runner (a Llama-style
+decoder over a paged KV cache, TP over ``torch.distributed``) and its page-back adapter,
+with the synthetic agent session that ``kvstore agent-demo`` plays.
 
-Importing this package is light; torch is imported by the modules that need it, and
-vLLM / SGLang only by ``vllm_connector`` / ``sglang_backend`` (loaded by the engines).
+:mod:`engine_adapter.vllm` is the vLLM v1 KV connector, composed of a scheduler half and
+a worker half; vLLM loads :mod:`engine_adapter.vllm.connector` (also under its old path
+``engine_adapter.vllm_connector``).
+
+:mod:`engine_adapter.sglang` is the SGLang HiCache storage backend; SGLang loads
+:mod:`engine_adapter.sglang.backend` (also under its old path ``engine_adapter.sglang_backend``).
+
+Importing this package is light: torch is imported by the modules that need it, vLLM and
+SGLang only by the modules those engines load. ``ModelConfig``, ``EngineConfig``,
+``Runner``, ``TPGroup`` and ``launch`` of the reference runner are importable from here.
 """
 
 __all__ = ["ModelConfig", "EngineConfig", "Runner", "TPGroup", "launch"]

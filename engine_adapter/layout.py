@@ -13,20 +13,70 @@ block written at one TP size is read at any other.
 The namespace (:class:`kvstore.common.keys.Namespace`) holds the model id, the dtype, this
 layout's id, ``block_tokens`` and the shape fields (layers, KV heads, head dim); it
 deliberately leaves out the TP size.
+
+What the layout and the namespace read of a runner is declared here as two protocols,
+:class:`KVShape` (the architecture's KV shape) and :class:`StoreSettings` (the serving
+fields that name the stored blocks); the reference runner's
+``engine_adapter.reference.config.ModelConfig`` and ``EngineConfig`` satisfy them, so
+this shared module never imports a plug-in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvstore.common.keys import Namespace
 
-from engine_adapter.reference.config import EngineConfig, ModelConfig
-
 LAYOUT_ID = "layer.kv.head.token.dim/v1"
+
+
+class KVShape(Protocol):
+    """The architecture fields a block's layout depends on (e.g. ``reference.config.ModelConfig``).
+
+    Attributes:
+        num_layers: decoder layers.
+        num_kv_heads: KV heads of the whole model (not a TP rank's).
+        head_dim: per-head width, elements.
+    """
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+class StoreSettings(Protocol):
+    """The serving fields that name a runner's stored blocks (e.g. ``reference.config.EngineConfig``).
+
+    Attributes:
+        model_id: model id of the namespace.
+        dtype: KV dtype name (``"float32"``, ``"bfloat16"``); torch_dtype: the same as a torch dtype.
+        block_tokens: tokens per block.
+        tenant: tenant salt of the namespace.
+    """
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def torch_dtype(self) -> torch.dtype: ...
+
+    @property
+    def block_tokens(self) -> int: ...
+
+    @property
+    def tenant(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +95,8 @@ class BlockLayout:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: ModelConfig, engine: EngineConfig) -> "BlockLayout":
+    def of(cls, model: KVShape, engine: StoreSettings) -> "BlockLayout":
+        """The layout of ``model``'s KV served with ``engine``'s block size and dtype."""
         return cls(model.num_layers, model.num_kv_heads, engine.block_tokens, model.head_dim, engine.torch_dtype)
 
     @property
@@ -123,7 +174,7 @@ class BlockLayout:
         dst[:] = src
 
 
-def namespace(model: ModelConfig, engine: EngineConfig) -> Namespace:
+def namespace(model: KVShape, engine: StoreSettings) -> Namespace:
     """The store namespace of a runner: model id, dtype, layout, block_tokens, tenant and the
     KV shape (layers, KV heads, head dim). The TP size is not part of it."""
     return Namespace(

@@ -191,10 +191,10 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids, *, heads: tuple[int
     Raises:
         ValueError: as the reference, and for caches not all on one CUDA device.
     """
-    layer_ids, h0, h1, nb, bs, hd = reference._resolve(caches, layers, heads, layout)
+    layer_ids, h0, h1, nb, bs, hd = reference.resolve_selection(caches, layers, heads, layout)
     _check_cuda(caches)
     device = caches[0].device
-    idx = reference._block_index(block_ids, nb, device)
+    idx = reference.block_index(block_ids, nb, device)
     shape = (idx.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
     dtype = caches[0].dtype
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
@@ -218,10 +218,10 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids, src: torch.Tensor,
     Raises:
         ValueError: as the reference, and for caches not all on one CUDA device.
     """
-    layer_ids, h0, h1, nb, bs, hd = reference._resolve(caches, layers, heads, layout)
+    layer_ids, h0, h1, nb, bs, hd = reference.resolve_selection(caches, layers, heads, layout)
     _check_cuda(caches)
     device = caches[0].device
-    idx = reference._block_index(block_ids, nb, device)
+    idx = reference.block_index(block_ids, nb, device)
     shape = (idx.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
     if tuple(src.shape) != shape or src.dtype != caches[0].dtype:
         raise ValueError(f"src must be {shape} {caches[0].dtype}, got {tuple(src.shape)} {src.dtype}")

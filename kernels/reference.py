@@ -47,7 +47,14 @@ def _dims(cache: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     return nb, bs, nh, hd
 
 
-def _resolve(caches, layers, heads, layout):
+def resolve_selection(caches: Sequence[torch.Tensor], layers: Sequence[int] | None,
+                      heads: tuple[int, int] | None, layout: str) -> tuple[list[int], int, int, int, int, int]:
+    """Check a gather/scatter's caches and selection; the CUDA kernels share it (same errors).
+
+    Returns ``(layer_ids, h0, h1, num_blocks, block_size, head_dim)`` with the defaults
+    (all layers, all heads) filled in. Raises ValueError for a bad layout, cache shapes,
+    or a layer or head outside the caches.
+    """
     _check(caches, layout)
     nb, bs, nh, hd = _dims(caches[0], layout)
     layer_ids = range(len(caches)) if layers is None else layers
@@ -60,7 +67,11 @@ def _resolve(caches, layers, heads, layout):
     return list(layer_ids), h0, h1, nb, bs, hd
 
 
-def _block_index(block_ids, num_blocks: int, device) -> torch.Tensor:
+def block_index(block_ids, num_blocks: int, device) -> torch.Tensor:
+    """``block_ids`` as a 1-D int64 tensor on ``device``; the CUDA kernels share it.
+
+    Raises ValueError unless every id is in ``[0, num_blocks)``.
+    """
     idx = torch.as_tensor(block_ids, dtype=torch.long, device=device)
     if idx.ndim != 1:
         raise ValueError("block_ids must be 1-D")
@@ -86,8 +97,8 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids, *, heads: tuple[int
     Raises:
         ValueError: bad layout, shapes, block ids, layer or head ranges.
     """
-    layer_ids, h0, h1, nb, bs, hd = _resolve(caches, layers, heads, layout)
-    idx = _block_index(block_ids, nb, caches[0].device)
+    layer_ids, h0, h1, nb, bs, hd = resolve_selection(caches, layers, heads, layout)
+    idx = block_index(block_ids, nb, caches[0].device)
     shape = (idx.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
     if out is None:
         out = torch.empty(shape, dtype=caches[0].dtype, device=caches[0].device)
@@ -117,8 +128,8 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids, src: torch.Tensor,
     Raises:
         ValueError: shape/dtype mismatch, bad ids or ranges, repeated destination blocks.
     """
-    layer_ids, h0, h1, nb, bs, hd = _resolve(caches, layers, heads, layout)
-    idx = _block_index(block_ids, nb, caches[0].device)
+    layer_ids, h0, h1, nb, bs, hd = resolve_selection(caches, layers, heads, layout)
+    idx = block_index(block_ids, nb, caches[0].device)
     shape = (idx.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
     if tuple(src.shape) != shape or src.dtype != caches[0].dtype:
         raise ValueError(f"src must be {shape} {caches[0].dtype}, got {tuple(src.shape)} {src.dtype}")

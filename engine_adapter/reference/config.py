@@ -3,7 +3,9 @@
 :class:`ModelConfig` is the architecture (what a Hugging Face ``config.json`` of a
 Llama model says); :class:`EngineConfig` is how one runner serves it (dtype, paged
 cache size, block size, page-back timeouts). Both are validated once, in
-``__post_init__``, and passed down frozen.
+``__post_init__``, and passed down frozen. They are what the shared block layout reads
+of a runner (:class:`engine_adapter.layout.KVShape` and
+:class:`engine_adapter.layout.StoreSettings`).
 """
 
 from __future__ import annotations

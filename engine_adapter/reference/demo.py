@@ -13,16 +13,14 @@ store (the prefix is paged back, only the suffix is prefilled, new blocks are st
 Rank 0 prints, per turn, the tokens paged back vs prefilled, both TTFTs (time to first
 token), and whether both runs chose the same tokens.
 
-This module is imported by the CLI at start; torch is imported only when the command runs.
+The command line (arguments, ``register``) is :mod:`kvstore.tools.agent_demo_cmd`; this module
+is the demo itself. It is imported by the CLI at start, so torch is imported only when the
+demo runs.
 """
 
 from __future__ import annotations
 
-import argparse
-import uuid
 from dataclasses import dataclass
-
-from kvstore.tools.cliargs import non_negative_float, positive_float, positive_int
 
 MODEL_SIZES = {
     # name: (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab)
@@ -141,21 +139,22 @@ def demo_rank(tp, opts: DemoOptions) -> list[dict]:
     return [_row(r) for r in records]
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_demo(opts: DemoOptions, tp_size: int) -> int:
+    """Play the demo on ``tp_size`` TP ranks (processes); rank 0 prints each turn and the totals.
+
+    Returns the exit code: 0 when the greedy tokens were identical with and without the
+    store in every turn, 1 when they differed or no daemon answers at ``opts.target``, 2
+    when ``tp_size`` does not divide the seeded model's query and KV heads.
+    """
     from kvstore.client.client import KVStoreClient
     from kvstore.common.errors import KVStoreError
 
     from engine_adapter.reference.tp import launch
 
-    opts = DemoOptions(
-        target=args.target, model=args.model, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
-        block_tokens=args.block_tokens, tenant=args.tenant or f"demo-{uuid.uuid4().hex[:8]}", turns=args.turns,
-        system_tokens=args.system_tokens, observation_tokens=args.observation_tokens,
-        answer_tokens=args.answer_tokens, tool_wait_s=args.tool_wait_s, store_timeout_s=args.store_timeout_s)
-    if args.checkpoint is None:
-        _, _, _, heads, kv_heads, _, _ = MODEL_SIZES[args.model]
-        if heads % args.tp or kv_heads % args.tp:
-            print(f"--tp {args.tp} must divide the {args.model} model's {heads} query and {kv_heads} KV heads")
+    if opts.checkpoint is None:
+        _, _, _, heads, kv_heads, _, _ = MODEL_SIZES[opts.model]
+        if heads % tp_size or kv_heads % tp_size:
+            print(f"--tp {tp_size} must divide the {opts.model} model's {heads} query and {kv_heads} KV heads")
             return 2
     with KVStoreClient(opts.target) as probe:
         try:
@@ -163,7 +162,7 @@ def run_demo(args: argparse.Namespace) -> int:
         except KVStoreError as e:
             print(f"no kvstore daemon answers at {opts.target} ({e}); start one with `kvstore serve`")
             return 1
-    rows = launch(demo_rank, args.tp, opts)[0]
+    rows = launch(demo_rank, tp_size, opts)[0]
     paged = sum(r["paged"] for r in rows)
     prefilled = sum(r["prefilled"] for r in rows)
     t_store = sum(r["ttft_store_ms"] for r in rows)
@@ -173,28 +172,3 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{t_base:.1f}ms recomputing ({t_base / max(t_store, 1e-9):.2f}x); "
           f"greedy tokens {'identical' if same else 'DIFFERENT'} in every turn")
     return 0 if same else 1
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``agent-demo`` to the ``kvstore`` CLI."""
-    p = subparsers.add_parser(
-        "agent-demo", help="play a multi-turn agent session on a TP=2 runner that pages prefixes back",
-        description="Start a TP runner (one process per rank) against a running daemon and play a "
-                    "multi-turn agent session; per turn, print tokens paged back vs prefilled and the "
-                    "TTFT with the store vs a recompute baseline measured in the same run.")
-    p.add_argument("--target", default="unix:kvstore-data/kvstore.sock",
-                   help="daemon address (default: the default config's socket)")
-    p.add_argument("--tp", type=positive_int, default=2, help="TP size: ranks (processes) (default 2)")
-    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="seeded model size")
-    p.add_argument("--checkpoint", default=None, help="Hugging Face Llama checkpoint folder (safetensors)")
-    p.add_argument("--seed", type=int, default=0, help="weights and session seed")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--tenant", default="", help="namespace tenant (default: fresh per run)")
-    p.add_argument("--turns", type=positive_int, default=6)
-    p.add_argument("--system-tokens", type=positive_int, default=2048, help="system prompt tokens")
-    p.add_argument("--observation-tokens", type=positive_int, default=256, help="tool observation tokens per turn")
-    p.add_argument("--answer-tokens", type=positive_int, default=16, help="tokens generated per turn")
-    p.add_argument("--tool-wait-s", type=non_negative_float, default=0.0, help="simulated tool call between turns, seconds")
-    p.add_argument("--store-timeout-s", type=positive_float, default=10.0, help="deadline of each store call")
-    p.set_defaults(func=run_demo)

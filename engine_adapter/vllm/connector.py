@@ -10,11 +10,14 @@
 ``key_scheme`` (``auto`` | ``block_hash`` | ``tokens``), ``kv_layout`` (``auto`` |
 ``token`` | ``cpu`` | ``kv_first``).
 
+(``engine_adapter.vllm_connector``, the old module path, is this same module.)
+
 The scheduler half is :class:`engine_adapter.vllm.scheduler.SchedulerPlanner`, the worker half
-:class:`engine_adapter.vllm.worker.WorkerTransfers`; this module only adapts vLLM's
-hooks to them. Loads are synchronous with the step (layer by layer); saves copy the
-KV out of the cache during the step and put it in the background, so
-``request_finished`` never delays freeing blocks.
+:class:`engine_adapter.vllm.worker.WorkerTransfers`; the step plan they share is
+:class:`engine_adapter.vllm.plan.StepPlan`. This module only adapts vLLM's hooks to them.
+Loads are synchronous with the step (layer by layer); saves copy the KV out of the cache
+during the step and put it in the background, so ``request_finished`` never delays
+freeing blocks.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from engine_adapter import store_io
 from engine_adapter.layout import BlockLayout
 from engine_adapter.vllm.kv_views import detect_layout
-from engine_adapter.vllm.scheduler import SchedulerPlanner, StepPlan
+from engine_adapter.vllm.plan import StepPlan
+from engine_adapter.vllm.scheduler import SchedulerPlanner
 from engine_adapter.vllm.settings import ConnectorSettings, namespace_of, tp_heads
 from engine_adapter.vllm.worker import WorkerTransfers, assemble_heads
 

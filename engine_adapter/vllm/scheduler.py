@@ -10,9 +10,9 @@ is learnt from the daemon itself (a Lookup), never from worker memory. Per reque
    ``(hit - num_computed_tokens / block_size) * block_size`` when positive.
 2. ``after_alloc``: the external blocks become a load of ``keys[first:first + n]`` into
    the request's cache blocks ``block_ids[first:first + n]``.
-3. ``build``: the step's :class:`StepPlan`: the loads above and, per scheduled request,
-   a store of each full block that this step completes and the store does not hold yet
-   (blocks before ``hit`` are already stored).
+3. ``build``: the step's :class:`~engine_adapter.vllm.plan.StepPlan`: the loads above
+   and, per scheduled request, a store of each full block that this step completes and
+   the store does not hold yet (blocks before ``hit`` are already stored).
 
 Nothing here imports vLLM: requests and scheduler outputs are read by attribute
 (``request.request_id``, ``.all_token_ids``, ``.num_tokens``, ``.block_hashes``,
@@ -30,35 +30,9 @@ from kvstore.common.keys import Namespace
 
 from engine_adapter import store_io
 from engine_adapter.engine_keys import IncrementalKeys
+from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 
 log = logging.getLogger("engine_adapter.vllm")
-
-
-@dataclass(frozen=True)
-class BlockTransfer:
-    """Blocks of one request moving between vLLM's paged cache and the store.
-
-    Attributes:
-        req_id: vLLM request id.
-        keys: 32-byte store keys, one per block, in prefix order.
-        block_ids: vLLM cache block ids (KV cache group 0), one per key.
-    """
-
-    req_id: str
-    keys: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.keys) != len(self.block_ids):
-            raise ValueError(f"{len(self.keys)} keys for {len(self.block_ids)} blocks")
-
-
-@dataclass
-class StepPlan:
-    """What the workers load before and store after one engine step."""
-
-    loads: list[BlockTransfer] = field(default_factory=list)
-    saves: list[BlockTransfer] = field(default_factory=list)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from engine_adapter import store_io
 from engine_adapter.background import BackgroundJobs
 from engine_adapter.layout import BlockLayout
 from engine_adapter.vllm.kv_views import kernel_view
-from engine_adapter.vllm.scheduler import BlockTransfer, StepPlan
+from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 
 log = logging.getLogger("engine_adapter.vllm")
 
@@ -95,7 +95,7 @@ class WorkerTransfers:
         client: the daemon's client.
         layer_names: vLLM's attention layer names in layer order.
         kv_caches: ``layer name -> cache tensor`` as vLLM registers it.
-        kv_layout: ``"token"``, ``"cpu"`` or ``"kv_first"`` (``vllm_kv_views``).
+        kv_layout: ``"token"``, ``"cpu"`` or ``"kv_first"`` (:mod:`engine_adapter.vllm.kv_views`).
         layout: payload layout (all KV heads of the model).
         heads: ``[h0, h1)``, the model KV heads this rank's cache holds.
         is_first_rank: TP rank 0 (the one that puts).

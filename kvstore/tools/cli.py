@@ -20,7 +20,7 @@ COMMAND_MODULES = (
     "kvstore.tools.simulate_cli",   # kvstore simulate
     "kvstore.tools.agent_trace",    # kvstore gen-agent-trace
     "kvstore.tools.explain_cli",    # kvstore explain
-    "engine_adapter.reference.demo",    # kvstore agent-demo
+    "kvstore.tools.agent_demo_cmd",  # kvstore agent-demo
 )
 
 

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from ea_support import start_daemon
-from engine_adapter.reference import demo
+from kvstore.tools import agent_demo_cmd as demo
 
 
 def parse(argv):

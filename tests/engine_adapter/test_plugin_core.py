@@ -9,7 +9,7 @@ import torch
 from engine_adapter import store_io
 from engine_adapter.engine_keys import IncrementalKeys, engine_namespace, key_from_engine_hash
 from engine_adapter.layout import BlockLayout
-from engine_adapter.vllm.scheduler import BlockTransfer, StepPlan
+from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 from engine_adapter.vllm.settings import tp_heads
 from engine_adapter.vllm.worker import WorkerTransfers, assemble_heads
 from kvstore.common.errors import StoreUnavailable

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 from engine_adapter import store_io  # noqa: E402
 from engine_adapter.vllm.connector import KVStoreConnector, KVStoreConnectorMetadata  # noqa: E402
-from engine_adapter.vllm.scheduler import BlockTransfer, StepPlan  # noqa: E402
+from engine_adapter.vllm.plan import BlockTransfer, StepPlan  # noqa: E402
 
 BS, NB, H, HD, L = 16, 12, 2, 64, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
