@@ -1,7 +1,10 @@
 """The client library an inference worker links: :class:`KVStoreClient` (lookup, get, put,
-hints) over gRPC, its same-node zero-copy path through the daemon's shared host arena
-(and CUDA IPC of HBM leases), its raw-frame gRPC path, and the buffer conversions
-(numpy, torch, any buffer). Owns the client's connection state; imports only
+leases, agent hints), composed of parts that own their state: the connection to one
+daemon (channel, calls, message limits, the daemon's info; ``connection``), the raw-frame
+gRPC path (``raw``), the same-node path through the daemon's shared host arena
+(``arena``: the arena's mapping, reservations, leases, over ``arena_mapping``) with its
+background lease release (``lease_releaser``), CUDA IPC opening of HBM leases (``ipc``)
+and the buffer conversions (numpy, torch, any buffer; ``buffers``). Imports only
 :mod:`kvstore.common` and the generated stubs, never the daemon.
 """
 

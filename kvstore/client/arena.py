@@ -1,31 +1,30 @@
 """The client's same-node data path: blocks copied through the daemon's shared host arena.
 
-:class:`ArenaPathMixin` is mixed into :class:`kvstore.client.KVStoreClient`. It owns
-mapping the arena (:class:`kvstore.client.arena_mapping.ArenaMapping`, on first use), ``put_from``
-through it (Reserve, one copy into the arena, Commit), ``get_into``'s copies out of it
-under a lease, and the background release of those leases (:class:`_Releaser`). It
-uses the client's ``_call``, ``_stub``, ``_metadata``, ``_per_request``, ``info``,
-``put``, ``target``, ``timeout``, ``lease_ttl_s`` and ``_token``; blocks it cannot move
-(arena full or busy) go back to the client's gRPC path.
+:class:`ArenaPath` is a part of :class:`kvstore.client.KVStoreClient`, built on its
+:class:`~kvstore.client.connection.Connection` and its :class:`~kvstore.client.raw.RawPath`.
+It owns the arena's mapping (:class:`kvstore.client.arena_mapping.ArenaMapping`, made on
+first use and dropped when the daemon restarts), ``put_from`` through it (Reserve, one
+copy into the arena, Commit), ``get_into``'s copies out of it under a lease, and the
+background release of those leases (:class:`kvstore.client.lease_releaser.LeaseReleaser`).
+Blocks it cannot move (arena full or busy, a lease or reservation too old to use) go by
+the raw path.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.client.raw import _meta_message
+from kvstore.client.connection import Connection
+from kvstore.client.lease_releaser import LeaseReleaser
+from kvstore.client.raw import RawPath, block_meta_message
+from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
 from kvstore.common.status import error_for
 from kvstore.common.types import PutResult, ReserveStatus
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.client.client import KVStoreClient
 
 log = logging.getLogger("kvstore.client")
 
@@ -43,64 +42,90 @@ class ArenaChanged(errors.FeatureDisabled):
     restarted): the mapping was dropped; the next call maps the new arena."""
 
 
-class ArenaPathMixin:
-    """Blocks through the shared arena (unix-socket clients of a daemon that offers one)."""
+class ArenaPath:
+    """Blocks through the shared arena (unix-socket clients of a daemon that offers one).
 
-    def _arena_call(self, method, request, timeout: float | None, arena):
-        """A Lease, Reserve or Commit naming the arena ``arena`` the client maps. Raises
-        :class:`ArenaChanged` (and forgets the mapping) when the daemon serves another
-        arena: it restarted since, and the old mapping must not be read or written."""
-        from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
-        try:
-            return method(request, timeout=timeout or self.timeout,
-                          metadata=self._metadata + ((ARENA_HEADER, arena.identity),))
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and ARENA_CHANGED in (e.details() or ""):
-                if self._arena is arena:
-                    self._arena, self._arena_checked, self._info = None, False, None
-                log.info("the daemon at %s serves a new shared arena (it restarted); mapping it again", self.target)
-                raise ArenaChanged(e.details()) from None
-            raise error_for(e) from None
+    Args:
+        connection: the daemon's connection.
+        raw: the gRPC path, for the blocks the arena cannot move.
+        shared_memory: None: map the arena when the daemon offers one; False: never;
+            True: raise FeatureDisabled (on first use) when it cannot be mapped.
+        lease_ttl_s: TTL of the leases and reservations this path asks for (seconds).
+    """
 
-
-
-    def _open_arena_path(self, shared_memory: bool | None) -> None:
-        self._want_shm = shared_memory
+    def __init__(self, connection: Connection, raw: RawPath, shared_memory: bool | None, lease_ttl_s: float):
+        self.lease_ttl_s = lease_ttl_s
+        self._conn = connection
+        self._raw = raw
+        self._stub = connection.stub
+        self._per_request = connection.per_request
+        self._want = shared_memory
         self._arena = None
-        self._arena_checked = False
-        self._releaser = _Releaser(self)
+        self._checked = False
+        self.releaser = LeaseReleaser(connection)
 
-    def _close_arena_path(self) -> None:
-        self._releaser.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+    @property
+    def current(self):
+        """The arena mapped now, or None (never maps it: see :meth:`mapping`)."""
+        return self._arena
 
-    def _shm(self):
-        if self._arena_checked:
+    def mapping(self):
+        """The mapped arena (:class:`~kvstore.client.arena_mapping.ArenaMapping`), mapped on
+        first use; None when there is none to map (TCP, none offered, cannot map). Raises
+        FeatureDisabled when ``shared_memory=True`` and it cannot be mapped."""
+        if self._checked:
             return self._arena
-        self._arena_checked = True
-        if self._want_shm is False or not self.target.startswith("unix:"):
-            if self._want_shm:
+        self._checked = True
+        c = self._conn
+        if self._want is False or not c.target.startswith("unix:"):
+            if self._want:
                 raise errors.FeatureDisabled("shared memory needs the daemon's unix socket")
             return None
-        info = self.info()
+        info = c.info()
         if not info.shm_socket:
-            if self._want_shm:
+            if self._want:
                 raise errors.FeatureDisabled(f"the daemon offers no shared arena: {info.shm_refused}")
             return None
         from kvstore.client.arena_mapping import ArenaMapping
         try:
-            self._arena = ArenaMapping(info.shm_socket, self._token, timeout=self.timeout)
+            self._arena = ArenaMapping(info.shm_socket, c.auth_token, timeout=c.timeout)
         except OSError as e:
-            if self._want_shm:
+            if self._want:
                 raise errors.FeatureDisabled(f"cannot map the shared arena: {e}") from None
             log.info("shared arena unavailable (%s); using gRPC for block data", e)
         return self._arena
 
-    def _arena_put(self, arena, keys, bufs, lengths, meta, timeout) -> PutResult:
-        """``put_from`` through the arena: Reserve in batches of at most a quarter of it,
-        copy each reserved block in, Commit; blocks with no room now go by gRPC."""
+    def call(self, method, request, timeout: float | None, arena):
+        """A Lease, Reserve or Commit naming the arena ``arena`` the client maps. Raises
+        :class:`ArenaChanged` (and forgets the mapping and the daemon's info) when the
+        daemon serves another arena: it restarted since, and the old mapping must not be
+        read or written. Other failures raise their store error."""
+        c = self._conn
+        try:
+            return method(request, timeout=timeout or c.timeout,
+                          metadata=c.metadata + ((ARENA_HEADER, arena.identity),))
+        except grpc.RpcError as e:
+            error = error_for(e)
+            if isinstance(error, errors.FeatureDisabled) and ARENA_CHANGED in (e.details() or ""):
+                if self._arena is arena:
+                    self._arena, self._checked = None, False
+                    c.forget_info()
+                log.info("the daemon at %s serves a new shared arena (it restarted); mapping it again", c.target)
+                raise ArenaChanged(e.details()) from None
+            raise error from None
+
+    def close(self) -> None:
+        """Send the releases still waiting and unmap the arena."""
+        self.releaser.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def put_from(self, arena, keys, bufs, lengths, meta, timeout) -> PutResult:
+        """``put_from`` through ``arena``: Reserve in batches of at most a quarter of it,
+        copy each reserved block (``bufs.slot(i, lengths[i])``) in, Commit; blocks with no
+        room now go by the raw path. Raises SizeConflict (``.result``: what was stored),
+        and what the raw path's put raises."""
         budget = max(arena.size // 4, 1)
         reserved_total = stored = nbytes = present = refused = conflicts = 0
         rest: list[int] = []
@@ -112,11 +137,11 @@ class ArenaPathMixin:
                 batch.append(i)
                 reserved_total += lengths[i]
                 continue
-            metas = [_meta_message(meta[j]) for j in batch] if meta is not None else []
+            metas = [block_meta_message(meta[j]) for j in batch] if meta is not None else []
             before = (present, refused, conflicts, len(rest))
             sent = _clock()
             try:
-                reply = self._arena_call(self._stub.Reserve, pb.ReserveRequest(
+                reply = self.call(self._stub.Reserve, pb.ReserveRequest(
                     keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
                     meta=metas), timeout, arena)
                 written, late = [], []
@@ -136,13 +161,13 @@ class ArenaPathMixin:
                     else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
                         rest.append(j)
                 if written:
-                    done = self._arena_call(self._stub.Commit, pb.CommitRequest(keys=written), timeout, arena)
+                    done = self.call(self._stub.Commit, pb.CommitRequest(keys=written), timeout, arena)
                     stored += done.committed
                     nbytes += done.bytes_committed
                 if late:
                     log.warning("%d reservations of the shared arena were too old to write (the client "
                                 "stalled); putting those blocks by gRPC", len(late))
-                    self._arena_call(self._stub.Commit, pb.CommitRequest(keys=[keys[j] for j in late], abort=True),
+                    self.call(self._stub.Commit, pb.CommitRequest(keys=[keys[j] for j in late], abort=True),
                                      timeout, arena)
                     rest.extend(late)
             except ArenaChanged:                # the daemon restarted: this batch and the rest by gRPC
@@ -156,7 +181,7 @@ class ArenaPathMixin:
             batch, reserved_total = [i], lengths[i]
         result = PutResult(stored, present, nbytes, refused, conflicts)
         if rest:
-            more = self.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout,
+            more = self._raw.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout,
                             meta=[meta[i] for i in rest] if meta is not None else None)
             result = PutResult(stored + more.stored, present + more.already_present, nbytes + more.bytes_stored,
                                refused + more.not_admitted, conflicts + more.size_conflicts)
@@ -166,10 +191,13 @@ class ArenaPathMixin:
             raise err
         return result
 
-    def _lease_copy(self, arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout) -> int:
-        """Copy blocks out of the shared arena, one lease at a time (a lease stops early
-        when the arena cannot hold more at once). Returns the index of the first key not
-        looked at (``len(keys)`` when done; the rest then goes by gRPC)."""
+    def lease_copy(self, arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout) -> int:
+        """``get_into``'s same-node half: copy blocks (or ``ranges`` of each) out of
+        ``arena`` into ``bufs``, one lease at a time (a lease stops early when the arena
+        cannot hold more at once), setting ``sizes[i]`` (bytes) and ``codes[i]`` (tier
+        code, 0: not found). Each lease is released in the background (:attr:`releaser`).
+        Returns the index of the first key not looked at (``len(keys)`` when done; the
+        rest then goes by gRPC). Raises :class:`ArenaChanged`, StoreUnavailable."""
         src = arena.array
         start, release = 0, []
         per = self._per_request(extra=128)
@@ -177,9 +205,9 @@ class ArenaPathMixin:
             while start < len(keys):
                 part = keys[start:start + per]
                 sent = _clock()
-                reply = self._arena_call(self._stub.Lease, pb.LeaseRequest(
+                reply = self.call(self._stub.Lease, pb.LeaseRequest(
                     keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
-                    release=release + self._releaser.take()), timeout, arena)
+                    release=release + self.releaser.take()), timeout, arena)
                 release = [reply.lease_id] if reply.lease_id else []
                 for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
                     if not code:
@@ -217,63 +245,4 @@ class ArenaPathMixin:
             return start
         finally:
             for lease_id in release:
-                self._release(lease_id)
-
-    def _release(self, lease_id: str) -> None:
-        """End a lease without waiting: it rides on the next Lease call, or a background
-        thread sends it (its TTL ends it anyway)."""
-        self._releaser.add(lease_id)
-
-
-class _Releaser:
-    """Ends leases in the background: ids wait here until the next Lease call carries them
-    (``LeaseRequest.release``) or, after ``delay_s`` without one, a thread sends them in
-    one Release call. No gRPC future per lease, no wait on the data path."""
-
-    def __init__(self, client: KVStoreClient, delay_s: float = 0.002):
-        self.client = client
-        self.delay_s = delay_s
-        self._ids: list[str] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-
-    def add(self, lease_id: str) -> None:
-        with self._lock:
-            self._ids.append(lease_id)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
-                self._thread.start()
-        self._wake.set()
-
-    def take(self) -> list[str]:
-        with self._lock:
-            ids, self._ids = self._ids, []
-            return ids
-
-    def _send(self) -> None:
-        ids = self.take()
-        if not ids:
-            return
-        c = self.client
-        try:
-            c._stub.Release(pb.ReleaseRequest(lease_ids=ids), timeout=c.timeout, metadata=c._metadata)
-        except grpc.RpcError as e:      # the leases end by their TTL
-            log.debug("release of %d leases failed: %s", len(ids), e)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                break
-            time.sleep(self.delay_s)        # a Lease call coming right after carries them
-            self._send()
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.client.timeout)
-        self._send()
+                self.releaser.add(lease_id)

@@ -9,54 +9,39 @@ Data path: on the daemon's own unix socket the client maps the daemon's shared h
 arena once (:mod:`kvstore.client.arena_mapping`) and copies blocks straight between it and the caller's
 buffers; gRPC carries only Lease/Release and Reserve/Commit. Elsewhere (TCP, a
 multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
-(:mod:`kvstore.common.wire`) on gRPC. Both paths give the same results; the first lives in
-:mod:`kvstore.client.arena`, the second in :mod:`kvstore.client.raw`.
+(:mod:`kvstore.common.wire`) on gRPC. Both paths give the same results.
+
+The client is composed of parts that own their state, each given what it shares through
+its constructor: the :class:`~kvstore.client.connection.Connection` (channel, call,
+limits, the daemon's info), the :class:`~kvstore.client.raw.RawPath` (raw frames) and the
+:class:`~kvstore.client.arena.ArenaPath` (the mapping, reservations, leases and their
+background release). This class holds the public verbs and delegates the data movement.
 
 Errors: gRPC status codes become :mod:`kvstore.common.errors` exceptions (:mod:`kvstore.common.status`);
 a message over the size limit is :class:`~kvstore.common.errors.MessageTooLarge`, never a full
-store. This module imports only types, errors, the wire format and the generated stubs.
+store. The client imports only :mod:`kvstore.common` and the generated stubs.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
-
-import grpc
+from typing import Any, Iterable, Sequence
 
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.arena import ArenaChanged, ArenaPath
 from kvstore.client.buffers import BlockBuffers, host_view
-from kvstore.client.arena import ArenaChanged, ArenaPathMixin
-from kvstore.client.raw import RawPathMixin
-from kvstore.common.status import error_for
+from kvstore.client.connection import Connection, NodeInfo
+from kvstore.client.raw import RawPath
 from kvstore.common.transport import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MESSAGE_BYTES,
-    FRAMING_BYTES,
     channel_options,
     default_chunk_bytes,
-    keys_per_request,
     parts,
 )
-from kvstore.common.types import BlockMeta, LookupResult, PutResult, TierKind
-
-_DATA = "/kvstore.v1.KVStoreData/"
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """What the daemon says about itself (``Info``)."""
-
-    version: str
-    block_tokens: int
-    key_hash: str
-    max_message_bytes: int
-    shm_socket: str
-    shm_arena_bytes: int
-    shm_refused: str
+from kvstore.common.types import BlockMeta, GetResult, LookupResult, PutResult, TierKind
 
 
 @dataclass(frozen=True)
@@ -74,7 +59,7 @@ class GetIntoResult:
     tier_codes: bytes
 
 
-class KVStoreClient(ArenaPathMixin, RawPathMixin):
+class KVStoreClient:
     """Blocking client of one daemon.
 
     Args:
@@ -99,32 +84,66 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
                  lease_ttl_s: float = 30.0):
         if chunk_bytes is None:
             chunk_bytes = default_chunk_bytes(max_message_bytes)
-        if chunk_bytes <= 0 or chunk_bytes > max_message_bytes - FRAMING_BYTES:
-            raise ValueError(f"chunk_bytes must be > 0 and at least {FRAMING_BYTES} bytes below max_message_bytes")
-        self.target = target
-        self.timeout = timeout
-        self.chunk_bytes = chunk_bytes
-        self.max_message_bytes = max_message_bytes
-        self.lease_ttl_s = lease_ttl_s
-        self._token = auth_token
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        opts = channel_options(max_message_bytes)
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(target, creds, options=opts)
-        else:
-            self._channel = grpc.insecure_channel(target, options=opts)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._get_raw = self._channel.unary_stream(_DATA + "GetRaw", request_serializer=pb.GetRequest.SerializeToString)
-        self._put_raw = self._channel.stream_unary(_DATA + "PutRaw", response_deserializer=pb.PutReply.FromString)
-        self._info: NodeInfo | None = None
-        self._open_arena_path(shared_memory)
+        self._connection = Connection(target, timeout=timeout, auth_token=auth_token, chunk_bytes=chunk_bytes,
+                                      max_message_bytes=max_message_bytes, root_certificates=root_certificates)
+        self._call = self._connection.call
+        self._stub = self._connection.stub
+        self._per_request = self._connection.per_request
+        self._raw_path = RawPath(self._connection)
+        self._arena_path = ArenaPath(self._connection, self._raw_path, shared_memory, lease_ttl_s)
+
+    # -------------------------------------------------------------- settings (kept by the parts)
+
+    @property
+    def target(self) -> str:
+        """The gRPC target this client talks to."""
+        return self._connection.target
+
+    @target.setter
+    def target(self, value: str) -> None:
+        self._connection.target = value
+
+    @property
+    def timeout(self) -> float:
+        """Per-call deadline in seconds (when a call gives none)."""
+        return self._connection.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._connection.timeout = value
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Largest payload piece per data message (bytes)."""
+        return self._connection.chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        self._connection.chunk_bytes = value
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The gRPC message size limit (bytes)."""
+        return self._connection.max_message_bytes
+
+    @max_message_bytes.setter
+    def max_message_bytes(self, value: int) -> None:
+        self._connection.max_message_bytes = value
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """TTL of the same-node path's leases and reservations (seconds)."""
+        return self._arena_path.lease_ttl_s
+
+    @lease_ttl_s.setter
+    def lease_ttl_s(self, value: float) -> None:
+        self._arena_path.lease_ttl_s = value
 
     # -------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        self._close_arena_path()
-        self._channel.close()
+        self._arena_path.close()
+        self._connection.close()
 
     def __enter__(self) -> "KVStoreClient":
         return self
@@ -134,26 +153,13 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the daemon answers. Raises StoreUnavailable after ``timeout`` s."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise errors.StoreUnavailable(f"kvstore daemon at {self.target} not ready after {timeout}s") from None
-
-    def _call(self, method, request, timeout: float | None = None):
-        try:
-            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise error_for(e) from None
+        self._connection.wait_ready(timeout)
 
     # -------------------------------------------------------------- node
 
     def info(self, timeout: float | None = None) -> NodeInfo:
         """The node's block size, key hash and data-path offer (cached)."""
-        if self._info is None:
-            r = self._call(self._stub.Info, pb.InfoRequest(), timeout)
-            self._info = NodeInfo(r.version, r.block_tokens, r.key_hash, r.max_message_bytes, r.shm_socket,
-                                  r.shm_arena_bytes, r.shm_refused)
-        return self._info
+        return self._connection.info(timeout)
 
     def check_block_tokens(self, block_tokens: int) -> None:
         """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is set and is not
@@ -167,12 +173,9 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
     @property
     def shared_memory(self) -> bool:
         """Whether blocks move through the daemon's shared arena (mapped on first use)."""
-        return self._shm() is not None
+        return self._arena_path.mapping() is not None
 
     # -------------------------------------------------------------- lookup, delete, stats
-
-    def _per_request(self, per_key: int = 34, extra: int = 0) -> int:
-        return keys_per_request(self.max_message_bytes, per_key, extra)
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         """Longest stored prefix of ``keys`` and the tier of each hit block."""
@@ -225,11 +228,24 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
             raise errors.InvalidRequest(f"{len(meta)} block metas for {len(keys)} keys")
         bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
         lengths = bufs.block_sizes()
-        arena = self._shm()
+        arena = self._arena_path.mapping()
         if arena is None:
-            return self.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))], timeout,
-                            meta=meta)
-        return self._arena_put(arena, keys, bufs, lengths, meta, timeout)
+            return self._raw_path.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))],
+                                      timeout, meta=meta)
+        return self._arena_path.put_from(arena, keys, bufs, lengths, meta, timeout)
+
+    def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None, *,
+            meta: Sequence[BlockMeta | None] | None = None) -> PutResult:
+        """Store blocks given as ``(key, payload)`` pairs (payload: any buffer).
+
+        A block becomes visible only when all its bytes arrived. Re-putting a stored block
+        is a no-op counted in ``already_present``. ``meta``: per block, what cache-aware
+        routers index it by (published with its KV events), or None.
+        Raises InvalidRequest (bad key/size), SizeConflict (a key stored with another
+        size; the others are stored: ``.result``), TierFull, MessageTooLarge,
+        StoreUnavailable.
+        """
+        return self._raw_path.put(blocks, timeout, meta=meta)
 
     # -------------------------------------------------------------- get
 
@@ -249,7 +265,8 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
         """
         keys = list(keys)
         bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)
-        arena = self._shm()
+        arena_path = self._arena_path
+        arena = arena_path.mapping()
         sizes = [0] * len(keys)
         codes = bytearray(len(keys))
         start = 0
@@ -257,20 +274,29 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
             if arena is None:
                 break
             try:
-                start = self._lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
+                start = arena_path.lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
                 break
             except ArenaChanged:                # the daemon restarted: its new arena, or gRPC
                 sizes[:] = [0] * len(keys)
                 codes[:] = bytes(len(keys))
                 start = 0
-                arena = self._shm()
+                arena = arena_path.mapping()
         if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
-            self._raw_copy(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
+            self._raw_path.copy_into(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
         found = 0
         while found < len(keys) and codes[found]:
             found += 1
         bufs.finish()
         return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
+
+    def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
+            stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:
+        """Fetch blocks (or ``ranges`` of each, concatenated) as new bytes. One result per
+        key, in order (with ``stop_at_miss`` the list ends at the first miss, included).
+
+        Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
+        """
+        return self._raw_path.get(keys, ranges, stop_at_miss, timeout)
 
     # -------------------------------------------------------------- leases (low level)
 
@@ -284,8 +310,9 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
         the new mapping from :meth:`arena` and lease again."""
         request = pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
                                   device=device, max_bytes=max_bytes)
-        if self._arena is not None:
-            return self._arena_call(self._stub.Lease, request, timeout, self._arena)
+        arena = self._arena_path.current
+        if arena is not None:
+            return self._arena_path.call(self._stub.Lease, request, timeout, arena)
         return self._call(self._stub.Lease, request, timeout)
 
     def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
@@ -294,7 +321,7 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
 
     def arena(self):
         """The mapped shared arena (:class:`kvstore.client.arena_mapping.ArenaMapping`), or None."""
-        return self._shm()
+        return self._arena_path.mapping()
 
     # -------------------------------------------------------------- agent hints
 
@@ -348,7 +375,6 @@ class KVStoreClient(ArenaPathMixin, RawPathMixin):
         req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
         reply = self._call(self._stub.Resume, req, timeout)
         return reply.known, reply.observed_seconds
-
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_MESSAGE_BYTES", "GetIntoResult", "KVStoreClient", "NodeInfo",

@@ -1,12 +1,12 @@
 """The client's gRPC data path: blocks as raw frames on ``GetRaw`` / ``PutRaw``.
 
-:class:`RawPathMixin` is mixed into :class:`kvstore.client.KVStoreClient`. It owns
-:meth:`put` and :meth:`get` (and the gRPC half of ``get_into``): blocks cut into
-:mod:`kvstore.common.wire` frames of about ``chunk_bytes``, requests split to the message
-limit, and a size conflict's ``PutReply`` read back from the status trailer. It uses
-the client's ``_put_raw`` / ``_get_raw`` callables, ``_metadata``, ``_per_request``,
-``chunk_bytes``, ``max_message_bytes`` and ``timeout``. This is the path of TCP
-clients, multi-tenant daemons and blocks the shared arena cannot take.
+:class:`RawPath` is a part of :class:`kvstore.client.KVStoreClient`, built on its
+:class:`~kvstore.client.connection.Connection`. It owns :meth:`RawPath.put` and
+:meth:`RawPath.get` (the client's ``put`` / ``get``) and the gRPC half of ``get_into``
+(:meth:`RawPath.copy_into`): blocks cut into :mod:`kvstore.common.wire` frames of about
+``chunk_bytes``, requests split to the message limit, and a size conflict's ``PutReply``
+read back from the status trailer. This is the path of TCP clients, multi-tenant daemons
+and blocks the shared arena cannot take.
 """
 
 from __future__ import annotations
@@ -18,56 +18,55 @@ import numpy as np
 
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.connection import Connection
 from kvstore.common.status import error_for
 from kvstore.common.transport import FRAMING_BYTES, parts
 from kvstore.common.types import BlockMeta, GetResult, PutResult, TierKind
 from kvstore.common.wire import FOUND, META, decode, frames
 
 
-class RawPathMixin:
-    """Blocks in raw frames over gRPC (every target; the only path off the node)."""
+class RawPath:
+    """Blocks in raw frames over gRPC (every target; the only path off the node).
+
+    Args:
+        connection: the daemon's connection (raw-frame callables, metadata, limits).
+    """
+
+    def __init__(self, connection: Connection):
+        self.connection = connection
 
     def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None, *,
             meta: Sequence[BlockMeta | None] | None = None) -> PutResult:
-        """Store blocks given as ``(key, payload)`` pairs (payload: any buffer).
-
-        A block becomes visible only when all its bytes arrived. Re-putting a stored block
-        is a no-op counted in ``already_present``. ``meta``: per block, what cache-aware
-        routers index it by (published with its KV events), or None.
-        Raises InvalidRequest (bad key/size), SizeConflict (a key stored with another
-        size; the others are stored: ``.result``), TierFull, MessageTooLarge,
-        StoreUnavailable.
-        """
+        """:meth:`kvstore.client.KVStoreClient.put`: store ``(key, payload)`` pairs by
+        ``PutRaw``. Raises as that method."""
         def items():
             metas = iter(meta) if meta is not None else None
             for k, d in blocks:
                 m = next(metas, None) if metas is not None else None
                 if m is not None:
-                    encoded = _meta_message(m).SerializeToString()
+                    encoded = block_meta_message(m).SerializeToString()
                     yield k, META, 0, len(encoded), encoded
                 yield k, FOUND, 0, len(memoryview(d).cast("B")), d
         items = items()
-        limit = min(self.max_message_bytes, self.chunk_bytes + FRAMING_BYTES)   # ~1 MiB messages: faster than big ones
+        c = self.connection
+        limit = min(c.max_message_bytes, c.chunk_bytes + FRAMING_BYTES)   # ~1 MiB messages: faster than big ones
         try:
-            reply = self._put_raw(frames(items, limit, self.chunk_bytes), timeout=timeout or self.timeout,
-                                  metadata=self._metadata)
+            reply = c.put_raw(frames(items, limit, c.chunk_bytes), timeout=timeout or c.timeout, metadata=c.metadata)
         except grpc.RpcError as e:
-            refused = _refused_put_reply(e)
+            error = error_for(e)
+            refused = _refused_put_reply(e) if isinstance(error, errors.SizeConflict) else None
             if refused is None:
-                raise error_for(e) from None
+                raise error from None
             reply = refused
         return _put_result(reply)
 
     def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
             stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:
-        """Fetch blocks (or ``ranges`` of each, concatenated) as new bytes. One result per
-        key, in order (with ``stop_at_miss`` the list ends at the first miss, included).
-
-        Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
-        """
+        """:meth:`kvstore.client.KVStoreClient.get`: blocks as new bytes, by ``GetRaw``.
+        Raises as that method."""
         results: list[GetResult] = []
         parts: list = []
-        for rec in self._raw_records(keys, ranges, stop_at_miss, timeout):
+        for rec in self.records(keys, ranges, stop_at_miss, timeout):
             if rec.failed or not rec.found:     # a miss, or a block that failed mid-way
                 parts = []
                 results.append(GetResult(rec.key, False))
@@ -81,17 +80,18 @@ class RawPathMixin:
                 parts = []
         return results
 
-    def _raw_records(self, keys, ranges, stop_at_miss, timeout):
+    def records(self, keys, ranges, stop_at_miss, timeout):
         """The records of GetRaw calls for ``keys``, split into requests that fit the
         message limit (with ``stop_at_miss``, no request after one that hit a miss)."""
         byte_ranges = [pb.ByteRange(offset=o, length=n) for o, n in (ranges or ())]
-        per = self._per_request(extra=sum(r.ByteSize() + 2 for r in byte_ranges) + 16)
+        c = self.connection
+        per = c.per_request(extra=sum(r.ByteSize() + 2 for r in byte_ranges) + 16)
         for part in parts(list(keys), per):
-            req = pb.GetRequest(keys=part, stop_at_miss=stop_at_miss, max_chunk_bytes=self.chunk_bytes,
+            req = pb.GetRequest(keys=part, stop_at_miss=stop_at_miss, max_chunk_bytes=c.chunk_bytes,
                                 ranges=byte_ranges)
             missed = False
             try:
-                for frame in self._get_raw(req, timeout=timeout or self.timeout, metadata=self._metadata):
+                for frame in c.get_raw(req, timeout=timeout or c.timeout, metadata=c.metadata):
                     for rec in decode(frame):
                         missed = missed or rec.failed or not rec.found
                         yield rec
@@ -100,10 +100,12 @@ class RawPathMixin:
             if stop_at_miss and missed:
                 return
 
-    def _raw_copy(self, keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout) -> None:
-        """Copy blocks ``keys[start:]`` from raw gRPC frames."""
+    def copy_into(self, keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout) -> None:
+        """``get_into``'s gRPC half: copy blocks ``keys[start:]`` (or ``ranges`` of each)
+        from raw frames into ``bufs`` (:class:`~kvstore.client.buffers.BlockBuffers`),
+        setting ``sizes[i]`` (bytes) and ``codes[i]`` (tier code, 0: not found) per key."""
         i, cur = start, None
-        for rec in self._raw_records(keys[start:], ranges, stop_at_miss, timeout):
+        for rec in self.records(keys[start:], ranges, stop_at_miss, timeout):
             if rec.failed or not rec.found:     # a miss, or a block that failed mid-way
                 sizes[i], codes[i], cur = 0, 0, None
                 i += 1
@@ -116,7 +118,7 @@ class RawPathMixin:
                 i += 1
 
 
-def _meta_message(m: BlockMeta | None) -> pb.BlockMeta:
+def block_meta_message(m: BlockMeta | None) -> pb.BlockMeta:
     """A block's router metadata as sent with PutRaw (a META record) and Reserve."""
     if m is None:
         return pb.BlockMeta()
@@ -125,9 +127,10 @@ def _meta_message(m: BlockMeta | None) -> pb.BlockMeta:
 
 
 def _refused_put_reply(err: grpc.RpcError) -> pb.PutReply | None:
-    """The PutReply a put refused for a size conflict carries in its trailer (ALREADY_EXISTS,
-    see ``kvstore.service.server.PUT_REPLY_TRAILER``), or None for any other failure."""
-    if not isinstance(err, grpc.Call) or err.code() is not grpc.StatusCode.ALREADY_EXISTS:
+    """The PutReply a put refused for a size conflict (a status that
+    :func:`~kvstore.common.status.error_for` makes a SizeConflict) carries in its trailer
+    (``kvstore.service.server.PUT_REPLY_TRAILER``), or None when it has none."""
+    if not isinstance(err, grpc.Call):
         return None
     for name, value in err.trailing_metadata() or ():
         if name == "kvstore-put-reply-bin":

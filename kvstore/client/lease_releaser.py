@@ -1,0 +1,82 @@
+"""Where a same-node client releases its leases: in the background, off the data path.
+
+``get_into`` copies blocks out of the shared arena under a lease and hands the lease id
+to a :class:`LeaseReleaser` instead of waiting for a Release call: the id rides on the
+next Lease call (``LeaseRequest.release``), or a background thread sends the ids that
+waited in one Release call. A lease whose release is lost ends by its TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.connection import Connection
+
+log = logging.getLogger("kvstore.client")
+
+
+class LeaseReleaser:
+    """Lease ids waiting to be released: carried by the next Lease call, or, after
+    ``delay_s`` seconds without one, sent by a thread in one Release call. No gRPC future
+    per lease, no wait on the data path.
+
+    Args:
+        connection: the daemon's connection (its stub, metadata and timeout).
+        delay_s: how long ids wait for a Lease call to carry them (seconds).
+    """
+
+    def __init__(self, connection: Connection, delay_s: float = 0.002):
+        self.connection = connection
+        self.delay_s = delay_s
+        self._ids: list[str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease_id: str) -> None:
+        """Release ``lease_id`` soon, without waiting (starts the thread on first use)."""
+        with self._lock:
+            self._ids.append(lease_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def take(self) -> list[str]:
+        """The ids waiting, for a Lease call to carry (they are no longer waiting)."""
+        with self._lock:
+            ids, self._ids = self._ids, []
+            return ids
+
+    def _send(self) -> None:
+        ids = self.take()
+        if not ids:
+            return
+        c = self.connection
+        try:
+            c.stub.Release(pb.ReleaseRequest(lease_ids=ids), timeout=c.timeout, metadata=c.metadata)
+        except grpc.RpcError as e:      # the leases end by their TTL
+            log.debug("release of %d leases failed: %s", len(ids), e)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                break
+            time.sleep(self.delay_s)        # a Lease call coming right after carries them
+            self._send()
+
+    def close(self) -> None:
+        """Stop the thread (waiting at most the call timeout) and send what still waits."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.connection.timeout)
+        self._send()
