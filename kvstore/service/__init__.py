@@ -1,5 +1,10 @@
-"""The daemon around the store: the gRPC service and its hint handlers, put assembly and
-the streamed Get, interceptors (tokens, tenants, request checks), KV events, Prometheus
-metrics, health, the listen address and the shared-arena hand-out, and the start-up that
-builds tiers from the config (the one place concrete tiers are wired).
+"""The daemon around the store: the gRPC service (``server``: block, lease, reservation,
+Stats and Info RPCs), which delegates the agent-hint RPCs to the hint handlers it holds
+(``hints``); put assembly (``put_assembly``) and the streamed Get (``get_stream``); the checks
+of what a client sends (``validate``); interceptors and the handler wrappers that answer
+every failure with its code from :mod:`kvstore.common.status` (``interceptors``); bearer
+tokens and tenants (``auth``); KV events (``events``), Prometheus metrics (``metrics``),
+health (``health``) and miss explanations (``explain``); the listen address (``listen``) and
+the shared-arena hand-out (``arena_server``); and the start-up that builds tiers from the
+config (``startup``, the one place concrete tiers are wired).
 """

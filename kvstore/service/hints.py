@@ -1,14 +1,13 @@
 """The agent-hint RPCs of the gRPC service: ToolCallStart, Resume, SessionHint, Explain.
 
-:class:`HintHandlers` is mixed into :class:`kvstore.service.server.KVStoreService`. Its
-handlers check what the agent framework says (trajectory ids and tool names at most
-:data:`MAX_NAME_CHARS` characters, keys, finite times within the clock skew), convert
-client unix times to the daemon's monotonic clock and back (:mod:`kvstore.service.validate`),
-scope trajectory and session ids to the caller's tenant, and hand the hint to the
-prefetch scheduler (``hints``), the session table (``sessions``; a vLLM ``kv_hints``
-envelope through :mod:`kvstore.agent.kv_hints`) or the eviction log (``explain``). Each is off
-(FAILED_PRECONDITION) when its part is not running. It uses the service's ``_space``,
-``hints``, ``sessions`` and ``explain``.
+:class:`HintHandlers` is held by :class:`kvstore.service.server.KVStoreService`, which
+delegates these four RPCs to it with the caller's key space. Its handlers check what the
+agent framework says (trajectory ids and tool names at most :data:`MAX_NAME_CHARS`
+characters, keys, finite times within the clock skew), convert client unix times to the
+daemon's monotonic clock and back (:mod:`kvstore.service.validate`), scope trajectory and
+session ids to the caller's tenant, and hand the hint to the prefetch scheduler, the
+session table (a vLLM ``kv_hints`` envelope through :mod:`kvstore.agent.kv_hints`) or the
+eviction log. Each is off (FAILED_PRECONDITION) when its part is not running.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import math
 
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.service.interceptors import unary_handler as _unary
+from kvstore.service.auth import KeySpace
 from kvstore.agent.sessions import SessionHint, SessionState
 from kvstore.service.validate import MAX_CLOCK_SKEW_S, check_keys, check_number, to_monotonic, to_unix
 
@@ -38,36 +37,53 @@ def _check_names(trajectory_id: str, tool: str = "") -> None:
 
 
 class HintHandlers:
-    """Agent hints and miss explanations (see the module docstring)."""
+    """Agent hints and miss explanations (see the module docstring).
 
-    def _need_hints(self) -> None:
-        if self.hints is None:
+    Args:
+        scheduler: the prefetch scheduler (``tool_call_start(trajectory, tool, start,
+            keys)`` and ``resume(trajectory, at)``, monotonic seconds), or None: ToolCallStart
+            and Resume raise FeatureDisabled.
+        sessions: applies a :class:`~kvstore.agent.sessions.SessionHint` (monotonic
+            seconds), returning the expected-back time; None: SessionHint raises FeatureDisabled.
+        explain: maps a prompt's keys to an :class:`~kvstore.service.explain.Explanation`,
+            or None: Explain raises FeatureDisabled.
+
+    Each handler takes the request and the caller's :class:`~kvstore.service.auth.KeySpace`
+    and returns the reply; it raises InvalidRequest for what the agent framework got wrong.
+    """
+
+    def __init__(self, scheduler=None, sessions=None, explain=None):
+        self._scheduler = scheduler
+        self._sessions = sessions
+        self._explain = explain
+
+    def _need_scheduler(self) -> None:
+        if self._scheduler is None:
             raise errors.FeatureDisabled("tool-call hints are off: set [prefetch] enabled = true "
                                          "or use the next_use eviction policy")
 
-    @_unary
-    def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
-        space = self._space(context)
-        self._need_hints()
+    def tool_call_start(self, request: pb.ToolCallStartRequest, space: KeySpace) -> pb.ToolCallStartReply:
+        """``ToolCallStart``: the tool call is scheduled; the reply has the predicted resume
+        time (unix seconds)."""
+        self._need_scheduler()
         _check_names(request.trajectory_id, request.tool)
         start = to_monotonic(request.start_time, "start_time")
         keys = space.internal_many(check_keys(request.keys))
-        predicted = self.hints.tool_call_start(space.scoped(request.trajectory_id), request.tool, start, keys)
+        predicted = self._scheduler.tool_call_start(space.scoped(request.trajectory_id), request.tool, start, keys)
         return pb.ToolCallStartReply(predicted_resume_time=to_unix(predicted))
 
-    @_unary
-    def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
-        space = self._space(context)
-        self._need_hints()
+    def resume(self, request: pb.ResumeRequest, space: KeySpace) -> pb.ResumeReply:
+        """``Resume``: whether the trajectory was waiting, and for how long (seconds)."""
+        self._need_scheduler()
         _check_names(request.trajectory_id)
         at = to_monotonic(request.time, "time")
-        known, observed = self.hints.resume(space.scoped(request.trajectory_id), at)
+        known, observed = self._scheduler.resume(space.scoped(request.trajectory_id), at)
         return pb.ResumeReply(known=known, observed_seconds=observed)
 
-    @_unary
-    def SessionHint(self, request: pb.SessionHintRequest, context) -> pb.SessionHintReply:
-        space = self._space(context)
-        if self.sessions is None:
+    def session_hint(self, request: pb.SessionHintRequest, space: KeySpace) -> pb.SessionHintReply:
+        """``SessionHint`` (or a vLLM ``kv_hints`` envelope): applied to the session table;
+        the reply has the expected-back time (unix seconds, ``inf`` once ended)."""
+        if self._sessions is None:
             raise errors.FeatureDisabled("session hints are off (no session table)")
         if len(request.session_id) > 1024:
             raise errors.InvalidRequest("session_id is limited to 1024 characters")
@@ -95,16 +111,15 @@ class HintHandlers:
                                  request.expected_back_s or None, request.ttl_s or None, at)]
         expected = math.inf
         for h in hints:
-            expected = self.sessions(h)
+            expected = self._sessions(h)
         return pb.SessionHintReply(expected_back_time=to_unix(expected) if math.isfinite(expected) else math.inf,
                                    skipped_actions=skipped)
 
-    @_unary
-    def Explain(self, request: pb.ExplainRequest, context) -> pb.ExplainReply:
-        space = self._space(context)
-        if self.explain is None:
+    def explain(self, request: pb.ExplainRequest, space: KeySpace) -> pb.ExplainReply:
+        """``Explain``: why the prompt with these keys misses (the first block not stored)."""
+        if self._explain is None:
             raise errors.FeatureDisabled("explain is off (no eviction log)")
-        e = self.explain(space.internal_many(check_keys(request.keys)))
+        e = self._explain(space.internal_many(check_keys(request.keys)))
         reply = pb.ExplainReply(kind=e.kind, block=-1 if e.block is None else e.block, text=e.text)
         if e.eviction is not None:
             reply.tier, reply.policy, reply.reason = e.eviction.tier, e.eviction.policy, e.eviction.reason

@@ -24,7 +24,7 @@ from typing import Callable
 import grpc
 
 from kvstore.service.auth import Authenticator
-from kvstore.common.errors import InvalidRequest
+from kvstore.common.errors import InvalidRequest, Unauthenticated
 from kvstore.common.status import code_for
 
 log = logging.getLogger("kvstore.service.server")
@@ -95,7 +95,8 @@ def streaming_handler(method: Callable) -> Callable:
 
 
 def _denial_handlers(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcMethodHandler]:
-    """Handlers that fail a call with ``code``, one per request/response streaming kind."""
+    """Handlers that fail a call with ``code`` (from :func:`kvstore.common.status.code_for`),
+    one per request/response streaming kind."""
 
     def deny(request, context):
         context.abort(code, message)
@@ -169,7 +170,8 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, auth: Authenticator | str):
         self.auth = Authenticator({auth: ""}) if isinstance(auth, str) else auth
-        self._deny = _denial_handlers(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        refusal = Unauthenticated("missing or wrong bearer token")
+        self._deny = _denial_handlers(code_for(refusal), str(refusal))
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method or ""

@@ -52,11 +52,17 @@ class TenantTally:
         self.values: dict[str, list[int]] = {}
 
     def lookup(self, tenant: str, asked: int, hit: int) -> None:
+        """Count one Lookup of ``tenant``: ``asked`` blocks, ``hit`` of them found."""
         with self._lock:
             row = self.values.setdefault(tenant, [0, 0, 0])
             row[0] += 1
             row[1] += asked
             row[2] += hit
+
+    def rows(self) -> dict[str, tuple[int, int, int]]:
+        """A snapshot: per tenant, (Lookup calls, blocks asked for, blocks found)."""
+        with self._lock:
+            return {t: tuple(v) for t, v in self.values.items()}
 
 
 class StoreCollector:
@@ -100,9 +106,7 @@ class StoreCollector:
         asked = CounterMetricFamily("kvstore:lookup_blocks", "Blocks asked for by Lookups", labels=["tenant"])
         hits = CounterMetricFamily("kvstore:hit_blocks", "Blocks found by Lookups", labels=["tenant"])
         tokens = CounterMetricFamily("kvstore:hit_tokens", "Hit blocks times block_tokens", labels=["tenant"])
-        with self.tally._lock:
-            rows = {t: list(v) for t, v in self.tally.values.items()}
-        for tenant, (n, a, h) in rows.items():
+        for tenant, (n, a, h) in self.tally.rows().items():
             lookups.add_metric([tenant], n)
             asked.add_metric([tenant], a)
             hits.add_metric([tenant], h)

@@ -1,5 +1,6 @@
 """The gRPC service: blocks (Put/Get/Lookup/Delete), leases and reservations for the
-same-node path, Stats/Info, tool-call hints (their handlers: :mod:`kvstore.service.hints`).
+same-node path, Stats/Info, and the agent-hint RPCs, which it delegates to the
+:class:`~kvstore.service.hints.HintHandlers` it holds.
 
 Runs on a thread pool (``[server] workers``): handlers copy payloads with the GIL
 released inside numpy/file I/O, and the catalogue lock is held only for catalogue
@@ -40,9 +41,10 @@ from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
 from kvstore.service.put_assembly import PutAssembler
 from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
 from kvstore.common.transport import FRAMING_BYTES
-from kvstore.common.types import BlockMeta, PutResult
+from kvstore.common.types import PutResult
 from kvstore.service.hints import HintHandlers
-from kvstore.service.validate import check_keys, check_number, check_ranges, check_size, check_ttl
+from kvstore.service.validate import (check_keys, check_meta, check_number, check_ranges, check_size,
+                                      check_ttl, decode_meta)
 from kvstore.common.wire import META, FrameError, decode
 
 log = logging.getLogger("kvstore.service.server")
@@ -74,7 +76,7 @@ def _finish_put(asm: PutAssembler, context) -> pb.PutReply:
 
 
 
-class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
+class KVStoreService(pb_grpc.KVStoreServicer):
     """Serves one :class:`~kvstore.store.manager.TierManager`.
 
     Args:
@@ -83,7 +85,9 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
         max_message_bytes: the gRPC message size limit (bytes); replies stay below it.
         hints: the prefetch scheduler (``tool_call_start``, ``resume``,
             ``observe_request``; monotonic seconds), or None: hint calls get
-            FAILED_PRECONDITION.
+            FAILED_PRECONDITION. Lookups feed its reuse statistics; the hint RPCs go to
+            :attr:`hint_handlers` (:class:`~kvstore.service.hints.HintHandlers`, built here
+            from ``hints``, ``sessions`` and ``explain``).
         auth: maps each call's bearer token to its tenant; None: one shared key space.
         health: :class:`kvstore.service.health.Health` (Stats reports it), or None.
         info: the :class:`~kvstore._proto.kvstore_pb2.InfoReply` to answer Info with.
@@ -111,8 +115,7 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
         self.default_lease_ttl_s = default_lease_ttl_s
         self._observe = observe
         self.tally = tally
-        self.sessions = sessions
-        self.explain = explain
+        self.hint_handlers = HintHandlers(hints, sessions, explain)
         self.arena_id = ""          # the shared arena handed out (kvstore.service.arena_server.arena_identity); "": none
 
     def observe(self, method: str, seconds: float, context=None) -> None:
@@ -142,7 +145,7 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
             for batch in touch(request_iterator):
                 for c in well_formed(batch).chunks:
                     if c.HasField("meta"):
-                        asm.meta(c.key, meta_of(c.meta))
+                        asm.meta(c.key, check_meta(c.meta))
                     asm.chunk(c.key, c.total_size, c.offset, c.data)
             return _finish_put(asm, context)
 
@@ -152,7 +155,7 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
         with PutAssembler(self.manager, space.internal) as asm:
             for c in request.chunks:
                 if c.HasField("meta"):
-                    asm.meta(c.key, meta_of(c.meta))
+                    asm.meta(c.key, check_meta(c.meta))
                 asm.chunk(c.key, c.total_size, c.offset, c.data)
             return _finish_put(asm, context)
 
@@ -169,7 +172,7 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
                         raise errors.InvalidRequest(f"PutRaw: {e}") from None
                     for r in records:
                         if r.flags & META:
-                            asm.meta(r.key, meta_of(_decode_meta(r.data)))
+                            asm.meta(r.key, check_meta(decode_meta(r.data)))
                             continue
                         asm.chunk(r.key, r.total, r.offset, r.data)
                 return _finish_put(asm, context).SerializeToString()
@@ -248,6 +251,24 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
         self._space(context)
         return self.info
 
+    # ------------------------------------------------------------------ agent hints (kvstore.service.hints)
+
+    @_unary
+    def ToolCallStart(self, request: pb.ToolCallStartRequest, context) -> pb.ToolCallStartReply:
+        return self.hint_handlers.tool_call_start(request, self._space(context))
+
+    @_unary
+    def Resume(self, request: pb.ResumeRequest, context) -> pb.ResumeReply:
+        return self.hint_handlers.resume(request, self._space(context))
+
+    @_unary
+    def SessionHint(self, request: pb.SessionHintRequest, context) -> pb.SessionHintReply:
+        return self.hint_handlers.session_hint(request, self._space(context))
+
+    @_unary
+    def Explain(self, request: pb.ExplainRequest, context) -> pb.ExplainReply:
+        return self.hint_handlers.explain(request, self._space(context))
+
     # ------------------------------------------------------------------ same-node data plane
 
     def _check_arena(self, context) -> None:
@@ -304,7 +325,7 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
             raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.sizes)} sizes")
         if request.meta and len(request.meta) != len(keys):
             raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.meta)} block metas")
-        metas = [meta_of(m) for m in request.meta] if request.meta else [None] * len(keys)
+        metas = [check_meta(m) for m in request.meta] if request.meta else [None] * len(keys)
         sizes = [check_size(s, f"sizes[{i}]") for i, s in enumerate(request.sizes)]
         ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
         reply = pb.ReserveReply()
@@ -339,26 +360,6 @@ class KVStoreService(HintHandlers, pb_grpc.KVStoreServicer):
         if m.cluster is not None and not request.abort:
             m.cluster.put_done([c.key for c in claims])     # write-through to the cluster, batched
         return pb.CommitReply(committed=committed, bytes_committed=nbytes)
-
-
-def meta_of(m: pb.BlockMeta) -> BlockMeta | None:
-    """A ``BlockMeta`` message as :class:`kvstore.common.types.BlockMeta` (None when empty).
-    Raises InvalidRequest for oversized fields."""
-    if not (m.engine_hash or m.token_ids or m.parent_engine_hash):
-        return None
-    if len(m.engine_hash) > 64 or len(m.parent_engine_hash) > 64 or len(m.token_ids) > 1 << 16 \
-            or len(m.lora_name) > 256:
-        raise errors.InvalidRequest("BlockMeta: hashes are limited to 64 bytes, token_ids to 65536, "
-                                    "lora_name to 256 characters")
-    return BlockMeta(bytes(m.engine_hash), bytes(m.parent_engine_hash), tuple(m.token_ids), m.block_tokens,
-                     m.lora_name)
-
-
-def _decode_meta(data) -> pb.BlockMeta:
-    try:
-        return pb.BlockMeta.FromString(bytes(data))
-    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
-        raise errors.InvalidRequest(f"PutRaw: a BlockMeta record does not decode: {e}") from None
 
 
 def data_handler(service: KVStoreService) -> grpc.GenericRpcHandler:

@@ -12,8 +12,9 @@ import math
 import time
 from typing import Iterable, Sequence
 
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.types import KEY_BYTES
+from kvstore.common.types import KEY_BYTES, BlockMeta
 
 MAX_KEYS = 1 << 20
 """Most keys one request may carry."""
@@ -88,6 +89,28 @@ def check_size(value: int, field: str, maximum: int = MAX_BLOCK_BYTES) -> int:
     if not 0 < value <= maximum:
         raise InvalidRequest(f"{field}: {value} bytes is outside (0, {maximum}]")
     return int(value)
+
+
+def check_meta(m: pb.BlockMeta) -> BlockMeta | None:
+    """A ``BlockMeta`` message as :class:`kvstore.common.types.BlockMeta` (None when empty).
+    Raises InvalidRequest for oversized fields."""
+    if not (m.engine_hash or m.token_ids or m.parent_engine_hash):
+        return None
+    if len(m.engine_hash) > 64 or len(m.parent_engine_hash) > 64 or len(m.token_ids) > 1 << 16 \
+            or len(m.lora_name) > 256:
+        raise InvalidRequest("BlockMeta: hashes are limited to 64 bytes, token_ids to 65536, "
+                             "lora_name to 256 characters")
+    return BlockMeta(bytes(m.engine_hash), bytes(m.parent_engine_hash), tuple(m.token_ids), m.block_tokens,
+                     m.lora_name)
+
+
+def decode_meta(data) -> pb.BlockMeta:
+    """A PutRaw META record's bytes as a ``BlockMeta`` message. Raises InvalidRequest when
+    they do not decode."""
+    try:
+        return pb.BlockMeta.FromString(bytes(data))
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
+        raise InvalidRequest(f"PutRaw: a BlockMeta record does not decode: {e}") from None
 
 
 def to_monotonic(unix_s: float, field: str, now_unix: float | None = None,
