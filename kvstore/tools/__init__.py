@@ -1,4 +1,8 @@
-"""The ``kvstore`` command line and the offline tools behind it: serve, stats, replay of a
-Mooncake trace, the byte-less simulator and its hint models, explain-miss, repair-index,
-and the synthetic agent-trace generator. Owns no daemon state.
+"""The ``kvstore`` command line and the offline tools behind it: the command list
+(``cli``, argparse value types in ``cliargs``), serve (``serve_cmd``), stats (``stats_cmd``),
+repair-index (``repair_cmd``), replay of a Mooncake trace against daemons (``replay``; the
+trace reader in ``trace``), the byte-less simulator (``simulate``, ``simulate_cli``) and its
+simulated session hints (``sim_hints``), explain-miss (``explain_cli``), and the synthetic
+agent-trace generator (``agent_trace``) with its events file (``agent_events``). Owns no
+daemon state: a tool drives a daemon through the client, or builds a store of its own.
 """
