@@ -2,7 +2,8 @@
 (``cli``, argparse value types in ``cliargs``), serve (``serve_cmd``), stats (``stats_cmd``),
 repair-index (``repair_cmd``), replay of a Mooncake trace against daemons (``replay``; the
 trace reader in ``trace``), the byte-less simulator (``simulate``, ``simulate_cli``) and its
-simulated session hints (``sim_hints``), explain-miss (``explain_cli``), and the synthetic
-agent-trace generator (``agent_trace``) with its events file (``agent_events``). Owns no
-daemon state: a tool drives a daemon through the client, or builds a store of its own.
+simulated session hints (``sim_hints``), explain-miss (``explain_cli``), the synthetic
+agent-trace generator (``agent_trace``) with its events file (``agent_events``), and the
+arguments of the reference engine's agent demo (``agent_demo_cmd``). Owns no daemon
+state: a tool drives a daemon through the client, or builds a store of its own.
 """
