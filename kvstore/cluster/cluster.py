@@ -44,6 +44,7 @@ from tiers import errors as terr
 from tiers.base import TierKind
 
 from kvstore.common.errors import KVStoreError
+from kvstore.common.types import PUBLISH_CHOICES
 from kvstore.cluster.publisher import Publisher
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,7 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("kvstore.cluster.cluster")
 
-PUBLISH_CHOICES = ("demoted", "all")
 _REMOTE = int(TierKind.REMOTE)
 _JOIN_WAIT_S = 30.0      # longest wait for another request's page-in of the same blocks (it has deadlines)
 

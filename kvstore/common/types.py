@@ -15,6 +15,10 @@ from tiers.base import TierKind
 KEY_BYTES = 32
 """Length of a block key (SHA-256 digest)."""
 
+PUBLISH_CHOICES = ("demoted", "all")
+"""When a node copies its blocks into the cluster (``[tiers.remote] publish``): ``demoted``,
+as they leave its last local tier; ``all``, also every put, in the background."""
+
 _KINDS = {int(k): k for k in TierKind}
 
 
@@ -105,4 +109,4 @@ class ReserveStatus(enum.IntEnum):
     BUSY = 5              # another client is writing it now
 
 
-__all__ = ["BlockMeta", "ReserveStatus", "KEY_BYTES", "GetResult", "LookupResult", "PutResult", "TierKind", "tier_kinds"]
+__all__ = ["BlockMeta", "ReserveStatus", "KEY_BYTES", "PUBLISH_CHOICES", "GetResult", "LookupResult", "PutResult", "TierKind", "tier_kinds"]

@@ -1,30 +1,45 @@
-"""The cross-field rules of the node config: :func:`validate`, run once on every Config.
+"""The rules of the node config: :func:`validate`, run once on every :class:`~kvstore.config.node.Config`.
 
-:mod:`kvstore.config` parses the TOML file into frozen dataclasses and checks each
-value's type; this module checks what one value cannot say alone: ranges (workers,
-TTLs, message and chunk sizes, watermarks, prefetch bounds), choices (eviction and
-write policies, NVMe I/O, pinned memory), at least one enabled tier with a capacity,
-readable TLS files, well-formed listen addresses and endpoints, and access rules
-(printable tokens, one token per tenant, no unauthenticated TCP beyond the loopback
-interface). Each failure is a :class:`kvstore.common.errors.ConfigError` naming the key.
+:mod:`kvstore.config.load` parses the TOML file into the frozen dataclasses of
+:mod:`kvstore.config.node` and checks each value's type; this module checks the rest, for
+every table including ``[tiers.remote]``: ranges (workers, TTLs, message and chunk sizes,
+watermarks, deadlines, the prefetch scheduler's and the session table's bounds), choices
+(eviction and write policies, NVMe I/O, pinned memory, the cluster's kind, protocol and
+publish rule), at least one enabled tier with a capacity, readable TLS files, well-formed
+listen addresses and endpoints, and access rules (printable tokens, one token per tenant,
+no unauthenticated TCP beyond the loopback interface). Each failure is a
+:class:`kvstore.common.errors.ConfigError` naming the key.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import TYPE_CHECKING
 
 from kvstore.common.errors import ConfigError
-from kvstore.config.remote import validate_remote
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.config.node import Config, PolicyConfig, ServerConfig, TierPolicyConfig
-
-EVICTION_CHOICES = ("lru", "arc", "s3fifo", "next_use")
-WRITE_CHOICES = ("write_back", "write_through")
-IO_CHOICES = ("auto", "gds", "posix")
+from kvstore.config.node import (EVICTION_CHOICES, HOP_TIERS, IO_CHOICES, PINNED_CHOICES, PROTOCOL_CHOICES,
+                                 PUBLISH_CHOICES, REMOTE_KINDS, WRITE_CHOICES, Config, PolicyConfig,
+                                 PrefetchConfig, RemoteConfig, ServerConfig, TierPolicyConfig)
 
 _LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+MIN_SEGMENT_BYTES = 16 << 20
+"""Smallest memory segment Mooncake accepts (``[tiers.remote] segment``, bytes)."""
+_HOUR_S = 3600.0
+_DAY_S = 24 * _HOUR_S
+_WEEK_S = 7 * _DAY_S
+
+
+def _show(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _within(key: str, value: float, low: float, high: float, *, open_low: bool = False,
+            open_high: bool = False, unit: str = "") -> None:
+    """Raise ConfigError naming ``key`` unless ``value`` lies in the interval (ends open as asked)."""
+    if (low < value if open_low else low <= value) and (value < high if open_high else value <= high):
+        return
+    interval = f"{'(' if open_low else '['}{_show(low)}, {_show(high)}{')' if open_high else ']'}"
+    raise ConfigError(f"{key}: must be in {interval}{unit}, got {value}")
 
 
 def _is_loopback(listen: str) -> bool:
@@ -68,7 +83,6 @@ def _validate_access(s: ServerConfig) -> None:
 
 
 def _validate_policy(p: PolicyConfig | TierPolicyConfig, path: str) -> None:
-    from kvstore.config.node import PolicyConfig     # at call time: kvstore.config imports this module
     if p.eviction not in EVICTION_CHOICES:
         raise ConfigError(f"{path}.eviction: {p.eviction!r} is not one of {', '.join(EVICTION_CHOICES)}")
     if isinstance(p, PolicyConfig):
@@ -79,9 +93,7 @@ def _validate_policy(p: PolicyConfig | TierPolicyConfig, path: str) -> None:
                               f"{p.low_watermark} and {p.high_watermark}")
 
 
-def validate(cfg: Config) -> Config:
-    """Check cross-field rules; raise ConfigError naming the key. Returns ``cfg``."""
-    s = cfg.server
+def _validate_server(s: ServerConfig) -> None:
     if not s.listen or s.listen.startswith("unix:") and not s.listen[len("unix:"):].strip("/"):
         raise ConfigError(f"server.listen: {s.listen!r} names no address or socket path")
     if s.workers < 1:
@@ -101,14 +113,56 @@ def validate(cfg: Config) -> Config:
         value = getattr(s, name)
         if value and not os.access(value, os.R_OK):
             raise ConfigError(f"server.{name}: cannot read {value!r}")
-    if not 0 <= cfg.blocks.block_tokens <= 1 << 20:
-        raise ConfigError(f"blocks.block_tokens: must be in [1, 1048576] (0: not set), got {cfg.blocks.block_tokens}")
-    if cfg.blocks.hash != "sha256":
-        raise ConfigError(f"blocks.hash: {cfg.blocks.hash!r} is not supported (keys are chained SHA-256: "
-                          "\"sha256\")")
+    _within("server.stop_grace_s", s.stop_grace_s, 0, _HOUR_S, unit=" seconds")
+    _within("server.eviction_log_blocks", s.eviction_log_blocks, 1, 1 << 26)
+
+
+def _fail_remote(key: str, why: str) -> None:
+    raise ConfigError(f"tiers.remote.{key}: {why}")
+
+
+def _validate_remote(r: RemoteConfig) -> None:
+    """``[tiers.remote]`` (checked whether or not it is enabled)."""
+    if r.kind not in REMOTE_KINDS:
+        _fail_remote("kind", f"{r.kind!r} is not one of {', '.join(REMOTE_KINDS)}")
+    if r.protocol not in PROTOCOL_CHOICES:
+        _fail_remote("protocol", f"{r.protocol!r} is not one of {', '.join(PROTOCOL_CHOICES)}")
+    if r.publish not in PUBLISH_CHOICES:
+        _fail_remote("publish", f"{r.publish!r} is not one of {', '.join(PUBLISH_CHOICES)}")
+    host, sep, port = r.master.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        _fail_remote("master", f"{r.master!r} is not HOST:PORT")
+    for key in ("metadata_server", "local_hostname", "prefix"):
+        if not getattr(r, key):
+            _fail_remote(key, "must not be empty")
+    if r.capacity <= 0:
+        _fail_remote("capacity", f"must be > 0, got {r.capacity}")
+    segment = r.capacity if r.segment is None else r.segment
+    if segment != 0 and segment < MIN_SEGMENT_BYTES:
+        _fail_remote("segment", f"must be 0 (a pure client) or at least 16MiB (Mooncake refuses less), got "
+                                f"{segment} bytes" + (" (it defaults to capacity)" if r.segment is None else ""))
+    if r.staging < (1 << 20):
+        _fail_remote("staging", f"must be at least 1MiB, got {r.staging}")
+    if r.replicas < 1:
+        _fail_remote("replicas", f"must be >= 1, got {r.replicas}")
+    for key in ("timeout_s", "lookup_timeout_s"):
+        value = getattr(r, key)
+        if not 0 < value < math.inf:
+            _fail_remote(key, f"must be > 0 seconds, got {value}")
+    if not 0 <= r.cooldown_s < math.inf:
+        _fail_remote("cooldown_s", f"must be >= 0 seconds, got {r.cooldown_s}")
+    if r.min_throughput <= 0:
+        _fail_remote("min_throughput", f"must be > 0 bytes per second, got {r.min_throughput}")
+    for key in ("failure_threshold", "max_in_flight"):
+        if getattr(r, key) < 1:
+            _fail_remote(key, f"must be >= 1, got {getattr(r, key)}")
+    _within("tiers.remote.publish_backlog", r.publish_backlog, 1, 1 << 24)
+
+
+def _validate_tiers(cfg: Config) -> None:
     t = cfg.tiers
-    if t.host.pinned not in ("auto", "true", "false"):
-        raise ConfigError(f"tiers.host.pinned: {t.host.pinned!r} is not one of auto, true, false")
+    if t.host.pinned not in PINNED_CHOICES:
+        raise ConfigError(f"tiers.host.pinned: {t.host.pinned!r} is not one of {', '.join(PINNED_CHOICES)}")
     if t.nvme.io not in IO_CHOICES:
         raise ConfigError(f"tiers.nvme.io: {t.nvme.io!r} is not one of {', '.join(IO_CHOICES)}")
     if t.nvme.enabled and not t.nvme.path:
@@ -122,24 +176,14 @@ def validate(cfg: Config) -> Config:
         if getattr(t, n).capacity <= 0:
             raise ConfigError(f"tiers.{n}.capacity: must be > 0 for an enabled tier")
     _validate_policy(cfg.policy, "policy")
-    validate_remote(t.remote)
+    _validate_remote(t.remote)
     for n in ("hbm", "host", "nvme", "remote"):
         override = getattr(t, n).policy
         if override is not None:
             _validate_policy(override, f"tiers.{n}.policy")
-    ev = cfg.events
-    for name in ("buffer_steps", "hwm", "max_queue"):
-        if getattr(ev, name) < 1:
-            raise ConfigError(f"events.{name}: must be >= 1, got {getattr(ev, name)}")
-    if not 0 <= ev.batch_ms <= 10_000:
-        raise ConfigError(f"events.batch_ms: must be in [0, 10000] ms, got {ev.batch_ms}")
-    if ev.enabled and not ev.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ConfigError(f"events.endpoint: {ev.endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
-    if cfg.metrics.listen:
-        host, sep, port = cfg.metrics.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"metrics.listen: {cfg.metrics.listen!r} is not HOST:PORT")
-    p = cfg.prefetch
+
+
+def _validate_prefetch(p: PrefetchConfig) -> None:
     if not 0.0 < p.quantile < 1.0:
         raise ConfigError(f"prefetch.quantile: must be in (0, 1), got {p.quantile}")
     if p.lead_time_s < 0:
@@ -152,4 +196,64 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"prefetch.max_wait_s: must be in (0, 604800] seconds, got {p.max_wait_s}")
     if not 1 <= p.max_waiting <= 1 << 24:
         raise ConfigError(f"prefetch.max_waiting: must be in [1, 16777216], got {p.max_waiting}")
+    for hop, rate in p.hop_bandwidth.items():
+        src, sep, dst = hop.partition(":")
+        if not sep or src not in HOP_TIERS or dst not in HOP_TIERS or src == dst:
+            raise ConfigError(f"prefetch.hop_bandwidth.{hop}: not a hop 'SRC:DST' between two of "
+                              f"{', '.join(HOP_TIERS)}")
+        if rate <= 0:
+            raise ConfigError(f"prefetch.hop_bandwidth.{hop}: must be > 0 bytes per second, got {rate}")
+    _within("prefetch.headroom_fraction", p.headroom_fraction, 0, 1, open_high=True)
+    _within("prefetch.poll_s", p.poll_s, 0, 60, open_low=True, unit=" seconds")
+    for name in ("refresh_s", "retry_s"):
+        _within(f"prefetch.{name}", getattr(p, name), 0, _DAY_S, open_low=True, unit=" seconds")
+    _within("prefetch.horizon_s", p.horizon_s, 0, _WEEK_S, open_low=True, unit=" seconds")
+    for name in ("active_protect_s", "margin_s", "protect_s"):
+        _within(f"prefetch.{name}", getattr(p, name), 0, _WEEK_S, unit=" seconds")
+    _within("prefetch.dedupe_s", p.dedupe_s, 0, _HOUR_S, unit=" seconds")
+    _within("prefetch.victim_margin", p.victim_margin, 0, 1e6)
+    _within("prefetch.confidence", p.confidence, 0, 1)
+
+
+def _validate_services(cfg: Config) -> None:
+    """``[events]``, ``[metrics]``, ``[health]``."""
+    ev = cfg.events
+    for name in ("buffer_steps", "hwm", "max_queue"):
+        if getattr(ev, name) < 1:
+            raise ConfigError(f"events.{name}: must be >= 1, got {getattr(ev, name)}")
+    if not 0 <= ev.batch_ms <= 10_000:
+        raise ConfigError(f"events.batch_ms: must be in [0, 10000] ms, got {ev.batch_ms}")
+    if ev.enabled and not ev.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"events.endpoint: {ev.endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
+    if cfg.metrics.listen:
+        host, sep, port = cfg.metrics.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"metrics.listen: {cfg.metrics.listen!r} is not HOST:PORT")
+    _within("health.period_s", cfg.health.period_s, 0, _HOUR_S, open_low=True, unit=" seconds")
+    _within("health.window_s", cfg.health.window_s, 0, _DAY_S, unit=" seconds")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every rule above; raise ConfigError naming the key. Returns ``cfg``."""
+    _validate_server(cfg.server)
+    if not 0 <= cfg.blocks.block_tokens <= 1 << 20:
+        raise ConfigError(f"blocks.block_tokens: must be in [1, 1048576] (0: not set), got {cfg.blocks.block_tokens}")
+    if cfg.blocks.hash != "sha256":
+        raise ConfigError(f"blocks.hash: {cfg.blocks.hash!r} is not supported (keys are chained SHA-256: "
+                          "\"sha256\")")
+    _validate_tiers(cfg)
+    st = cfg.store
+    for name in ("writer_wait_s", "transfer_timeout_s"):
+        _within(f"store.{name}", getattr(st, name), 0, _DAY_S, open_low=True, unit=" seconds")
+    _within("store.stop_persist_s", st.stop_persist_s, 0, _DAY_S, unit=" seconds")
+    _validate_services(cfg)
+    _validate_prefetch(cfg.prefetch)
+    se = cfg.sessions
+    _within("sessions.default_gap_s", se.default_gap_s, 0, _WEEK_S, open_low=True, unit=" seconds")
+    _within("sessions.window", se.window, 1, 1 << 20)
+    _within("sessions.max_sessions", se.max_sessions, 1, 1 << 26)
+    _within("sessions.max_keys", se.max_keys, 1, 1 << 32)
     return cfg
+
+
+__all__ = ["MIN_SEGMENT_BYTES", "validate"]

@@ -5,6 +5,7 @@ of what a client sends (``validate``); interceptors and the handler wrappers tha
 every failure with its code from :mod:`kvstore.common.status` (``interceptors``); bearer
 tokens and tenants (``auth``); KV events (``events``), Prometheus metrics (``metrics``),
 health (``health``) and miss explanations (``explain``); the listen address (``listen``) and
-the shared-arena hand-out (``arena_server``); and the start-up that builds tiers from the
-config (``startup``, the one place concrete tiers are wired).
+the shared-arena hand-out (``arena_server``); the building of the tiers, the manager and the
+prefetch scheduler's arguments from the config (``build``, the one place concrete parts are
+made from it) and the start-up that wires them together (``startup``).
 """

@@ -1,5 +1,8 @@
-"""Daemon start-up: the one place where concrete tiers are built from the config.
+"""Daemon start-up: the manager, the gRPC server and the background parts, started from the config.
 
+The tiers and the manager are built by :mod:`kvstore.service.build` (the one place concrete
+parts are made from the config); this module wires them to the service and starts the
+prefetch scheduler, the health monitor, metrics, events and the shared-arena socket.
 ``kvstore serve [--config FILE]`` (:mod:`kvstore.tools.serve_cmd`) runs it in the foreground
 until SIGINT/SIGTERM. Tests and tools start one in-process with :func:`start_server`.
 The listen address is bound by :mod:`kvstore.service.listen`.
@@ -10,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pathlib
 import threading
 import time
 from concurrent import futures
@@ -18,102 +20,24 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from tiers.base import Tier
-from tiers.errors import MediaError
-
 from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.service.auth import Authenticator
+from kvstore.service.build import build_manager, prefetch_options, session_options
 from kvstore.config.node import Config
 from kvstore.common.errors import ConfigError
 from kvstore.service.health import HealthMonitor
 from kvstore.service.interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
 from kvstore.service.listen import UnixSocket, bind
 from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
-from kvstore.policy import make_policy
-from kvstore.config.remote import build_remote_tier, cluster_options
 from kvstore.agent.sessions import SessionTable
 from kvstore.service.server import KVStoreService, data_handler
 from kvstore.common.transport import channel_options
-from kvstore.common.units import format_size
 
 log = logging.getLogger("kvstore.service.startup")
 
 SERVICE_NAME = "kvstore.v1.KVStore"
-
-
-def gpu_available() -> bool:
-    """Whether a CUDA GPU can be used (detected once, in :mod:`tiers.gpu`)."""
-    try:
-        from tiers.gpu import gpu_available as detect
-    except ImportError:
-        return False
-    return bool(detect())
-
-
-def _close_all(named: list[tuple[str, Tier]]) -> None:
-    for _, tier in named:
-        tier.close()
-
-
-def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
-    """Concrete tiers from the config, fastest first, as ``(config_name, tier)`` pairs.
-
-    Raises ConfigError when a configured tier cannot be built (e.g. HBM without a GPU).
-    """
-    t = cfg.tiers
-    out: list[tuple[str, Tier]] = []
-    has_gpu = gpu_available()
-    try:
-        if t.hbm.enabled:
-            if not has_gpu:
-                raise ConfigError("tiers.hbm.enabled: no CUDA GPU found; disable the HBM tier on this machine")
-            from tiers.hbm import HBMTier
-            out.append(("hbm", HBMTier(t.hbm.capacity, device=t.hbm.device)))
-        if t.host.enabled:
-            from tiers.host import HostTier
-            pinned = {"auto": has_gpu, "true": True, "false": False}[t.host.pinned]
-            if pinned and not has_gpu:
-                raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
-            try:
-                out.append(("host", HostTier(t.host.capacity, pinned=pinned, shared=t.host.shared)))
-            except (MemoryError, OSError) as e:
-                raise ConfigError(f"tiers.host.capacity: cannot allocate {format_size(t.host.capacity)} of host "
-                                  f"memory ({e}); lower it") from None
-        if t.nvme.enabled:
-            from tiers.nvme.tier import NVMeTier
-            try:
-                pathlib.Path(t.nvme.path).mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
-            try:
-                out.append(("nvme", NVMeTier(t.nvme.path, t.nvme.capacity, io=t.nvme.io, fsync=t.nvme.fsync)))
-            except (ValueError, NotImplementedError, OSError, MediaError) as e:
-                raise ConfigError(f"tiers.nvme: {e}") from None
-        if t.remote.enabled:       # the cluster, last; returns at once even with the master down
-            out.append(("remote", build_remote_tier(t.remote)))
-    except BaseException:
-        _close_all(out)
-        raise
-    return out
-
-
-def build_manager(cfg: Config, named: list[tuple[str, Tier]] | None = None) -> TierManager:
-    """The tier manager with the configured tiers and per-tier eviction policies."""
-    named = build_tiers(cfg) if named is None else named
-    policies = []
-    for name, tier in named:
-        pc = cfg.tier_policy(name)
-        try:
-            policies.append(make_policy(pc.eviction, tier.capacity_bytes, pc.params, tier_name=name))
-        except ConfigError as e:
-            key = f"tiers.{name}.policy" if getattr(cfg.tiers, name).policy is not None else "policy"
-            _close_all(named)
-            raise ConfigError(f"{key}.params: {e}") from None
-    return TierManager([t for _, t in named], policies, write_policy=cfg.policy.write, async_moves=True,
-                       watermarks=(cfg.policy.low_watermark, cfg.policy.high_watermark),
-                       cluster=cluster_options(cfg.tiers.remote))
 
 
 @dataclasses.dataclass
@@ -134,14 +58,17 @@ class Daemon:
     socket: UnixSocket | None = None
     metrics: object = None
     events: object = None
+    persist_s: float = 60.0
     _stopped: bool = False
 
     def __iter__(self):
         return iter((self, self.address))
 
-    def stop(self, grace: float | None = None, persist_s: float = 60.0) -> threading.Event:
+    def stop(self, grace: float | None = None, persist_s: float | None = None) -> threading.Event:
         """Stop serving (waiting up to ``grace`` s for calls in flight), copy blocks held only
-        in memory to NVMe (up to ``persist_s`` s; 0 skips it) and close the tiers."""
+        in memory to NVMe (up to ``persist_s`` s, default ``[store] stop_persist_s``; 0 skips
+        it) and close the tiers."""
+        persist_s = self.persist_s if persist_s is None else persist_s
         if self._stopped:
             ev = threading.Event()
             ev.set()
@@ -176,7 +103,8 @@ def _start_prefetch(cfg: Config, manager: TierManager, sessions):
     if not cfg.prefetch.enabled and not any(isinstance(p, UsesReuseModel) for p in manager.policies):
         return None
     from kvstore.agent.prefetch import PrefetchScheduler
-    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.monotonic, sessions=sessions)
+    scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.monotonic, sessions=sessions,
+                                  **prefetch_options(cfg.prefetch))
     scheduler.start()
     return scheduler
 
@@ -200,13 +128,13 @@ class Every:
         self._stop.set()
 
 
-def _eviction_log(manager: TierManager):
+def _eviction_log(cfg: Config, manager: TierManager):
     """Record recent evictions and refusals (bounded) for ``kvstore explain``; returns the
     function that explains a prompt's keys against the store."""
     from kvstore.service.explain import EvictionLog, LocalStoreView, explain_prompt
     from kvstore.service.validate import to_unix
 
-    record = EvictionLog(capacity=100_000)
+    record = EvictionLog(capacity=cfg.server.eviction_log_blocks)
     for p in manager.policies:       # times on the daemon's monotonic clock; shown as unix
         p.listener = lambda ev: record.record(dataclasses.replace(ev, time=to_unix(ev.time)))
     manager.writes.on_refused = lambda key: record.record_refusal(key, time.time())
@@ -285,7 +213,7 @@ def start_server(cfg: Config) -> Daemon:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
                                                         thread_name_prefix="kvstore-rpc"),
                              options=options, interceptors=interceptors)
-        sessions = SessionTable(manager.policies)
+        sessions = SessionTable(manager.policies, **session_options(cfg.sessions))
         hints = _start_prefetch(cfg, manager, sessions)
         if hints is not None:
             background.append(hints)
@@ -294,10 +222,11 @@ def start_server(cfg: Config) -> Daemon:
             def apply_hint(h):
                 return sessions.apply(h, time.monotonic())
             background.append(Every(1.0, lambda: sessions.tick(time.monotonic()), "kvstore-sessions"))
-        explain = _eviction_log(manager)
+        explain = _eviction_log(cfg, manager)
         health_servicer = health.HealthServicer()
         folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
-        monitor = HealthMonitor(manager, health_servicer, folders=folders)
+        monitor = HealthMonitor(manager, health_servicer, folders=folders, period_s=cfg.health.period_s,
+                                window_s=cfg.health.window_s)
         metrics = _start_metrics(cfg, manager, monitor, hints)
         if metrics is not None:
             background.append(metrics)
@@ -337,4 +266,5 @@ def start_server(cfg: Config) -> Daemon:
         raise
     monitor.start()
     return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
-                  background=background, socket=sock, metrics=metrics, events=events)
+                  background=background, socket=sock, metrics=metrics, events=events,
+                  persist_s=cfg.store.stop_persist_s)

@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # timeout could sleep through SIGTERM for ever.
     while not done.wait(0.2):
         pass
-    daemon.stop(grace=5.0)
+    daemon.stop(grace=cfg.server.stop_grace_s)        # then [store] stop_persist_s to copy blocks to NVMe
     print("kvstore stopped", flush=True)
     return 0
 

@@ -59,6 +59,7 @@ from kvstore.policy import AcceptsNextUse, EvictionEvent, UsesReuseModel, make_p
 from kvstore.policy.reuse_model import ReuseModel
 from kvstore.agent.prefetch import PrefetchScheduler
 from kvstore.agent.sessions import SessionHint, SessionState, SessionTable
+from kvstore.service import build
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS, Request, block_key
 
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -204,7 +205,8 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         session_hints: Sequence[SessionHint | None] | None = None,
         measure: tuple[float, float] | None = None,
         on_eviction: Callable[[EvictionEvent], None] | None = None,
-        scheduler_options: dict | None = None, calibration: dict | None = None) -> SimResult:
+        scheduler_options: dict | None = None, calibration: dict | None = None,
+        session_config: config_mod.SessionsConfig | None = None, promote_on_get: bool = True) -> SimResult:
     """Simulate ``requests`` through a :class:`TierManager` over ``tiers``.
 
     Args:
@@ -216,8 +218,12 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
             key (for ``opt``).
         events: tool-call and session events (:class:`kvstore.tools.agent_trace.ToolEvent`) to
             drive the prefetch scheduler with; readiness etc. are reported in ``prefetch``.
-        prefetch: the ``[prefetch]`` config (``enabled`` false: observe only).
-        hop_bandwidth: bytes/s per (source, destination) tier kind for the scheduler.
+        prefetch: the ``[prefetch]`` config (``enabled`` false: observe only); its keys
+            reach the scheduler as in the daemon (:func:`kvstore.service.build.prefetch_options`)
+            except ``measure_bandwidth`` (off: time is virtual) and ``dedupe_s`` (0: one
+            lookup per request).
+        hop_bandwidth: bytes/s per (source, destination) tier kind for the scheduler, over
+            the config's ``[prefetch.hop_bandwidth]``.
         label: name of the run in reports (default: the policies).
         reuse_model: the model ``next_use`` learns in (default: a fresh one).
         session_hints: one hint (or None) per request, applied before its lookup.
@@ -227,6 +233,8 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
             :class:`~kvstore.agent.prefetch.PrefetchScheduler` (e.g. ``victim_margin``).
         calibration: keyword arguments of the session table's
             :class:`~kvstore.agent.hint_model.HintCalibration`; ``{"off": True}``: no calibration.
+        session_config: the ``[sessions]`` config of the session table (default: the defaults).
+        promote_on_get: ``[policy] promote_on_get`` of the manager.
     Returns:
         the hit rates and counters (:class:`SimResult`).
     """
@@ -236,17 +244,22 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
     policies = [make_policy(t.policy, t.capacity_bytes, t.params, tier_name=t.name) for t in tiers]
     for p in policies:
         p.listener = on_eviction
-    manager = TierManager(sim_tiers, policies, write_policy=write_policy, clock=lambda: clock[0])
+    manager = TierManager(sim_tiers, policies, write_policy=write_policy, clock=lambda: clock[0],
+                          promote_on_get=promote_on_get)
     needs_model = any(isinstance(p, UsesReuseModel) for p in policies)
     cal = dict(calibration or {})
     off = cal.pop("off", False)
-    sessions = SessionTable(policies, calibration=HintCalibration(**cal), calibrate=not off)
+    table = build.session_options(session_config or config_mod.SessionsConfig())
+    table["calibrate"] = table["calibrate"] and not off
+    sessions = SessionTable(policies, calibration=HintCalibration(**cal), **table)
     scheduler = None
     if needs_model or events is not None:
-        scheduler = PrefetchScheduler(manager, prefetch or config_mod.PrefetchConfig(),
-                                      clock=lambda: clock[0], hop_bandwidth=hop_bandwidth,
-                                      measure_bandwidth=False, reuse_model=reuse_model, dedupe_s=0.0,
-                                      sessions=sessions, **(scheduler_options or {}))
+        pf = prefetch or config_mod.PrefetchConfig()
+        options = build.prefetch_options(pf)
+        options.update(hop_bandwidth={**options["hop_bandwidth"], **(hop_bandwidth or {})},
+                       measure_bandwidth=False, dedupe_s=0.0, **(scheduler_options or {}))
+        scheduler = PrefetchScheduler(manager, pf, clock=lambda: clock[0], reuse_model=reuse_model,
+                                      sessions=sessions, **options)
     oracle_policies = [p for p in policies if isinstance(p, AcceptsNextUse)] if oracle else []
     vt = virtual_times(requests)
     nxt = _next_use_times(requests, vt) if oracle_policies else None

@@ -188,7 +188,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                         label += f" {spec.label}"
                     r = run(requests, specs, block_bytes=bb, write_policy=cfg.policy.write,
                             events=events, prefetch=pf, hop_bandwidth=bandwidth, label=label,
-                            oracle=any(s.policy == "opt" for s in specs), session_hints=hints, measure=measure)
+                            oracle=any(s.policy == "opt" for s in specs), session_hints=hints, measure=measure,
+                            session_config=cfg.sessions, promote_on_get=cfg.policy.promote_on_get)
                     if not args.no_opt:
                         total = min(sum(s.capacity_bytes for s in specs), 1 << 62)
                         if total not in opt_cache:
@@ -232,7 +233,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch", choices=("config", "on", "off", "both"), default="config",
                    help="with events: run with prefetch as configured, on, off, or both (default config)")
     p.add_argument("--bandwidth", action="append", metavar="SRC:DST=GBPS",
-                   help="hop bandwidth for prefetch timing, e.g. host:hbm=25 (repeatable)")
+                   help="hop bandwidth for prefetch timing, e.g. host:hbm=25 (repeatable; over the "
+                        "config's [prefetch.hop_bandwidth])")
     p.add_argument("--one-tier", action="store_true",
                    help="simulate only the config's fastest tier (as the tables in docs/placement.md)")
     p.add_argument("--hints", metavar="noisy:P,F",

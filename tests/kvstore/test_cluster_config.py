@@ -13,7 +13,8 @@ from support.cluster_nodes import require_mooncake
 from kvstore import config
 from kvstore.client.client import KVStoreClient
 from kvstore.common.errors import ConfigError
-from kvstore.service.startup import build_tiers, start_server
+from kvstore.service.build import build_tiers
+from kvstore.service.startup import start_server
 
 
 def remote_config(**remote):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support.fake_tiers import MemTier
 
-from kvstore.config.node import from_dict
+from kvstore.config import from_dict
 from kvstore.common.errors import ConfigError
 from kvstore.store.manager import TierManager
 from kvstore.store.mover import BOUNCE_BYTES, copy_plan
@@ -166,7 +166,7 @@ def test_gds_without_a_gpu_is_a_config_error(tmp_path):
     from tiers.gds import gds_available
     if gds_available():
         pytest.skip("this machine has a CUDA GPU and kvikio")
-    from kvstore.service.startup import build_tiers
+    from kvstore.service.build import build_tiers
     cfg = from_dict({"tiers": {"host": {"capacity": "1MiB"},
                                "nvme": {"path": str(tmp_path / "n"), "capacity": "1MiB", "io": "gds"}}})
     with pytest.raises(ConfigError, match=r"tiers.nvme: io = gds needs a CUDA GPU and kvikio"):

@@ -1,4 +1,12 @@
+import dataclasses
+import pathlib
+
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from kvstore import config
 from kvstore.common.errors import ConfigError
@@ -72,3 +80,33 @@ def test_bad_config_names_the_key(text, needle):
 def test_unreadable_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         config.load(tmp_path / "missing.toml")
+
+
+REFERENCE = pathlib.Path(config.__file__).with_name("reference.toml")
+
+
+def _leaves(cls, prefix=""):
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from _leaves(type(default), f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_the_reference_file_names_every_key_with_its_default():
+    assert config.load(REFERENCE) == config.load(None)
+    table = tomllib.loads(REFERENCE.read_text())
+    named = set()
+
+    def walk(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k not in ("params", "tenants", "hop_bandwidth"):
+                walk(v, f"{prefix}{k}.")
+            else:
+                named.add(f"{prefix}{k}")
+    walk(table)
+    no_default_value = {"tiers.hbm.policy", "tiers.host.policy", "tiers.nvme.policy", "tiers.remote.policy",
+                        "tiers.remote.segment"}          # None by default: commented out in the file
+    assert set(_leaves(config.Config)) - no_default_value == named
+

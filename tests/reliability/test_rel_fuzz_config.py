@@ -28,11 +28,16 @@ CASES = {"n": 0}
 
 SECTIONS = {
     "server": ["listen", "max_message_bytes", "max_chunk_bytes", "workers", "auth_token", "tls_cert",
-               "tls_key", "tenants"],
+               "tls_key", "tenants", "stop_grace_s", "eviction_log_blocks"],
     "blocks": ["block_tokens", "hash"],
     "tiers": ["hbm", "host", "nvme"],
-    "policy": ["eviction", "write", "params"],
-    "prefetch": ["enabled", "predictor", "lead_time_s", "quantile", "window"],
+    "policy": ["eviction", "write", "params", "promote_on_get"],
+    "store": ["writer_wait_s", "transfer_timeout_s", "stop_persist_s"],
+    "prefetch": ["enabled", "predictor", "lead_time_s", "quantile", "window", "hop_bandwidth", "measure_bandwidth",
+                 "headroom_fraction", "active_protect_s", "poll_s", "refresh_s", "retry_s", "margin_s", "dedupe_s",
+                 "victim_margin", "repromote", "protect_s", "confidence", "horizon_s"],
+    "sessions": ["calibrate", "default_gap_s", "window", "max_sessions", "max_keys"],
+    "health": ["period_s", "window_s"],
 }
 TIER_KEYS = ["enabled", "capacity", "device", "pinned", "path", "io", "fsync", "policy"]
 UNKNOWN = st.sampled_from(["capcity", "Capacity", "", " ", "x" * 200, "tiers", "__class__", "ünïcode"])
@@ -74,7 +79,12 @@ VALID = {
               "host": {"capacity": "1GiB", "pinned": "auto", "policy": {"eviction": "lru"}},
               "nvme": {"enabled": True, "path": "/tmp/kvs/nvme", "capacity": "16GiB", "io": "auto", "fsync": False}},
     "policy": {"eviction": "lru", "write": "write_back", "params": {}},
-    "prefetch": {"enabled": False, "predictor": "quantile", "lead_time_s": 0.05, "quantile": 0.5, "window": 64},
+    "prefetch": {"enabled": False, "predictor": "quantile", "lead_time_s": 0.05, "quantile": 0.5, "window": 64,
+                 "hop_bandwidth": {"nvme:hbm": "3GB"}, "poll_s": 0.05, "refresh_s": 2.0, "retry_s": 0.5,
+                 "headroom_fraction": 0.0, "confidence": 0.7, "horizon_s": 30.0, "repromote": False},
+    "store": {"writer_wait_s": 30.0, "transfer_timeout_s": 30.0, "stop_persist_s": 60.0},
+    "sessions": {"calibrate": True, "default_gap_s": 60.0, "window": 256, "max_sessions": 100, "max_keys": 1000},
+    "health": {"period_s": 1.0, "window_s": 10.0},
 }
 
 
@@ -116,6 +126,13 @@ def check_config(cfg: config.Config) -> None:
             assert t.capacity > 0
     assert 0 < cfg.prefetch.quantile < 1 and math.isfinite(cfg.prefetch.lead_time_s)
     assert cfg.tiers.hbm.device >= 0
+    p = cfg.prefetch
+    assert 0 < p.poll_s and 0 < p.refresh_s and 0 < p.retry_s and 0 < p.horizon_s
+    assert 0 <= p.headroom_fraction < 1 and 0 <= p.confidence <= 1 and p.victim_margin >= 0
+    assert all(rate > 0 and hop.count(":") == 1 for hop, rate in p.hop_bandwidth.items())
+    assert 0 < cfg.store.writer_wait_s and 0 < cfg.store.transfer_timeout_s and cfg.store.stop_persist_s >= 0
+    assert min(cfg.sessions.window, cfg.sessions.max_sessions, cfg.sessions.max_keys) >= 1
+    assert cfg.health.period_s > 0 and cfg.health.window_s >= 0
     strings = [s.listen, s.auth_token, s.tls_cert, s.tls_key, cfg.tiers.nvme.path, *s.tenants, *s.tenants.values()]
     assert not any("\x00" in v for v in strings)
     if s.listen.startswith("unix:"):

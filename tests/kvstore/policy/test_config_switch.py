@@ -18,7 +18,7 @@ def test_registry_has_every_policy_and_rejects_unknown_names():
 
 
 def test_a_config_change_switches_the_daemons_policy(tmp_path):
-    from kvstore.service.startup import build_manager
+    from kvstore.service.build import build_manager
 
     managers = []
     try:
@@ -40,7 +40,7 @@ def test_a_config_change_switches_the_daemons_policy(tmp_path):
 
 
 def test_per_tier_override_and_params_reach_the_policy(tmp_path):
-    from kvstore.service.startup import build_manager
+    from kvstore.service.build import build_manager
 
     cfg = config.from_dict({
         "tiers": {"host": {"capacity": "1MiB", "policy": {"eviction": "s3fifo", "params": {"small_ratio": 0.25}}},
