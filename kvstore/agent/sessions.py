@@ -238,7 +238,7 @@ class SessionTable:
         ``expected_at`` (absolute seconds), as predicted at ``hinted_at`` (default: the
         session's last hint, or now). Does not count as the session's return; with
         ``calibrate`` the prediction's outcome is learned (call :meth:`returned`);
-        ``exact``: the time is a commitment (promoted blocks to keep until used)."""
+        ``exact``: the time is a commitment (paged-back blocks to keep until used)."""
         old = self._sessions.get(session_id)
         keys = tuple(keys) or (old.keys if old is not None else ())
         deadline = old.deadline if old is not None else math.inf

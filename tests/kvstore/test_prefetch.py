@@ -142,7 +142,7 @@ def test_background_thread_starts_and_stops():
     s.start()
     s.start()            # idempotent
     s.stop()
-    assert s._thread is None
+    assert not s.ticker.running
 
 
 LIGHT_TOOLS = (Tool("search", 0.8, 0.4, 400, 0.5, 0.35), Tool("browse", 2.5, 0.5, 1200, 0.6, 0.25),
