@@ -15,14 +15,14 @@ or a conversation) after a request:
   expected-back time as their next use (``set_next_use``, one hint group per session,
   evicted tail first, so a partly evicted prefix keeps its head); policies without
   next-use support (LRU, ARC, S3-FIFO) ignore this;
-- a finished or abandoned session's private blocks are *released*: the first victims
-  of every policy, refused by a full tier (:meth:`EvictionPolicy.release`);
+- a finished or abandoned session's private blocks are *let go*: the first victims
+  of every policy, refused by a full tier (:meth:`EvictionPolicy.let_go`);
 - blocks a second session also uses (system prompts, shared documents) get no session
   hint: the learned reuse model (``next_use``) or the policy's own order decides;
 - a new prefix that drops some of the session's earlier private blocks (context
-  compaction, an edited history) releases those blocks;
+  compaction, an edited history) lets those blocks go;
 - a TTL that runs out without the session returning drops its hint (the blocks go back
-  to the policy's own order; they are not released).
+  to the policy's own order; they are not let go).
 
 Without ``expected_back_s`` the expected gap is learned: the median of the gaps observed
 between a session's "continues" and its next hint (sliding window), capped by the TTL.
@@ -135,13 +135,13 @@ class SessionStats:
     continues: int = 0
     finished: int = 0
     abandoned: int = 0
-    released_blocks: int = 0
+    released_blocks: int = 0     # blocks let go (the name is the simulator report's key)
     lapsed: int = 0
     returns: int = 0
 
 
 class SessionTable:
-    """Session hints -> next-use hints and released blocks for ``policies``.
+    """Session hints -> next-use hints and blocks let go for ``policies``.
 
     Hinted times are scaled by the session's learned correction and their outcomes feed
     a :class:`~kvstore.agent.hint_model.HintCalibration` that ``next_use`` policies use for
@@ -155,7 +155,7 @@ class SessionTable:
         default_gap_s: expected gap before any was observed (seconds).
         window: observed gaps kept for the learned median.
         max_sessions: sessions remembered; the least recently hinted are forgotten
-            (their hints dropped, nothing released).
+            (their hints dropped, nothing let go).
         max_keys: keys whose owner is remembered (to tell private from shared).
     """
 
@@ -312,7 +312,7 @@ class SessionTable:
             now_keys = set(s.keys)
             dropped = [k for k in old.keys if k not in now_keys and self._owner.get(k) == s.sid]
             if dropped:
-                self._release(dropped)
+                self._let_go(dropped)
         self._sessions[s.sid] = s
         self._sessions.move_to_end(s.sid)
         for p in self.policies:
@@ -333,17 +333,17 @@ class SessionTable:
         if old is not None:
             seen = set(private)
             private += [k for k in old.keys if self._owner.get(k) == sid and k not in seen]
-        self._release(private)
+        self._let_go(private)
         for k in private:
             self._owner.pop(k, None)
 
-    def _release(self, keys: list[bytes]) -> None:
+    def _let_go(self, keys: list[bytes]) -> None:
         self.stats.released_blocks += len(keys)
         for p in self.policies:
-            p.release(keys)
+            p.let_go(keys)
 
     def _forget(self, sid: str, now: float) -> None:
-        """Forget a session without releasing its blocks: its hints are dropped."""
+        """Forget a session without letting its blocks go: its hints are dropped."""
         s = self._sessions.pop(sid, None)
         if s is None:
             return

@@ -4,7 +4,7 @@ Belady's MIN (Belady 1966, "A study of replacement algorithms for a virtual-stor
 computer", IBM Systems Journal 5(2)) evicts the block used again farthest in the
 future and is optimal; it needs the future. This policy predicts it from three sources:
 
-1. **Released blocks** (:meth:`EvictionPolicy.release`, from session hints: the session
+1. **Blocks let go** (:meth:`EvictionPolicy.let_go`, from session hints: the session
    finished or was abandoned) are never used again: the first victims (base class).
 2. **Explicit hints** (:meth:`NextUsePolicy.set_next_use`): a session's expected-back
    time (:mod:`kvstore.agent.sessions`) or a tool call's predicted resume
@@ -162,7 +162,7 @@ class NextUsePolicy(EvictionPolicy):
         """Explicit predicted next use of ``keys`` (seconds, same clock as ``now``), in
         prefix order, hinted at ``since`` (default ``now``). One time for all keys makes
         one hint group (evicted tail first); per-key times make one group per run of
-        equal times. ``math.inf`` = never: the keys are released (first victims).
+        equal times. ``math.inf`` = never: the keys are let go (first victims).
         ``exact``: the time is a commitment (a prefetch that must be kept until used),
         not a prediction to calibrate: the fixed rule applies."""
         with self._lock:
@@ -177,7 +177,7 @@ class NextUsePolicy(EvictionPolicy):
     def _hint_group(self, keys: list[bytes], t: float, now: float, since: float, exact: bool = False) -> None:
         if t == math.inf:
             self.clear_hints(keys, now)
-            self.release(keys)
+            self.let_go(keys)
             return
         if t + self.hint_grace_s < now:
             return
@@ -304,7 +304,7 @@ class NextUsePolicy(EvictionPolicy):
 
     def _admit(self, key: bytes, nbytes: int, now: float) -> bool:
         with self._lock:
-            if not self.admission or self._used + nbytes <= self.capacity_bytes or self._released_resident:
+            if not self.admission or self._used + nbytes <= self.capacity_bytes or self._let_go_resident:
                 return True
             self._expire(now)
             best = self._best(lambda k: True, now)
@@ -331,7 +331,7 @@ class NextUsePolicy(EvictionPolicy):
     # ------------------------------------------------------------------ scoring
 
     def _distance_new(self, key: bytes, now: float) -> float:
-        if key in self._released:
+        if key in self._let_go:
             return math.inf
         h = self._hint_of.get(key)
         if h is not None:
@@ -342,10 +342,10 @@ class NextUsePolicy(EvictionPolicy):
         return self.model.distance(rec.cls, now - rec.t0)
 
     def distance(self, key: bytes, now: float) -> float:
-        """Predicted distance (seconds) of ``key`` to its next use; inf when released."""
+        """Predicted distance (seconds) of ``key`` to its next use; inf when let go."""
         with self._lock:
             g = self._group_of.get(key)
-            if g is None or key in self._released:
+            if g is None or key in self._let_go:
                 return self._distance_new(key, now)
             return self.model.distance(g.cls, now - g.t0)
 

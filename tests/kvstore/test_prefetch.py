@@ -209,4 +209,4 @@ def test_low_confidence_holds_a_promotion_back_and_an_abandoned_session_is_dropp
     assert s.stats.promoted_blocks == 0 and s.next_due() < float("inf")   # checked again later
     s.session_hint(SessionHint("T", "abandoned", ()))
     assert s.next_due() == float("inf") and s.stats.resumes == 0
-    assert all(m.policies[0].is_released(k) for k in keys)
+    assert all(m.policies[0].is_let_go(k) for k in keys)
