@@ -37,7 +37,6 @@ the tier manager's lock (the policies guard their own state).
 from __future__ import annotations
 
 import enum
-import functools
 import heapq
 import math
 import threading
@@ -52,14 +51,6 @@ from kvstore.agent.hint_model import HintCalibration
 from kvstore.policy import AcceptsNextUse, CalibratesHints, EvictionPolicy
 
 _SHARED = object()     # owner marker of a key used by two or more sessions
-
-
-def _locked(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return wrapper
 
 
 class SessionState(str, enum.Enum):
@@ -180,57 +171,56 @@ class SessionTable:
 
     # ------------------------------------------------------------------ queries
 
-    @_locked
     def get(self, session_id: str) -> _Session | None:
-        return self._sessions.get(session_id)
+        with self._lock:
+            return self._sessions.get(session_id)
 
     def expected_gap(self) -> float:
         """The learned median gap between a "continues" and the session's return (seconds)."""
         return float(np.median(self._gaps)) if self._gaps else self.default_gap_s
 
-    @_locked
     def private_keys(self, session_id: str) -> list[bytes]:
         """The session's keys no other session uses, in prefix order."""
-        s = self._sessions.get(session_id)
-        return [] if s is None else [k for k in s.keys if self._owner.get(k) == session_id]
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return [] if s is None else [k for k in s.keys if self._owner.get(k) == session_id]
 
     # ------------------------------------------------------------------ hints
 
-    @_locked
     def apply(self, hint: SessionHint, now: float) -> float:
         """Apply one hint at ``now`` (seconds). Returns the session's expected-back time
         (absolute seconds; ``inf`` for finished / abandoned)."""
-        t = now if hint.time is None else hint.time
-        self.stats.hints += 1
-        old = self._sessions.get(hint.session_id)
-        if old is not None and hint.state != SessionState.ABANDONED:   # it came back
-            self._returned(old, t)
-        keys = hint.keys or (old.keys if old is not None else ())
-        if hint.state != SessionState.CONTINUES:
-            self._end(hint.session_id, hint.state, keys, t)
-            return math.inf
-        self.stats.continues += 1
-        raw = hint.expected_back_s
-        if raw is None:
-            raw = self.expected_gap()
-            if hint.ttl_s is not None:
-                raw = min(raw, hint.ttl_s)
-        gap = raw
-        cal = self.calibration
-        if cal is not None and hint.expected_back_s is not None:
-            gap = raw * cal.correction(hint.session_id)
-            if hint.ttl_s is not None:
-                gap = min(gap, hint.ttl_s)
-        deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
-        s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline,
-                     cal.hinted(t, gap) if cal is not None else None,
-                     hint.expected_back_s)
-        self._store(s, old, now)
-        if deadline < math.inf:
-            heapq.heappush(self._deadlines, (deadline, s.sid))
-        return s.expected
+        with self._lock:
+            t = now if hint.time is None else hint.time
+            self.stats.hints += 1
+            old = self._sessions.get(hint.session_id)
+            if old is not None and hint.state != SessionState.ABANDONED:   # it came back
+                self._returned(old, t)
+            keys = hint.keys or (old.keys if old is not None else ())
+            if hint.state != SessionState.CONTINUES:
+                self._end(hint.session_id, hint.state, keys, t)
+                return math.inf
+            self.stats.continues += 1
+            raw = hint.expected_back_s
+            if raw is None:
+                raw = self.expected_gap()
+                if hint.ttl_s is not None:
+                    raw = min(raw, hint.ttl_s)
+            gap = raw
+            cal = self.calibration
+            if cal is not None and hint.expected_back_s is not None:
+                gap = raw * cal.correction(hint.session_id)
+                if hint.ttl_s is not None:
+                    gap = min(gap, hint.ttl_s)
+            deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
+            s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline,
+                         cal.hinted(t, gap) if cal is not None else None,
+                         hint.expected_back_s)
+            self._store(s, old, now)
+            if deadline < math.inf:
+                heapq.heappush(self._deadlines, (deadline, s.sid))
+            return s.expected
 
-    @_locked
     def expect(self, session_id: str, keys: Sequence[bytes], expected_at: float, now: float,
                hinted_at: float | None = None, calibrate: bool = False, exact: bool = False) -> None:
         """Refine a session's expected-back time (a tool call's prediction): the session
@@ -239,28 +229,29 @@ class SessionTable:
         session's last hint, or now). Does not count as the session's return; with
         ``calibrate`` the prediction's outcome is learned (call :meth:`returned`);
         ``exact``: the time is a commitment (paged-back blocks to keep until used)."""
-        old = self._sessions.get(session_id)
-        keys = tuple(keys) or (old.keys if old is not None else ())
-        deadline = old.deadline if old is not None else math.inf
-        t = old.hinted_at if (old is not None and hinted_at is None) else (now if hinted_at is None else hinted_at)
-        outcome = old.outcome if old is not None else None
-        if calibrate and self.calibration is not None:
-            outcome = self.calibration.hinted(t, expected_at - t)
-        s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
-                     old.raw_gap if old is not None else None, exact)
-        self._store(s, old, now)
+        with self._lock:
+            old = self._sessions.get(session_id)
+            keys = tuple(keys) or (old.keys if old is not None else ())
+            deadline = old.deadline if old is not None else math.inf
+            t = old.hinted_at if (old is not None and hinted_at is None) else (now if hinted_at is None else hinted_at)
+            outcome = old.outcome if old is not None else None
+            if calibrate and self.calibration is not None:
+                outcome = self.calibration.hinted(t, expected_at - t)
+            s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
+                         old.raw_gap if old is not None else None, exact)
+            self._store(s, old, now)
 
-    @_locked
     def returned(self, session_id: str, t: float) -> None:
         """The session's next request arrived at ``t`` (a tool call's resume): learn from
         the hint's outcome and drop it (the blocks are in use; the policy's own order
         takes over until the next hint)."""
-        s = self._sessions.get(session_id)
-        if s is not None:
-            self._returned(s, t)
-            private = [k for k in s.keys if self._owner.get(k) == session_id]
-            for p in self._next_use:
-                p.clear_hints(private, t)
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is not None:
+                self._returned(s, t)
+                private = [k for k in s.keys if self._owner.get(k) == session_id]
+                for p in self._next_use:
+                    p.clear_hints(private, t)
 
     def _returned(self, s: _Session, t: float) -> None:
         self._gaps.append(max(t - s.hinted_at, 0.0))
@@ -269,17 +260,17 @@ class SessionTable:
             self.calibration.returned(s.outcome, s.sid, t, s.raw_gap)
             s.outcome = None
 
-    @_locked
     def tick(self, now: float) -> None:
         """Drop the hints of sessions whose TTL ran out (seconds)."""
-        dl = self._deadlines
-        while dl and dl[0][0] <= now:
-            deadline, sid = heapq.heappop(dl)
-            s = self._sessions.get(sid)
-            if s is None or s.deadline != deadline or s.state != SessionState.CONTINUES:
-                continue
-            self.stats.lapsed += 1
-            self._forget(sid, now)
+        with self._lock:
+            dl = self._deadlines
+            while dl and dl[0][0] <= now:
+                deadline, sid = heapq.heappop(dl)
+                s = self._sessions.get(sid)
+                if s is None or s.deadline != deadline or s.state != SessionState.CONTINUES:
+                    continue
+                self.stats.lapsed += 1
+                self._forget(sid, now)
 
     # ------------------------------------------------------------------ internals
 

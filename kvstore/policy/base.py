@@ -20,9 +20,11 @@ blocks whose session finished or was abandoned (session hints, :mod:`kvstore.age
 are the first victims, in the order let go (within one call: last block first, so a
 prefix shrinks from its tail), and a full tier refuses to admit them. A hit does not
 revive a block let go (the finished session's own last request reads it after its
-hint); a new session that uses it does (:meth:`EvictionPolicy.revive`). Subclasses implement the policy proper in ``_insert``,
-``_access``, ``_remove``, ``_victim`` (and optionally ``_evicted``, ``_admit``,
-``victim_reason``); the public methods here wrap them.
+hint); a new session that uses it does (:meth:`EvictionPolicy.revive`).
+
+Subclasses implement the policy proper in ``_insert``, ``_access``, ``_remove``,
+``_victim`` (and optionally ``_evicted``, ``_admit``, ``victim_reason``); the public
+methods here wrap them.
 
 Every pressure eviction can be reported to a listener (:attr:`EvictionPolicy.listener`,
 e.g. :class:`kvstore.service.explain.EvictionLog`) as an :class:`EvictionEvent`, which is what
