@@ -20,7 +20,7 @@ action                                                 :class:`~kvstore.agent.se
 ``kvstore.session`` 1.x, payload ``{session_id,        as given (``state`` = continues /
 state, expected_back_s?, ttl_s?}``                     finished / abandoned)
 ``agent_hint`` 1.x, ``cache_control: {ttl}``           continues, ``ttl_s`` = ttl
-``agent_hint`` with an ``evict`` edit of the whole     finished (the blocks are released)
+``agent_hint`` with an ``evict`` edit of the whole     finished (the blocks are let go)
 request context
 ``agent_hint`` with a ``prefetch`` edit                continues, ``expected_back_s`` = 0
 ``agent_hint`` with an ``offload`` edit                continues (no time: the learned gap)

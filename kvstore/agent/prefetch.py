@@ -5,41 +5,37 @@ time t and that its prefix is keys K; later (``Resume``) that T came back. Or, w
 session hint (:mod:`kvstore.agent.sessions`), that session T continues and is expected back
 in about g seconds, or that it finished. The :class:`PrefetchScheduler`:
 
-1. predicts the resume time from X's learned duration distribution
-   (:class:`kvstore.policy.tool_durations.ToolPredictor`) and returns the median; for a session
-   hint, from the hinted gap scaled by the learned ratio of observed to hinted gaps;
+1. predicts the resume time from X's learned duration distribution and returns the
+   median; for a session hint, from the hinted gap scaled by the learned ratio of
+   observed to hinted gaps (both :class:`~kvstore.agent.tool_durations.WaitDurations`);
 2. tells the eviction policies when K will be needed, through the
    :class:`~kvstore.agent.sessions.SessionTable` (so ``next_use`` evicts blocks needed later
    first, and a finished session's blocks go first under every policy);
-3. schedules T's promotion back to HBM to *finish* ``lead_time_s`` before the
+3. schedules T's page back to HBM to *finish* ``lead_time_s`` before the
    ``quantile``-quantile of the predicted duration (a low quantile: ready for most
    resumes), starting early enough for the transfer at each hop's bandwidth (measured
    on the daemon, configured in the simulator; transfers on one hop queue behind each
-   other); while T waits past its median, renews the hints and re-promotes what left;
+   other); while T waits past its median, renews the hints and pages back again what left;
 4. optionally (``headroom_fraction``, off by default) demotes the blocks of the
    trajectories expected last to keep free space in HBM.
 
-Promotion never evicts a pinned block, a block of a running trajectory, a block it
-promoted that has not been used yet, or a block of a trajectory expected to resume no
-later than T (expected: the median of the duration given the time already waited):
-victims are first blocks of trajectories expected later (farthest first, tail first),
-then the tier policy's choice among unprotected blocks (``next_use``'s only if that
-block is predicted to be needed later than T); if none is left the promotion stops
-and is retried shortly. Every call into the tier manager goes through
-:class:`kvstore.agent.store_port.ManagerPort`.
+It is a facade over collaborators that own their state, built here and passed to each
+other through their constructors:
 
-The scheduler also measures what it is for (:class:`~kvstore.agent.stats.PrefetchStats`):
-readiness at each resume (whole prefix, and token-weighted), the bytes it promoted that
-were evicted before use (waste), and the error of its resume-time predictions. With
-``enabled = false`` it only observes (requests, predictions, hints, readiness) and
-moves nothing.
+- :class:`~kvstore.agent.waiting.WaitTable` (``waits``): the waiting trajectories, the
+  running ones, the expired ones; expiry and bounds;
+- :class:`~kvstore.agent.timing.Timeline` (``timeline``): the due queue, expected resume
+  times, confidence; :class:`~kvstore.agent.timing.Ticker` (``ticker``): the thread;
+- :class:`~kvstore.agent.page_back.Pager` (``pager``): what moves for a waiting
+  trajectory (through :class:`~kvstore.agent.store_port.ManagerPort`), bandwidths, what
+  it paged back;
+- :class:`~kvstore.agent.stats.PrefetchStats` (``stats``): readiness at each resume
+  (whole prefix, and token-weighted), the bytes paged back that were evicted before use
+  (waste), and the error of the resume-time predictions.
 
-**Bounded state.** A trajectory that never resumes expires, and every table has a bound;
-the expiry, the due queue and the background thread are
-:class:`~kvstore.agent.timing.TimingMixin` (its module says how).
-
-The daemon calls :meth:`PrefetchScheduler.tool_call_start` / :meth:`resume` /
-:meth:`session_hint` from its gRPC handlers, :meth:`observe_request` from Lookup (it
+With ``enabled = false`` it only observes (requests, predictions, hints, readiness) and
+moves nothing. The daemon calls :meth:`PrefetchScheduler.tool_call_start` / :meth:`resume`
+/ :meth:`session_hint` from its gRPC handlers, :meth:`observe_request` from Lookup (it
 feeds the ``next_use`` policy's :class:`~kvstore.policy.reuse_model.ReuseModel`), and runs
 :meth:`start` (a background thread calling :meth:`tick`). ``kvstore simulate`` calls
 the same methods with virtual time.
@@ -47,78 +43,48 @@ the same methods with virtual time.
 
 from __future__ import annotations
 
-import heapq
 import math
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from tiers.base import TierKind
-
+from kvstore.common.types import TierKind
 from kvstore.config.node import PrefetchConfig
 from kvstore.policy import UsesReuseModel
 from kvstore.policy.reuse_model import ReuseModel
-from kvstore.agent.tool_durations import ToolPredictor
-from kvstore.agent.promoter import _PROMOTE, _REFRESH, PromotionMixin
-from kvstore.agent.store_port import ManagerPort
-from kvstore.agent.stats import PrefetchStats
-from kvstore.agent.timing import SESSION_TOOL, TimingMixin
+from kvstore.agent.page_back import Pager
 from kvstore.agent.sessions import SessionHint, SessionState, SessionTable
+from kvstore.agent.stats import PrefetchStats
+from kvstore.agent.store_port import ManagerPort
+from kvstore.agent.timing import PAGE_BACK, REFRESH, Ticker, Timeline
+from kvstore.agent.tool_durations import SESSION_TOOL, WaitDurations
+from kvstore.agent.waiting import Wait, WaitTable
 
-DEFAULT_HOP_BANDWIDTH: dict[tuple[TierKind, TierKind], float] = {
-    (TierKind.HOST, TierKind.HBM): 64e9,   # PCIe Gen5 x16
-    (TierKind.NVME, TierKind.HBM): 1.5e9,  # NVMe read (fio O_DIRECT, measured on our machines)
-    (TierKind.NVME, TierKind.HOST): 1.5e9,
-    (TierKind.HBM, TierKind.HOST): 64e9,
-    (TierKind.HOST, TierKind.NVME): 4e9,
-    (TierKind.REMOTE, TierKind.HOST): 0.8e9,   # Mooncake over loopback TCP (docs/remote_tier.md)
-    (TierKind.REMOTE, TierKind.HBM): 0.8e9,
-}
-"""Bytes per second per (source, destination) hop, before any measurement."""
-
-__all__ = ["PrefetchScheduler", "PrefetchStats", "DEFAULT_HOP_BANDWIDTH", "SESSION_TOOL"]
+__all__ = ["PrefetchScheduler"]
 
 
-@dataclass
-class _Waiting:
-    trajectory_id: str
-    tool: str                        # SESSION_TOOL for a session hint
-    start: float
-    keys: list[bytes]
-    predicted_resume: float          # median (returned to the worker)
-    ready_by: float                  # quantile time minus lead: HBM must hold keys by then
-    promote_at: float
-    promoted_at: float = math.inf    # when the (first) promotion ran
-    promoted: bool = False           # promotion done (or in flight); False: due / retry
-    started: bool = False            # some promotion for this wait has begun
-    done_at: float = 0.0             # when the last transfer of the promotion finishes
-    seq: int = 0
-    paged_in: bool = False           # blocks only in the cluster were asked for
-    expires_at: float = math.inf     # dropped from the waiting table then, resumed or not
-
-
-class PrefetchScheduler(PromotionMixin, TimingMixin):
-    """Tool-call and session hints -> resume predictions, eviction hints and timed promotion.
+class PrefetchScheduler:
+    """Tool-call and session hints -> resume predictions, eviction hints and timed page back.
 
     Args:
         manager: the tier manager (tier 0 is HBM, or the fastest tier present).
         prefetch_config: ``[prefetch]`` section: ``enabled``, ``predictor``
-            (``quantile`` | ``lognormal``), ``lead_time_s`` (seconds the promotion should
+            (``quantile`` | ``lognormal``), ``lead_time_s`` (seconds the page back should
             finish before the need), ``quantile`` (of the predicted duration at which the
-            blocks must be back, e.g. 0.1), ``window`` (observations per tool).
+            blocks must be back, e.g. 0.1), ``window`` (observations per tool),
+            ``expire_factor``, ``max_wait_s``, ``max_waiting`` (bounds: :mod:`kvstore.agent.waiting`).
         clock: time source in seconds (``time.monotonic`` in the daemon, virtual in the
             simulator); every time passed in is on this clock.
         hop_bandwidth: bytes/s per (source kind, destination kind); defaults
-            :data:`DEFAULT_HOP_BANDWIDTH`. Replaced by measurements when
-            ``measure_bandwidth`` is on.
+            :data:`kvstore.agent.page_back.DEFAULT_HOP_BANDWIDTH`. Replaced by
+            measurements when ``measure_bandwidth`` is on.
         measure_bandwidth: time each promotion with ``time.perf_counter`` and keep an
             exponentially weighted average per hop (daemon; off in the simulator).
         headroom_fraction: free share of tier 0 kept by demoting the blocks of the waiting
             trajectories expected last (0: off; see docs/placement.md).
         active_protect_s: seconds after a resume during which the trajectory's prefix is
-            treated as in use (never evicted by a promotion).
+            treated as in use (never evicted by a page back).
         reuse_model: the learned reuse model fed by :meth:`observe_request`; attached to
             every policy that uses one.
         sessions: the session table the hints go through (default: a new one over the
@@ -126,25 +92,25 @@ class PrefetchScheduler(PromotionMixin, TimingMixin):
         poll_s: the background thread's longest sleep (seconds).
         refresh_s: once a trajectory waits past its predicted (median) resume, every
             ``refresh_s`` seconds its next-use hint is renewed and blocks evicted
-            meanwhile are promoted again.
-        retry_s: a promotion that found no room is retried after this many seconds.
-        margin_s: a promotion displaces another waiting trajectory's blocks only when
+            meanwhile are paged back again.
+        retry_s: a page back that found no room is retried after this many seconds.
+        margin_s: a page back displaces another waiting trajectory's blocks only when
             that one is expected to resume at least this many seconds later.
         dedupe_s: :meth:`observe_request` counts a prefix seen again within this many
             seconds once (every TP rank looks the prefix up; the simulator passes 0).
-        victim_margin: with a policy that predicts distances (``next_use``), a promotion
+        victim_margin: with a policy that predicts distances (``next_use``), a page back
             evicts a block only when that block's predicted next use is at least this
-            many times farther than the promoted prefix's.
-        repromote: while a trajectory waits past its predicted resume, promote again the
-            blocks of it that were evicted meanwhile.
-        protect_s: promoted blocks are hinted as needed now (kept, ``next_use``) for up
-            to this many seconds after their promotion, renewed every ``refresh_s``;
+            many times farther than the paged-back prefix's.
+        repromote: while a trajectory waits past its predicted resume, page back again
+            the blocks of it that were evicted meanwhile.
+        protect_s: paged-back blocks are hinted as needed now (kept, ``next_use``) for up
+            to this many seconds after their page back, renewed every ``refresh_s``;
             then the tool's prediction applies again (0: not protected).
-        confidence: a due promotion runs only when the trajectory resumes within
+        confidence: a due page back runs only when the trajectory resumes within
             ``horizon_s`` seconds with at least this probability (from the tool's
             duration given the time already waited); else it is checked again every
-            ``refresh_s``. For heavy-tailed tools this holds back promotions that would
-            wait in HBM long (0: promote when due).
+            ``refresh_s``. For heavy-tailed tools this holds back page backs that would
+            wait in HBM long (0: page back when due).
         horizon_s: see ``confidence`` (seconds).
     """
 
@@ -163,25 +129,14 @@ class PrefetchScheduler(PromotionMixin, TimingMixin):
         self.config = cfg
         self.enabled = cfg.enabled
         self.clock = clock
-        self.predictor = ToolPredictor(cfg.predictor, cfg.window)
-        self.session_ratios = ToolPredictor(cfg.predictor, cfg.window, default_s=1.0)
-        self.bandwidth = dict(DEFAULT_HOP_BANDWIDTH)
-        self.bandwidth.update(hop_bandwidth or {})
-        self.measure_bandwidth = measure_bandwidth
-        self.headroom_fraction = headroom_fraction
-        self.active_protect_s = active_protect_s
-        self.poll_s = poll_s
+        self.durations = WaitDurations(cfg.predictor, cfg.window, floor_s=refresh_s)
+        self.predictor = self.durations.tools
+        self.session_ratios = self.durations.session_ratios
         self.refresh_s = refresh_s
         self.retry_s = retry_s
-        self.margin_s = margin_s
         self.dedupe_s = dedupe_s
-        self.victim_margin = victim_margin
         self.repromote = repromote
         self.protect_s = protect_s
-        self.confidence = confidence
-        self.horizon_s = horizon_s
-        self._recent: OrderedDict[tuple[bytes, int], float] = OrderedDict()
-        self._expect_cache: dict[str, float] = {}
         self.model = reuse_model or ReuseModel()
         for p in self.port.policies():
             if isinstance(p, UsesReuseModel):
@@ -189,16 +144,15 @@ class PrefetchScheduler(PromotionMixin, TimingMixin):
         self.sessions = sessions or SessionTable(self.port.policies())
         self.stats = PrefetchStats()
         self._lock = threading.RLock()
-        self._waiting: dict[str, _Waiting] = {}
-        self._due: list[tuple[float, int, str, int]] = []   # (time, seq, trajectory, action)
-        self._seq = 0
-        self._active: dict[str, tuple[float, list[bytes]]] = {}   # resumed: (time, keys), oldest first
-        self._expiry: list[tuple[float, int, str]] = []            # (expires_at, seq, trajectory)
-        self._expired: OrderedDict[str, tuple[str, float, float]] = OrderedDict()   # id -> (tool, start, median)
-        self._promoted: dict[bytes, tuple[str, int, float]] = {}   # key -> (trajectory, bytes, ready at)
-        self._link_free: dict[tuple[TierKind, TierKind], float] = {}
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._recent: OrderedDict[tuple[bytes, int], float] = OrderedDict()   # (last key, length) -> seen
+        self.waits = WaitTable(cfg.max_waiting, cfg.expire_factor, cfg.max_wait_s, running_s=active_protect_s)
+        self.timeline = Timeline(self.durations, refresh_s=refresh_s, confidence=confidence, horizon_s=horizon_s)
+        self.ticker = Ticker(poll_s)
+        self.pager = Pager(self.port, self.waits, self.timeline, self.sessions, self.stats, self._lock,
+                           hop_bandwidth=hop_bandwidth, measure_bandwidth=measure_bandwidth,
+                           headroom_fraction=headroom_fraction, margin_s=margin_s, victim_margin=victim_margin,
+                           protect_s=protect_s, refresh_s=refresh_s)
+        self.bandwidth = self.pager.bandwidth
 
     # ------------------------------------------------------------------ requests
 
@@ -229,7 +183,8 @@ class PrefetchScheduler(PromotionMixin, TimingMixin):
                         keys: Sequence[bytes]) -> float:
         """Trajectory ``trajectory_id`` called ``tool`` at ``start_time`` (seconds; None
         or 0: now); ``keys`` is its stored prefix, in order. Returns the predicted resume
-        time (seconds, same clock): the median of the tool's learned duration."""
+        time (seconds, same clock): the median of the tool's learned duration.
+        Raises ValueError for a start time that is not finite."""
         now = self.clock()
         start = start_time if start_time else now
         if not math.isfinite(start):
@@ -237,68 +192,64 @@ class PrefetchScheduler(PromotionMixin, TimingMixin):
         with self._lock:
             self._expire(now)
             self.stats.tool_calls += 1
-            median = start + self.predictor.predict(tool, 0.5)
-            ready_by = start + self.predictor.predict(tool, self.config.quantile) - self.config.lead_time_s
+            median = start + self.durations.tool_quantile(tool, 0.5)
+            ready_by = start + self.durations.tool_quantile(tool, self.config.quantile) - self.config.lead_time_s
             self._wait(trajectory_id, tool, start, list(keys), median, ready_by, now)
             return median
 
     def session_hint(self, hint: SessionHint) -> float:
         """Apply a session hint (:class:`~kvstore.agent.sessions.SessionHint`). A hint for a
         session that was waiting counts as its resume. Returns the expected-back time
-        (seconds, same clock; ``inf`` for a finished or abandoned session)."""
+        (seconds, same clock; ``inf`` for a finished or abandoned session).
+        Raises ValueError for a hint time that is not finite."""
         now = self.clock()
         t = hint.time if hint.time is not None else now
         if not math.isfinite(t):
             raise ValueError(f"session hint time {t!r} is not a finite number of seconds")
+        sid = hint.session_id
         with self._lock:
             self._expire(now)
             self.stats.session_hints += 1
-            if hint.session_id in self._waiting and hint.state != SessionState.ABANDONED:
-                self._resume(hint.session_id, t)
+            if sid in self.waits and hint.state != SessionState.ABANDONED:
+                self._resume(sid, t)
             if hint.state != SessionState.CONTINUES:
-                old = self._waiting.pop(hint.session_id, None)
+                old = self.waits.pop(sid)
                 if old is not None:
-                    self._release(old)
-                self._active.pop(hint.session_id, None)
+                    self.pager.settle(old)
+                self.waits.stop_running(sid)
                 return self.sessions.apply(hint, t)
-            self._active.pop(hint.session_id, None)
+            self.waits.stop_running(sid)
             expected = self.sessions.apply(hint, t)
-            s = self.sessions.get(hint.session_id)
+            s = self.sessions.get(sid)
             keys = list(s.keys) if s is not None else list(hint.keys)
             gap = max(expected - t, 0.0)
-            ratio = self.session_ratios.predict(SESSION_TOOL, self.config.quantile) if self._session_ratios() else 1.0
-            ready_by = t + gap * ratio - self.config.lead_time_s
-            self._wait(hint.session_id, SESSION_TOOL, t, keys, expected, ready_by, now, hint_sessions=False)
+            ready_by = t + gap * self.durations.gap_scale(self.config.quantile) - self.config.lead_time_s
+            self._wait(sid, SESSION_TOOL, t, keys, expected, ready_by, now, hint_sessions=False)
             return expected
 
     def _wait(self, tid: str, tool: str, start: float, keys: list[bytes], median: float,
               ready_by: float, now: float, hint_sessions: bool = True) -> None:
-        self._active.pop(tid, None)
-        self._expired.pop(tid, None)
-        old = self._waiting.pop(tid, None)
+        """Open ``tid``'s wait (lock held), within the table's bound, and schedule it."""
+        page_back_at = ready_by - self.pager.transfer_seconds(keys, assume=TierKind.HOST)
+        w, old = self.waits.open(tid, tool, start, keys, median, ready_by, page_back_at)
         if old is not None:
-            self._release(old)
-        self._seq += 1
-        w = _Waiting(tid, tool, start, keys, median, ready_by, ready_by, seq=self._seq)
-        w.promote_at = ready_by - self.transfer_seconds(keys, assume=TierKind.HOST)
-        w.expires_at = start + min(self.config.max_wait_s, self.config.expire_factor * max(median - start, 0.0))
-        self._waiting[tid] = w
-        heapq.heappush(self._expiry, (w.expires_at, w.seq, tid))
-        while len(self._waiting) > self.config.max_waiting:
+            self.pager.settle(old)
+        while self.waits.over_bound():
             self._expire(now, force=True)
-        self._compact()
+        self.timeline.compact(self.waits)
+        self.waits.compact()
         if hint_sessions:
             self.sessions.expect(tid, keys, median, now, hinted_at=start, calibrate=True)
         if self.enabled:
-            heapq.heappush(self._due, (w.promote_at, w.seq, tid, _PROMOTE))
-            heapq.heappush(self._due, (max(median, now) + self.refresh_s, w.seq, tid, _REFRESH))
+            self.timeline.schedule(w, now)
 
     def resume(self, trajectory_id: str, time: float | None = None) -> tuple[bool, float]:
         """Trajectory ``trajectory_id`` resumed at ``time`` (seconds; None or 0: now).
 
         Returns ``(known, observed_seconds)``: whether a tool call or session hint was
         open for it, and its measured duration (0.0 when unknown). Updates the
-        predictor and the readiness / waste / error statistics.
+        predictor and the readiness / waste / error statistics. Raises ValueError for a
+        time that is not finite.
         """
         now = time if time else self.clock()
         if not math.isfinite(now):
@@ -307,77 +258,99 @@ class PrefetchScheduler(PromotionMixin, TimingMixin):
             self._expire(now)
             return self._resume(trajectory_id, now)
 
-    def _learn(self, tool: str, start: float, median: float, observed: float) -> None:
-        """Teach the predictor one observed wait (seconds)."""
-        if tool == SESSION_TOOL:
-            hinted = median - start
-            if hinted > 0 and observed > 0:
-                self.session_ratios.observe(SESSION_TOOL, observed / hinted)
-        else:
-            self.predictor.observe(tool, observed)
-
     def _resume(self, trajectory_id: str, now: float) -> tuple[bool, float]:
-        w = self._waiting.pop(trajectory_id, None)
+        w = self.waits.pop(trajectory_id)
         if w is None:
-            late = self._expired.pop(trajectory_id, None)
+            late = self.waits.pop_late(trajectory_id)
             if late is None:
                 self.stats.resumes_unknown += 1
                 return False, 0.0
-            observed = max(now - late[1], 0.0)     # expired while waiting: still learn from it
-            self._learn(late[0], late[1], late[2], observed)
+            observed = max(now - late.start, 0.0)     # expired while waiting: still learn from it
+            self.durations.learn(late.tool, late.start, late.predicted_resume, observed)
             self.stats.resumes_expired += 1
             return True, observed
         observed = max(now - w.start, 0.0)
-        self._learn(w.tool, w.start, w.predicted_resume, observed)
+        self.durations.learn(w.tool, w.start, w.predicted_resume, observed)
         if w.tool != SESSION_TOOL:
             self.sessions.returned(trajectory_id, now)
-        st = self.stats
-        st.resumes += 1
-        err = w.predicted_resume - now
-        st.add_error(abs(err), abs(err) / observed if observed > 0 else 0.0)
-        ready = self.ready_prefix(w.keys, now)
-        st.resume_blocks += len(w.keys)
-        st.ready_blocks += ready
-        if ready == len(w.keys):
-            st.resumes_ready += 1
-        self._release(w, used=True)
-        self._active[trajectory_id] = (now, w.keys)
-        while len(self._active) > self.config.max_waiting:
-            del self._active[next(iter(self._active))]
+        self.stats.resumed(w.predicted_resume, now, observed, len(w.keys), self.pager.ready_prefix(w.keys, now))
+        self.pager.settle(w, used=True)
+        self.waits.run(trajectory_id, now, w.keys)
         return True, observed
 
+    def _expire(self, now: float, force: bool = False) -> None:
+        """Close the waits whose time is up (lock held; ``force``: see :meth:`WaitTable.expire`)."""
+        for w in self.waits.expire(now, force):
+            self.pager.settle(w)
+            self.stats.expired += 1
+
+    # ------------------------------------------------------------------ readiness
+
     def ready_prefix(self, keys: Sequence[bytes], now: float) -> int:
-        """Blocks of the longest prefix of ``keys`` in tier 0 whose promotion finished."""
-        n = 0
-        for key in keys:
-            rec = self._promoted.get(key)
-            if not self.port.in_fast(key) or (rec is not None and rec[2] > now):
-                break
-            n += 1
-        return n
+        """Blocks of the longest prefix of ``keys`` in tier 0 whose page back finished."""
+        return self.pager.ready_prefix(keys, now)
 
     def is_ready(self, keys: Sequence[bytes], now: float) -> bool:
-        """Whether all of ``keys`` are in tier 0 and any promotion of them has finished."""
+        """Whether all of ``keys`` are in tier 0 and any page back of them has finished."""
         return self.ready_prefix(keys, now) == len(keys)
 
-    def _release(self, w: _Waiting, used: bool = False) -> None:
-        """Account the promoted blocks of ``w``: used if still in HBM, else wasted."""
-        for key in w.keys:
-            rec = self._promoted.get(key)
-            if rec is None or rec[0] != w.trajectory_id:
-                continue
-            del self._promoted[key]
-            if used and self.port.in_fast(key):
-                self.stats.used_bytes += rec[1]
-            else:
-                self.stats.waste_of(rec[1], "evicted before the resume" if used else "never resumed")
-
     def finish(self) -> PrefetchStats:
-        """End of a simulation: promotions whose trajectory never resumed are waste."""
+        """End of a simulation: page backs whose trajectory never resumed are waste."""
         with self._lock:
-            for w in list(self._waiting.values()):
-                self._release(w)
-            for key, rec in list(self._promoted.items()):
-                self.stats.waste_of(rec[1], "never resumed")
-            self._promoted.clear()
+            self.pager.settle_all(self.waits.waits())
             return self.stats
+
+    # ------------------------------------------------------------------ timed work
+
+    def next_due(self) -> float:
+        """Earliest time (seconds) at which :meth:`tick` has work; ``inf`` if none."""
+        with self._lock:
+            return self.timeline.next_due(self.waits)
+
+    def tick(self, now: float | None = None) -> None:
+        """Do the work due at ``now`` (seconds): expiry of trajectories waiting too long and
+        TTLs of session hints (also when only observing), page backs whose start time has
+        come, renewed hints (and page backs again) for trajectories waiting past their
+        predicted resume, and demotions when tier 0's free space is below the headroom."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            self._expire(now)
+            self.sessions.tick(now)
+            self.waits.expire_running(now)
+            if not self.enabled:
+                return
+            self.timeline.new_pass()
+            for w, action in self.timeline.due(now, self.waits):
+                if action == PAGE_BACK:
+                    if self.timeline.confident(w, now):
+                        self._page_back(w, now)
+                    else:
+                        self.timeline.push(now + self.refresh_s, w, PAGE_BACK)
+                else:
+                    self._refresh(w, now)
+            self.pager.keep_headroom(now)
+
+    def _page_back(self, w: Wait, now: float) -> None:
+        if not self.pager.page_back(w, now):
+            self.timeline.push(now + self.retry_s, w, PAGE_BACK)
+
+    def _refresh(self, w: Wait, now: float) -> None:
+        """``w`` waits past its predicted resume: renew its hint, page back what left."""
+        if w.started and now - w.paged_back_at < self.protect_s:   # keep them until it resumes
+            self.pager.protect(w, now)
+        else:
+            self.sessions.expect(w.trajectory_id, w.keys, self.timeline.expect(w, now), now, hinted_at=now)
+        if self.repromote and w.paged_back and not all(self.port.in_fast(k) for k in w.keys):
+            self._page_back(w, now)
+        self.timeline.push(now + self.refresh_s, w, REFRESH)
+
+    # ------------------------------------------------------------------ thread
+
+    def start(self) -> None:
+        """Run :meth:`tick` on a daemon thread (``kvstore-prefetch``) until :meth:`stop`."""
+        # looked up at every pass, so a wrapped tick (tests) or a replaced clock is used
+        self.ticker.start(lambda: self.tick(), lambda: self.next_due(), lambda: self.clock())
+
+    def stop(self) -> None:
+        """Stop the background thread (waits for the current tick)."""
+        self.ticker.stop()

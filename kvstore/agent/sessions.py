@@ -15,14 +15,14 @@ or a conversation) after a request:
   expected-back time as their next use (``set_next_use``, one hint group per session,
   evicted tail first, so a partly evicted prefix keeps its head); policies without
   next-use support (LRU, ARC, S3-FIFO) ignore this;
-- a finished or abandoned session's private blocks are *released*: the first victims
-  of every policy, refused by a full tier (:meth:`EvictionPolicy.release`);
+- a finished or abandoned session's private blocks are *let go*: the first victims
+  of every policy, refused by a full tier (:meth:`EvictionPolicy.let_go`);
 - blocks a second session also uses (system prompts, shared documents) get no session
   hint: the learned reuse model (``next_use``) or the policy's own order decides;
 - a new prefix that drops some of the session's earlier private blocks (context
-  compaction, an edited history) releases those blocks;
+  compaction, an edited history) lets those blocks go;
 - a TTL that runs out without the session returning drops its hint (the blocks go back
-  to the policy's own order; they are not released).
+  to the policy's own order; they are not let go).
 
 Without ``expected_back_s`` the expected gap is learned: the median of the gaps observed
 between a session's "continues" and its next hint (sliding window), capped by the TTL.
@@ -37,7 +37,6 @@ the tier manager's lock (the policies guard their own state).
 from __future__ import annotations
 
 import enum
-import functools
 import heapq
 import math
 import threading
@@ -52,14 +51,6 @@ from kvstore.agent.hint_model import HintCalibration
 from kvstore.policy import AcceptsNextUse, CalibratesHints, EvictionPolicy
 
 _SHARED = object()     # owner marker of a key used by two or more sessions
-
-
-def _locked(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return wrapper
 
 
 class SessionState(str, enum.Enum):
@@ -135,13 +126,13 @@ class SessionStats:
     continues: int = 0
     finished: int = 0
     abandoned: int = 0
-    released_blocks: int = 0
+    released_blocks: int = 0     # blocks let go (the name is the simulator report's key)
     lapsed: int = 0
     returns: int = 0
 
 
 class SessionTable:
-    """Session hints -> next-use hints and released blocks for ``policies``.
+    """Session hints -> next-use hints and blocks let go for ``policies``.
 
     Hinted times are scaled by the session's learned correction and their outcomes feed
     a :class:`~kvstore.agent.hint_model.HintCalibration` that ``next_use`` policies use for
@@ -155,7 +146,7 @@ class SessionTable:
         default_gap_s: expected gap before any was observed (seconds).
         window: observed gaps kept for the learned median.
         max_sessions: sessions remembered; the least recently hinted are forgotten
-            (their hints dropped, nothing released).
+            (their hints dropped, nothing let go).
         max_keys: keys whose owner is remembered (to tell private from shared).
     """
 
@@ -180,57 +171,56 @@ class SessionTable:
 
     # ------------------------------------------------------------------ queries
 
-    @_locked
     def get(self, session_id: str) -> _Session | None:
-        return self._sessions.get(session_id)
+        with self._lock:
+            return self._sessions.get(session_id)
 
     def expected_gap(self) -> float:
         """The learned median gap between a "continues" and the session's return (seconds)."""
         return float(np.median(self._gaps)) if self._gaps else self.default_gap_s
 
-    @_locked
     def private_keys(self, session_id: str) -> list[bytes]:
         """The session's keys no other session uses, in prefix order."""
-        s = self._sessions.get(session_id)
-        return [] if s is None else [k for k in s.keys if self._owner.get(k) == session_id]
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return [] if s is None else [k for k in s.keys if self._owner.get(k) == session_id]
 
     # ------------------------------------------------------------------ hints
 
-    @_locked
     def apply(self, hint: SessionHint, now: float) -> float:
         """Apply one hint at ``now`` (seconds). Returns the session's expected-back time
         (absolute seconds; ``inf`` for finished / abandoned)."""
-        t = now if hint.time is None else hint.time
-        self.stats.hints += 1
-        old = self._sessions.get(hint.session_id)
-        if old is not None and hint.state != SessionState.ABANDONED:   # it came back
-            self._returned(old, t)
-        keys = hint.keys or (old.keys if old is not None else ())
-        if hint.state != SessionState.CONTINUES:
-            self._end(hint.session_id, hint.state, keys, t)
-            return math.inf
-        self.stats.continues += 1
-        raw = hint.expected_back_s
-        if raw is None:
-            raw = self.expected_gap()
-            if hint.ttl_s is not None:
-                raw = min(raw, hint.ttl_s)
-        gap = raw
-        cal = self.calibration
-        if cal is not None and hint.expected_back_s is not None:
-            gap = raw * cal.correction(hint.session_id)
-            if hint.ttl_s is not None:
-                gap = min(gap, hint.ttl_s)
-        deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
-        s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline,
-                     cal.hinted(t, gap) if cal is not None else None,
-                     hint.expected_back_s)
-        self._store(s, old, now)
-        if deadline < math.inf:
-            heapq.heappush(self._deadlines, (deadline, s.sid))
-        return s.expected
+        with self._lock:
+            t = now if hint.time is None else hint.time
+            self.stats.hints += 1
+            old = self._sessions.get(hint.session_id)
+            if old is not None and hint.state != SessionState.ABANDONED:   # it came back
+                self._returned(old, t)
+            keys = hint.keys or (old.keys if old is not None else ())
+            if hint.state != SessionState.CONTINUES:
+                self._end(hint.session_id, hint.state, keys, t)
+                return math.inf
+            self.stats.continues += 1
+            raw = hint.expected_back_s
+            if raw is None:
+                raw = self.expected_gap()
+                if hint.ttl_s is not None:
+                    raw = min(raw, hint.ttl_s)
+            gap = raw
+            cal = self.calibration
+            if cal is not None and hint.expected_back_s is not None:
+                gap = raw * cal.correction(hint.session_id)
+                if hint.ttl_s is not None:
+                    gap = min(gap, hint.ttl_s)
+            deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
+            s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline,
+                         cal.hinted(t, gap) if cal is not None else None,
+                         hint.expected_back_s)
+            self._store(s, old, now)
+            if deadline < math.inf:
+                heapq.heappush(self._deadlines, (deadline, s.sid))
+            return s.expected
 
-    @_locked
     def expect(self, session_id: str, keys: Sequence[bytes], expected_at: float, now: float,
                hinted_at: float | None = None, calibrate: bool = False, exact: bool = False) -> None:
         """Refine a session's expected-back time (a tool call's prediction): the session
@@ -238,29 +228,30 @@ class SessionTable:
         ``expected_at`` (absolute seconds), as predicted at ``hinted_at`` (default: the
         session's last hint, or now). Does not count as the session's return; with
         ``calibrate`` the prediction's outcome is learned (call :meth:`returned`);
-        ``exact``: the time is a commitment (promoted blocks to keep until used)."""
-        old = self._sessions.get(session_id)
-        keys = tuple(keys) or (old.keys if old is not None else ())
-        deadline = old.deadline if old is not None else math.inf
-        t = old.hinted_at if (old is not None and hinted_at is None) else (now if hinted_at is None else hinted_at)
-        outcome = old.outcome if old is not None else None
-        if calibrate and self.calibration is not None:
-            outcome = self.calibration.hinted(t, expected_at - t)
-        s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
-                     old.raw_gap if old is not None else None, exact)
-        self._store(s, old, now)
+        ``exact``: the time is a commitment (paged-back blocks to keep until used)."""
+        with self._lock:
+            old = self._sessions.get(session_id)
+            keys = tuple(keys) or (old.keys if old is not None else ())
+            deadline = old.deadline if old is not None else math.inf
+            t = old.hinted_at if (old is not None and hinted_at is None) else (now if hinted_at is None else hinted_at)
+            outcome = old.outcome if old is not None else None
+            if calibrate and self.calibration is not None:
+                outcome = self.calibration.hinted(t, expected_at - t)
+            s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
+                         old.raw_gap if old is not None else None, exact)
+            self._store(s, old, now)
 
-    @_locked
     def returned(self, session_id: str, t: float) -> None:
         """The session's next request arrived at ``t`` (a tool call's resume): learn from
         the hint's outcome and drop it (the blocks are in use; the policy's own order
         takes over until the next hint)."""
-        s = self._sessions.get(session_id)
-        if s is not None:
-            self._returned(s, t)
-            private = [k for k in s.keys if self._owner.get(k) == session_id]
-            for p in self._next_use:
-                p.clear_hints(private, t)
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is not None:
+                self._returned(s, t)
+                private = [k for k in s.keys if self._owner.get(k) == session_id]
+                for p in self._next_use:
+                    p.clear_hints(private, t)
 
     def _returned(self, s: _Session, t: float) -> None:
         self._gaps.append(max(t - s.hinted_at, 0.0))
@@ -269,17 +260,17 @@ class SessionTable:
             self.calibration.returned(s.outcome, s.sid, t, s.raw_gap)
             s.outcome = None
 
-    @_locked
     def tick(self, now: float) -> None:
         """Drop the hints of sessions whose TTL ran out (seconds)."""
-        dl = self._deadlines
-        while dl and dl[0][0] <= now:
-            deadline, sid = heapq.heappop(dl)
-            s = self._sessions.get(sid)
-            if s is None or s.deadline != deadline or s.state != SessionState.CONTINUES:
-                continue
-            self.stats.lapsed += 1
-            self._forget(sid, now)
+        with self._lock:
+            dl = self._deadlines
+            while dl and dl[0][0] <= now:
+                deadline, sid = heapq.heappop(dl)
+                s = self._sessions.get(sid)
+                if s is None or s.deadline != deadline or s.state != SessionState.CONTINUES:
+                    continue
+                self.stats.lapsed += 1
+                self._forget(sid, now)
 
     # ------------------------------------------------------------------ internals
 
@@ -312,7 +303,7 @@ class SessionTable:
             now_keys = set(s.keys)
             dropped = [k for k in old.keys if k not in now_keys and self._owner.get(k) == s.sid]
             if dropped:
-                self._release(dropped)
+                self._let_go(dropped)
         self._sessions[s.sid] = s
         self._sessions.move_to_end(s.sid)
         for p in self.policies:
@@ -333,17 +324,17 @@ class SessionTable:
         if old is not None:
             seen = set(private)
             private += [k for k in old.keys if self._owner.get(k) == sid and k not in seen]
-        self._release(private)
+        self._let_go(private)
         for k in private:
             self._owner.pop(k, None)
 
-    def _release(self, keys: list[bytes]) -> None:
+    def _let_go(self, keys: list[bytes]) -> None:
         self.stats.released_blocks += len(keys)
         for p in self.policies:
-            p.release(keys)
+            p.let_go(keys)
 
     def _forget(self, sid: str, now: float) -> None:
-        """Forget a session without releasing its blocks: its hints are dropped."""
+        """Forget a session without letting its blocks go: its hints are dropped."""
         s = self._sessions.pop(sid, None)
         if s is None:
             return

@@ -31,12 +31,12 @@ class PrefetchStats:
     resumes_ready: int = 0            # whole prefix in HBM (transfer finished) at resume
     resume_blocks: int = 0            # prefix blocks over all resumes
     ready_blocks: int = 0             # of those, in the HBM-ready prefix at resume
-    promoted_blocks: int = 0
+    promoted_blocks: int = 0          # paged back (promoted into HBM)
     promoted_bytes: int = 0
-    used_bytes: int = 0               # promoted and still in HBM at resume
-    wasted_bytes: int = 0             # promoted, evicted from HBM before use, or never used
+    used_bytes: int = 0               # paged back and still in HBM at resume
+    wasted_bytes: int = 0             # paged back, evicted from HBM before use, or never used
     demoted_blocks: int = 0
-    promotions_blocked: int = 0       # no room without evicting a protected block
+    promotions_blocked: int = 0       # page backs stopped: no room without evicting a protected block
     waste_by: dict[str, int] = field(default_factory=dict)   # wasted bytes per reason
     expired: int = 0                  # waiting trajectories dropped without a resume
     resumes_expired: int = 0          # resumes of expired trajectories (learned from, not scored)
@@ -57,6 +57,18 @@ class PrefetchStats:
         j = self._rng.randrange(self.errors_seen)
         if j < RESERVOIR:
             self.abs_error_s[j], self.rel_error[j] = abs_error_s, rel_error
+
+    def resumed(self, predicted_resume: float, now: float, observed_s: float, blocks: int, ready_blocks: int) -> None:
+        """Score one resume at ``now`` of a wait predicted back at ``predicted_resume``
+        (seconds) that lasted ``observed_s``: ``ready_blocks`` of its ``blocks`` prefix
+        blocks were ready in the fastest tier."""
+        self.resumes += 1
+        err = predicted_resume - now
+        self.add_error(abs(err), abs(err) / observed_s if observed_s > 0 else 0.0)
+        self.resume_blocks += blocks
+        self.ready_blocks += ready_blocks
+        if ready_blocks == blocks:
+            self.resumes_ready += 1
 
     def waste_of(self, nbytes: int, reason: str) -> None:
         """Count ``nbytes`` promoted bytes as wasted for ``reason``."""

@@ -1,26 +1,20 @@
-"""When the prefetch scheduler acts: expiry, the due queue, resume-time estimates, its thread.
+"""When the prefetch scheduler acts: the due queue, expected resume times, its thread.
 
-:class:`TimingMixin` is mixed into :class:`kvstore.agent.prefetch.PrefetchScheduler`. It owns
-the timed half of the scheduler: :meth:`~TimingMixin.tick` (the work due now: expiry,
-session TTLs, due promotions and renewed hints, headroom), :meth:`~TimingMixin.next_due`,
-the expiry of trajectories waiting too long and the compaction of the heaps, the
-estimates of when a waiting trajectory resumes (given the time it already waited, from
-the tool's or the session ratios' learned distribution) and the background thread
-(``kvstore-prefetch``). It uses the scheduler's state (``_lock``, ``_waiting``,
-``_due``, ``_expiry``, ``_expired``, ``_active``, ``_expect_cache``, ``predictor``,
-``session_ratios``, ``sessions``, ``stats``, ``config``, options) and its ``_release``;
-promotions go through :class:`~kvstore.agent.promoter.PromotionMixin`.
+- :class:`Timeline` owns the due queue of a
+  :class:`~kvstore.agent.prefetch.PrefetchScheduler`: one heap of ``(time, seq,
+  trajectory, action)`` entries, :data:`PAGE_BACK` (a wait's page back is due) or
+  :data:`REFRESH` (a wait past its predicted resume: renew its hint, page back what
+  left). Entries of closed waits are dropped lazily and compacted when they outnumber the
+  live ones (at most 4 x (2 x waiting + 64) entries). It also gives a waiting
+  trajectory's expected resume time (the median of its remaining wait given the time it
+  already waited, from :class:`~kvstore.agent.tool_durations.WaitDurations`; cached for
+  one scheduler pass) and whether a due page back is likely enough to be used soon.
+- :class:`Ticker` is the background thread (``kvstore-prefetch``) that runs the
+  scheduler's passes.
 
-**Bounded state.** A trajectory that never resumes *expires* ``expire_factor`` times
-its predicted (median) wait after its call started, at most ``max_wait_s`` later: it
-leaves the waiting table, nothing is promoted for it again, and a late Resume still
-teaches the predictor (the last ``max_waiting`` expired calls are remembered by tool and
-start time only). At most ``max_waiting`` trajectories wait (past it the one due to
-expire first expires now) and at most ``max_waiting`` recently resumed ones are
-protected; the due-time heaps are compacted when stale entries outnumber live ones;
-error statistics keep running sums and a fixed-size reservoir
-(:data:`kvstore.agent.stats.RESERVOIR`). Every time is on the scheduler's clock
-(``time.monotonic`` in the daemon: stepping the wall clock moves nothing).
+Every time is on the scheduler's clock (seconds; ``time.monotonic`` in the daemon,
+virtual in the simulator). Not thread-safe on its own: the scheduler's lock is held
+around every :class:`Timeline` call.
 """
 
 from __future__ import annotations
@@ -29,151 +23,126 @@ import heapq
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING
+from typing import Callable, Iterator
 
-from kvstore.agent.promoter import _PROMOTE, _REFRESH
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.agent.prefetch import _Waiting
+from kvstore.agent.tool_durations import WaitDurations
+from kvstore.agent.waiting import Wait, WaitTable
 
 log = logging.getLogger("kvstore.agent.prefetch")
 
-SESSION_TOOL = "(session hint)"
-"""The ``tool`` of a wait that a session hint started; its duration is learned as the ratio
-observed gap / hinted gap, in a predictor of its own (``session_ratios``)."""
+PAGE_BACK, REFRESH = 0, 1
+"""The due queue's actions."""
 
 
-class TimingMixin:
-    """The timed work of the prefetch scheduler (see the module docstring)."""
+class Timeline:
+    """The due queue and the resume-time estimates of the waiting trajectories.
 
-    def _expire(self, now: float, force: bool = False) -> None:
-        """Drop the waiting trajectories whose time is up (lock held); with ``force``, the
-        one due to expire first, whatever the time (the table is over its bound)."""
-        heap = self._expiry
-        while heap and (force or heap[0][0] <= now):
-            _, seq, tid = heapq.heappop(heap)
-            w = self._waiting.get(tid)
-            if w is None or w.seq != seq:
+    Args:
+        durations: the learned wait durations.
+        refresh_s: a wait's first :data:`REFRESH` is due this many seconds after its
+            predicted resume (or after it was scheduled, if later).
+        confidence: a due page back runs only when the trajectory resumes within
+            ``horizon_s`` seconds with at least this probability (0: always).
+        horizon_s: see ``confidence`` (seconds).
+    """
+
+    def __init__(self, durations: WaitDurations, *, refresh_s: float, confidence: float, horizon_s: float):
+        self.durations = durations
+        self.refresh_s = refresh_s
+        self.confidence = confidence
+        self.horizon_s = horizon_s
+        self._due: list[tuple[float, int, str, int]] = []   # (time, seq, trajectory, action)
+        self._expected: dict[str, float] = {}                # trajectory -> expected resume, this pass
+
+    def __len__(self) -> int:
+        """Entries in the due queue (live and stale)."""
+        return len(self._due)
+
+    # ------------------------------------------------------------------ the due queue
+
+    def schedule(self, w: Wait, now: float) -> None:
+        """Queue a new wait's page back (at ``w.page_back_at``) and its first refresh."""
+        heapq.heappush(self._due, (w.page_back_at, w.seq, w.trajectory_id, PAGE_BACK))
+        heapq.heappush(self._due, (max(w.predicted_resume, now) + self.refresh_s, w.seq, w.trajectory_id, REFRESH))
+
+    def push(self, at: float, w: Wait, action: int) -> None:
+        """Queue ``action`` for ``w`` at ``at`` (seconds)."""
+        heapq.heappush(self._due, (at, w.seq, w.trajectory_id, action))
+
+    def _live(self, waits: WaitTable, seq: int, tid: str, action: int) -> Wait | None:
+        w = waits.current(tid, seq)
+        if w is None or (action == PAGE_BACK and w.paged_back):
+            return None
+        return w
+
+    def next_due(self, waits: WaitTable) -> float:
+        """Earliest time (seconds) at which an entry of an open wait is due; ``inf`` if none."""
+        while self._due:
+            t, seq, tid, action = self._due[0]
+            if self._live(waits, seq, tid, action) is None:
+                heapq.heappop(self._due)
                 continue
-            del self._waiting[tid]
-            self._release(w)
-            self.stats.expired += 1
-            self._expired[tid] = (w.tool, w.start, w.predicted_resume)
-            while len(self._expired) > self.config.max_waiting:
-                self._expired.popitem(last=False)
-            log.debug("trajectory %s expired after waiting %.1f s for %s", tid, now - w.start, w.tool)
-            force = False
+            return t
+        return math.inf
 
-    def _compact(self) -> None:
-        """Rebuild the heaps when entries of resumed or expired trajectories (dropped
-        lazily) outnumber the live ones, so their size stays O(waiting trajectories)."""
-        live = 2 * len(self._waiting) + 64
-        if len(self._due) > 4 * live:
-            self._due = [e for e in self._due if (w := self._waiting.get(e[2])) is not None and w.seq == e[1]]
+    def due(self, now: float, waits: WaitTable) -> Iterator[tuple[Wait, int]]:
+        """Pop and yield ``(wait, action)`` for every live entry due at ``now`` (seconds),
+        earliest first, including entries pushed while iterating that are due by then."""
+        while self._due and self._due[0][0] <= now:
+            _, seq, tid, action = heapq.heappop(self._due)
+            w = self._live(waits, seq, tid, action)
+            if w is not None:
+                yield w, action
+
+    def compact(self, waits: WaitTable) -> None:
+        """Rebuild the heap when entries of closed waits outnumber the live ones."""
+        if len(self._due) > 4 * (2 * len(waits) + 64):
+            self._due = [e for e in self._due if waits.current(e[2], e[1]) is not None]
             heapq.heapify(self._due)
-        if len(self._expiry) > 2 * live:
-            self._expiry = [e for e in self._expiry if (w := self._waiting.get(e[2])) is not None and w.seq == e[1]]
-            heapq.heapify(self._expiry)
 
-    # ------------------------------------------------------------------ timed work
+    # ------------------------------------------------------------------ estimates
 
-    def next_due(self) -> float:
-        """Earliest time (seconds) at which :meth:`tick` has work; ``inf`` if none."""
-        with self._lock:
-            while self._due:
-                t, seq, tid, action = self._due[0]
-                w = self._waiting.get(tid)
-                if w is None or w.seq != seq or (action == _PROMOTE and w.promoted):
-                    heapq.heappop(self._due)
-                    continue
-                return t
-            return math.inf
+    def new_pass(self) -> None:
+        """A scheduler pass begins: expected resume times are computed afresh."""
+        self._expected = {}
 
-    def tick(self, now: float | None = None) -> None:
-        """Do the work due at ``now`` (seconds): expiry of trajectories waiting too long and
-        TTLs of session hints (also when only observing), promotions whose
-        start time has come, renewed hints (and re-promotions) for trajectories waiting
-        past their predicted resume, and demotions when tier 0's free space is below
-        the headroom."""
-        now = self.clock() if now is None else now
-        with self._lock:
-            self._expire(now)
-            self.sessions.tick(now)
-            active = self._active                 # oldest resume first
-            while active:
-                tid, (t, _) = next(iter(active.items()))
-                if now - t <= self.active_protect_s:
-                    break
-                del active[tid]
-            if not self.enabled:
-                return
-            self._expect_cache = {}
-            while self._due and self._due[0][0] <= now:
-                _, seq, tid, action = heapq.heappop(self._due)
-                w = self._waiting.get(tid)
-                if w is None or w.seq != seq:
-                    continue
-                if action == _PROMOTE:
-                    if w.promoted:
-                        continue
-                    if self._confident(w, now):
-                        self._promote(w, now)
-                    else:
-                        heapq.heappush(self._due, (now + self.refresh_s, seq, tid, _PROMOTE))
-                    continue
-                # waiting past the predicted resume: renew the hint, re-promote what left
-                if w.started and now - w.promoted_at < self.protect_s:   # keep them until it resumes
-                    self._protect(w, now)
-                else:
-                    self.sessions.expect(tid, w.keys, self._expect(w, now), now, hinted_at=now)
-                if self.repromote and w.promoted and not all(self.port.in_fast(k) for k in w.keys):
-                    self._promote(w, now)
-                heapq.heappush(self._due, (now + self.refresh_s, seq, tid, _REFRESH))
-            if self.headroom_fraction > 0:
-                self._keep_headroom(now)
-
-    def _session_ratios(self) -> bool:
-        return self.session_ratios.tools().get(SESSION_TOOL, 0) >= self.session_ratios.min_samples
-
-    def _remaining(self, w: _Waiting, now: float, q: float) -> float:
-        """The ``q``-quantile of the seconds ``w`` still waits, given the time waited."""
-        elapsed = now - w.start
-        if w.tool == SESSION_TOOL:   # in units of the hinted gap, from the learned ratios
-            gap = max(w.predicted_resume - w.start, 1e-3)
-            if self._session_ratios():
-                return gap * self.session_ratios.predict_remaining(SESSION_TOOL, elapsed / gap, q)
-            return max(gap - elapsed, min(elapsed * 0.5, 600.0), self.refresh_s)
-        return self.predictor.predict_remaining(w.tool, elapsed, q)
-
-    def _confident(self, w: _Waiting, now: float) -> bool:
-        """Whether ``w`` resumes within ``horizon_s`` with probability >= ``confidence``
-        (a conservative estimate: few observations beyond the time waited count against)."""
-        if self.confidence <= 0:
-            return True
-        elapsed = now - w.start
-        if w.tool == SESSION_TOOL:   # in units of the hinted gap
-            gap = max(w.predicted_resume - w.start, 1e-3)
-            p = self.session_ratios.prob_within(SESSION_TOOL, elapsed / gap, self.horizon_s / gap)
-        else:
-            p = self.predictor.prob_within(w.tool, elapsed, self.horizon_s)
-        return p >= self.confidence
-
-    def _expect(self, w: _Waiting, now: float) -> float:
-        """Expected resume time of ``w`` (seconds): the median of the duration given the
-        time already waited. Cached per tick."""
-        t = self._expect_cache.get(w.trajectory_id)
+    def expect(self, w: Wait, now: float) -> float:
+        """Expected resume time of ``w`` (seconds): the median of the wait given the time
+        already waited. Cached for the pass."""
+        t = self._expected.get(w.trajectory_id)
         if t is None:
             if now <= w.predicted_resume or now <= w.start:
                 t = w.predicted_resume
             else:
-                t = now + self._remaining(w, now, 0.5)
-            self._expect_cache[w.trajectory_id] = t
+                t = now + self.durations.remaining(w.tool, now - w.start, w.predicted_resume - w.start, 0.5)
+            self._expected[w.trajectory_id] = t
         return t
 
-    # ------------------------------------------------------------------ thread
+    def confident(self, w: Wait, now: float) -> bool:
+        """Whether ``w`` resumes within ``horizon_s`` with probability >= ``confidence``
+        (a conservative estimate: few observations beyond the time waited count against)."""
+        if self.confidence <= 0:
+            return True
+        p = self.durations.prob_within(w.tool, now - w.start, w.predicted_resume - w.start, self.horizon_s)
+        return p >= self.confidence
 
-    def start(self) -> None:
-        """Run :meth:`tick` on a daemon thread until :meth:`stop`."""
+
+class Ticker:
+    """The ``kvstore-prefetch`` daemon thread: runs a pass, then sleeps until the next due
+    time, at most ``poll_s`` seconds."""
+
+    def __init__(self, poll_s: float):
+        self.poll_s = poll_s
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self, tick: Callable[[], None], next_due: Callable[[], float], clock: Callable[[], float]) -> None:
+        """Call ``tick()`` until :meth:`stop`; ``next_due()`` and ``clock()`` (seconds) say
+        how long to sleep. A pass that raises is logged and the thread goes on."""
         if self._thread is not None:
             return
         self._stop.clear()
@@ -181,17 +150,17 @@ class TimingMixin:
         def loop() -> None:
             while not self._stop.is_set():
                 try:
-                    self.tick()
+                    tick()
                 except Exception:  # keep prefetching alive; the error is logged loudly
                     log.exception("prefetch tick failed")
-                wait = min(self.poll_s, max(self.next_due() - self.clock(), 0.0))
+                wait = min(self.poll_s, max(next_due() - clock(), 0.0))
                 self._stop.wait(wait if wait > 0 else 0.001)
 
         self._thread = threading.Thread(target=loop, name="kvstore-prefetch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the background thread (waits for the current tick)."""
+        """Stop the thread (waits for the current pass)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

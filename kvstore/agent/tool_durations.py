@@ -1,9 +1,16 @@
-"""Tool-call duration predictors: when a trajectory that called tool X resumes.
+"""How long a wait lasts: every prediction of a tool call's duration (and of a hinted session gap).
 
-:class:`ToolPredictor` keeps per-tool duration estimators (:class:`WindowQuantile`,
-:class:`LogNormalFit`) learned online from observed durations (``ToolCallStart`` ->
-``Resume``), driven with explicit times (seconds) so the daemon and ``kvstore simulate``
-share them.
+- :class:`ToolPredictor` keeps per-tool duration estimators (:class:`WindowQuantile`,
+  :class:`LogNormalFit`) learned online from observed durations (``ToolCallStart`` ->
+  ``Resume``).
+- :class:`WaitDurations` is what the prefetch scheduler asks: the quantiles of a waiting
+  trajectory's remaining wait given the time it already waited, and the probability that
+  it resumes within a horizon, for a tool call (from its tool's estimator) or a session
+  hint (the hinted gap scaled by the learned ratio of observed to hinted gaps); it learns
+  from every resume.
+
+Everything is driven with explicit times (seconds), so the daemon and ``kvstore simulate``
+share it.
 """
 
 from __future__ import annotations
@@ -244,3 +251,71 @@ class ToolPredictor:
     def tools(self) -> dict[str, int]:
         """Observation count per tool."""
         return {t: e.count for t, e in self._tools.items()}
+
+
+SESSION_TOOL = "(session hint)"
+"""The ``tool`` of a wait that a session hint started; its duration is learned as the ratio
+observed gap / hinted gap, in a predictor of its own (:attr:`WaitDurations.session_ratios`)."""
+
+
+class WaitDurations:
+    """The duration of a wait: a tool call (by tool) or a session's gap (by hinted gap).
+
+    A tool call's wait is predicted by :attr:`tools`. A session hint's wait is the hinted
+    gap (seconds) times the learned ratio observed / hinted gap (:attr:`session_ratios`,
+    one estimator under :data:`SESSION_TOOL`); before ``min_samples`` ratios were observed
+    the hinted gap is taken as given.
+
+    Args:
+        kind: estimator name (``"quantile"`` or ``"lognormal"``; ``prefetch.predictor``).
+        window: observations remembered per tool (``prefetch.window``).
+        floor_s: before any ratio is learned, a session that is late is expected to wait
+            at least this many seconds more (the scheduler's ``refresh_s``).
+    Raises:
+        ConfigError: unknown ``kind``.
+    """
+
+    def __init__(self, kind: str = "quantile", window: int = 64, *, floor_s: float = 2.0):
+        self.tools = ToolPredictor(kind, window)
+        self.session_ratios = ToolPredictor(kind, window, default_s=1.0)
+        self.floor_s = floor_s
+
+    def learn(self, tool: str, start: float, predicted_resume: float, observed: float) -> None:
+        """One wait that started at ``start`` and was predicted to end at
+        ``predicted_resume`` (seconds) ended after ``observed`` seconds."""
+        if tool == SESSION_TOOL:
+            hinted = predicted_resume - start
+            if hinted > 0 and observed > 0:
+                self.session_ratios.observe(SESSION_TOOL, observed / hinted)
+        else:
+            self.tools.observe(tool, observed)
+
+    def tool_quantile(self, tool: str, q: float) -> float:
+        """The ``q``-quantile of a call of ``tool`` (seconds)."""
+        return self.tools.predict(tool, q)
+
+    def ratios_learned(self) -> bool:
+        """Whether enough session gaps were observed to scale hinted gaps by their ratio."""
+        return self.session_ratios.tools().get(SESSION_TOOL, 0) >= self.session_ratios.min_samples
+
+    def gap_scale(self, q: float) -> float:
+        """The ``q``-quantile of observed / hinted gap (1.0 until :meth:`ratios_learned`)."""
+        return self.session_ratios.predict(SESSION_TOOL, q) if self.ratios_learned() else 1.0
+
+    def remaining(self, tool: str, elapsed: float, hinted_gap: float, q: float) -> float:
+        """The ``q``-quantile of the seconds a wait still lasts after ``elapsed`` seconds;
+        ``hinted_gap`` (seconds) is a session hint's predicted gap (unused for a tool)."""
+        if tool == SESSION_TOOL:   # in units of the hinted gap, from the learned ratios
+            gap = max(hinted_gap, 1e-3)
+            if self.ratios_learned():
+                return gap * self.session_ratios.predict_remaining(SESSION_TOOL, elapsed / gap, q)
+            return max(gap - elapsed, min(elapsed * 0.5, 600.0), self.floor_s)
+        return self.tools.predict_remaining(tool, elapsed, q)
+
+    def prob_within(self, tool: str, elapsed: float, hinted_gap: float, horizon: float) -> float:
+        """Conservative P(a wait that lasted ``elapsed`` seconds ends within ``horizon``
+        more seconds); ``hinted_gap`` as in :meth:`remaining`."""
+        if tool == SESSION_TOOL:   # in units of the hinted gap
+            gap = max(hinted_gap, 1e-3)
+            return self.session_ratios.prob_within(SESSION_TOOL, elapsed / gap, horizon / gap)
+        return self.tools.prob_within(tool, elapsed, horizon)

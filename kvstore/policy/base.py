@@ -15,14 +15,16 @@ Protocol, as seen from the manager::
     policy.evicted(victim)                the manager moved it out because of pressure
     policy.remove(key)                    it left for another reason (delete, move)
 
-On top of that every policy honours *released* blocks (:meth:`EvictionPolicy.release`):
+On top of that every policy honours blocks *let go* (:meth:`EvictionPolicy.let_go`):
 blocks whose session finished or was abandoned (session hints, :mod:`kvstore.agent.sessions`)
-are the first victims, in the order released (within one call: last block first, so a
+are the first victims, in the order let go (within one call: last block first, so a
 prefix shrinks from its tail), and a full tier refuses to admit them. A hit does not
-revive a released block (the finished session's own last request reads it after its
-hint); a new session that uses it does (:meth:`EvictionPolicy.revive`). Subclasses implement the policy proper in ``_insert``,
-``_access``, ``_remove``, ``_victim`` (and optionally ``_evicted``, ``_admit``,
-``victim_reason``); the public methods here wrap them.
+revive a block let go (the finished session's own last request reads it after its
+hint); a new session that uses it does (:meth:`EvictionPolicy.revive`).
+
+Subclasses implement the policy proper in ``_insert``, ``_access``, ``_remove``,
+``_victim`` (and optionally ``_evicted``, ``_admit``, ``victim_reason``); the public
+methods here wrap them.
 
 Every pressure eviction can be reported to a listener (:attr:`EvictionPolicy.listener`,
 e.g. :class:`kvstore.service.explain.EvictionLog`) as an :class:`EvictionEvent`, which is what
@@ -42,8 +44,8 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from kvstore.common.errors import ConfigError, KVStoreError
 
-MAX_RELEASED = 1 << 20
-"""Released keys remembered per policy (oldest forgotten first)."""
+MAX_LET_GO = 1 << 20
+"""Keys let go remembered per policy (oldest forgotten first)."""
 
 
 class NoVictim(KVStoreError):
@@ -95,43 +97,44 @@ class EvictionPolicy(abc.ABC):
         self.listener: Callable[[EvictionEvent], None] | None = None
         self._sizes: dict[bytes, int] = {}
         self._used = 0
-        self._released: OrderedDict[bytes, None] = OrderedDict()           # resident or not
-        self._released_resident: OrderedDict[bytes, None] = OrderedDict()  # eviction order
+        self._let_go: OrderedDict[bytes, None] = OrderedDict()           # resident or not
+        self._let_go_resident: OrderedDict[bytes, None] = OrderedDict()  # eviction order
         self._victim_now = 0.0
-        # hints (release / revive, next_use's set_next_use) come from RPC or prefetch
+        # hints (let_go / revive, next_use's set_next_use) come from RPC or prefetch
         # threads while the manager calls the protocol under its own lock: one lock here
         self._lock = threading.RLock()
 
-    # ------------------------------------------------------------------ released blocks
+    # ------------------------------------------------------------------ blocks let go
 
-    def release(self, keys: Iterable[bytes]) -> None:
+    def let_go(self, keys: Iterable[bytes]) -> None:
         """The sessions using ``keys`` ended: evict them first, refuse them when full.
 
         ``keys`` in prefix order; they leave last first. Keys not resident here are
-        remembered (up to :data:`MAX_RELEASED`) in case they arrive later (a demotion,
+        remembered (up to :data:`MAX_LET_GO`) in case they arrive later (a demotion,
         or the put of a finished session's last request).
         """
         with self._lock:
             for key in reversed(list(keys)):
-                self._released[key] = None
-                self._released.move_to_end(key)
+                self._let_go[key] = None
+                self._let_go.move_to_end(key)
                 if key in self._sizes:
-                    self._released_resident[key] = None
-                    self._released_resident.move_to_end(key)
-            while len(self._released) > MAX_RELEASED:
-                old, _ = self._released.popitem(last=False)
-                self._released_resident.pop(old, None)
+                    self._let_go_resident[key] = None
+                    self._let_go_resident.move_to_end(key)
+            while len(self._let_go) > MAX_LET_GO:
+                old, _ = self._let_go.popitem(last=False)
+                self._let_go_resident.pop(old, None)
 
     def revive(self, keys: Iterable[bytes]) -> None:
-        """Undo :meth:`release` for ``keys`` (a new session uses them)."""
+        """Undo :meth:`let_go` for ``keys`` (a new session uses them)."""
         with self._lock:
             for key in keys:
-                if key in self._released:
-                    del self._released[key]
-                    self._released_resident.pop(key, None)
+                if key in self._let_go:
+                    del self._let_go[key]
+                    self._let_go_resident.pop(key, None)
 
-    def is_released(self, key: bytes) -> bool:
-        return key in self._released
+    def is_let_go(self, key: bytes) -> bool:
+        """Whether ``key`` was let go (and not revived since)."""
+        return key in self._let_go
 
     @property
     def used_bytes(self) -> int:
@@ -141,10 +144,10 @@ class EvictionPolicy(abc.ABC):
     # ------------------------------------------------------------------ protocol (public)
 
     def admit(self, key: bytes, nbytes: int, now: float) -> bool:
-        """Whether a new block may enter this tier at all: not a released block when the
+        """Whether a new block may enter this tier at all: not a block let go when the
         tier is full; otherwise the policy's own rule (default: always)."""
         with self._lock:
-            if key in self._released and self._used + nbytes > self.capacity_bytes:
+            if key in self._let_go and self._used + nbytes > self.capacity_bytes:
                 return False
             return self._admit(key, nbytes, now)
 
@@ -154,8 +157,8 @@ class EvictionPolicy(abc.ABC):
             if key not in self._sizes:
                 self._sizes[key] = nbytes
                 self._used += nbytes
-                if key in self._released:
-                    self._released_resident[key] = None
+                if key in self._let_go:
+                    self._let_go_resident[key] = None
             self._insert(key, nbytes, now)
 
     def access(self, key: bytes, now: float) -> None:
@@ -173,7 +176,8 @@ class EvictionPolicy(abc.ABC):
         """``key`` (returned by :meth:`victim`) was moved out because of pressure."""
         with self._lock:
             if self.listener is not None:
-                reason = ("its session ended (released by a session hint)" if key in self._released_resident
+                # the words are what `kvstore explain` prints (kept as they were)
+                reason = ("its session ended (released by a session hint)" if key in self._let_go_resident
                           else self.victim_reason(key, self._victim_now))
                 self.listener(EvictionEvent(key, self.tier_name, self.name, reason, self._victim_now))
             self._forget(key)
@@ -181,7 +185,7 @@ class EvictionPolicy(abc.ABC):
 
     def victim(self, evictable: Callable[[bytes], bool], incoming: bytes | None = None,
                now: float = 0.0) -> bytes:
-        """The resident block to evict next: a released one if any is evictable, else
+        """The resident block to evict next: one let go if any is evictable, else
         the policy's choice.
 
         Args:
@@ -193,7 +197,7 @@ class EvictionPolicy(abc.ABC):
         """
         with self._lock:
             self._victim_now = now
-            for key in self._released_resident:
+            for key in self._let_go_resident:
                 if evictable(key):
                     return key
             return self._victim(evictable, incoming, now)
@@ -202,7 +206,7 @@ class EvictionPolicy(abc.ABC):
         n = self._sizes.pop(key, None)
         if n is not None:
             self._used -= n
-        self._released_resident.pop(key, None)
+        self._let_go_resident.pop(key, None)
 
     # ------------------------------------------------------------------ the policy proper
 

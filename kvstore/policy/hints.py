@@ -13,7 +13,7 @@ The manager never calls these; the agent-aware components do:
 - :class:`CalibratesHints`: the policy corrects hinted gaps with the session table's
   learned calibration (``next_use``).
 
-Both are checked with ``isinstance`` (runtime protocols), so a policy opts in by
+All four are checked with ``isinstance`` (runtime protocols), so a policy opts in by
 defining the method; :class:`kvstore.policy.lru.LRUPolicy` and the other classic
 policies simply ignore hints.
 """

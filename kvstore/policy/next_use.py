@@ -4,7 +4,7 @@ Belady's MIN (Belady 1966, "A study of replacement algorithms for a virtual-stor
 computer", IBM Systems Journal 5(2)) evicts the block used again farthest in the
 future and is optimal; it needs the future. This policy predicts it from three sources:
 
-1. **Released blocks** (:meth:`EvictionPolicy.release`, from session hints: the session
+1. **Blocks let go** (:meth:`EvictionPolicy.let_go`, from session hints: the session
    finished or was abandoned) are never used again: the first victims (base class).
 2. **Explicit hints** (:meth:`NextUsePolicy.set_next_use`): a session's expected-back
    time (:mod:`kvstore.agent.sessions`) or a tool call's predicted resume
@@ -12,9 +12,9 @@ future and is optimal; it needs the future. This policy predicts it from three s
    ``t``: its distance is ``t - now``; once ``t`` has passed without the use (the
    session or tool is late) the distance grows as ``overdue_ratio * (now - t)`` (the
    longer overdue, the later and the less likely the return) until ``hint_grace_s``
-   after ``t``, when the hint is dropped and the blocks fall back to (3). A hit in the
-   second half of the hint's span (from when it was set to ``t``) consumes it; an
-   earlier hit (the request that set it) does not.
+   after ``t``, when the hint is dropped and the blocks fall back to (3). A hit does
+   not consume a hint: it stays until replaced, cleared (the session returned) or
+   expired. The hint groups are kept by :class:`kvstore.policy.hint_groups.HintGroups`.
 3. **Learned reuse** (:class:`kvstore.policy.reuse_model.ReuseModel`, shared by all tiers via
    :meth:`attach`): blocks belong to *records* (blocks last used together: a
    conversation's prefix, its partial tail block, a shared system prompt) with a class
@@ -48,8 +48,9 @@ import math
 from typing import Callable, Sequence
 
 from kvstore.common.errors import ConfigError
-from kvstore.policy.reuse_model import ReuseModel
 from kvstore.policy.base import EvictionPolicy, NoVictim, register
+from kvstore.policy.hint_groups import HintGroups
+from kvstore.policy.reuse_model import ReuseModel
 
 
 class _Group:
@@ -62,34 +63,6 @@ class _Group:
         self.cls = cls
         self.t0 = t0
         self.keys: dict[bytes, None] = {}
-
-
-class _Hint:
-    """One explicit hint: keys expected to be used at ``t``, hinted at ``t_set``."""
-
-    __slots__ = ("hid", "t", "t_set", "gap", "cls", "pos", "resident", "queued", "exact")
-
-    def __init__(self, hid: int, t: float, t_set: float, exact: bool = False):
-        self.hid = hid
-        self.exact = exact
-        self.t = t
-        self.t_set = t_set
-        self.gap = max(t - t_set, 1e-3)
-        self.cls = max(0, min(int(math.log(self.gap / _GAP0) / _GAP_STEP), _GAP_BINS - 1))
-        self.pos: dict[bytes, int] = {}
-        self.resident: dict[bytes, None] = {}      # in position order
-        self.queued = False                        # in the candidate heaps
-
-    def add_resident(self, key: bytes) -> None:
-        res = self.resident
-        if res and self.pos[key] < self.pos[next(reversed(res))]:
-            res[key] = None
-            self.resident = dict.fromkeys(sorted(res, key=self.pos.__getitem__))
-        else:
-            res[key] = None
-
-
-_GAP0, _GAP_STEP, _GAP_BINS = 0.25, math.log(1.25), 56   # hint classes: gap bins 0.25 s .. ~4 h
 
 
 def _number(name: str, value, lo: float = 0.0) -> float:
@@ -134,13 +107,7 @@ class NextUsePolicy(EvictionPolicy):
         self._groups: dict[int, _Group] = {}
         self._old: dict[int, list[tuple[float, int]]] = {}     # per class: min-heap (t0, rid)
         self._young: dict[int, list[tuple[float, int]]] = {}   # per class: min-heap (-t0, -rid)
-        self._hint_of: dict[bytes, _Hint] = {}
-        self._hints: dict[int, _Hint] = {}
-        self._hold: dict[int, list[tuple[float, int]]] = {}     # per gap class: (t_set, hid)
-        self._hyoung: dict[int, list[tuple[float, int]]] = {}   # per gap class: (-t_set, -hid)
-        self._expiry: list[tuple[float, int]] = []    # (t, hid): every hint, for expiry
-        self.calibration = None            # a kvstore.agent.hint_model.HintCalibration, set by the session table
-        self._hid = itertools.count()
+        self.hint_groups = HintGroups(self.hint_grace_s, self.overdue_ratio)
         self._unknown_rid = itertools.count(-1, -1)
         self._last_unknown: _Group | None = None
         self.counters = {"refused": 0, "hinted": 0}
@@ -150,7 +117,7 @@ class NextUsePolicy(EvictionPolicy):
     def use_calibration(self, calibration) -> None:
         """Correct hinted gaps with ``calibration`` (a
         :class:`kvstore.agent.hint_model.HintCalibration`, or None: hints as given)."""
-        self.calibration = calibration
+        self.hint_groups.calibration = calibration
 
     def attach(self, model: ReuseModel) -> None:
         """Use ``model`` (fed with every request by the scheduler or simulator)."""
@@ -162,7 +129,7 @@ class NextUsePolicy(EvictionPolicy):
         """Explicit predicted next use of ``keys`` (seconds, same clock as ``now``), in
         prefix order, hinted at ``since`` (default ``now``). One time for all keys makes
         one hint group (evicted tail first); per-key times make one group per run of
-        equal times. ``math.inf`` = never: the keys are released (first victims).
+        equal times. ``math.inf`` = never: the keys are let go (first victims).
         ``exact``: the time is a commitment (a prefetch that must be kept until used),
         not a prediction to calibrate: the fixed rule applies."""
         with self._lock:
@@ -177,55 +144,25 @@ class NextUsePolicy(EvictionPolicy):
     def _hint_group(self, keys: list[bytes], t: float, now: float, since: float, exact: bool = False) -> None:
         if t == math.inf:
             self.clear_hints(keys, now)
-            self.release(keys)
+            self.let_go(keys)
             return
         if t + self.hint_grace_s < now:
             return
         self.revive(keys)
-        h = _Hint(next(self._hid), t, since, exact)
-        self._hints[h.hid] = h
-        heapq.heappush(self._expiry, (t, h.hid))
+        h = self.hint_groups.new_group(t, since, exact)
         for i, key in enumerate(keys):
-            self._unhint(key)
-            h.pos[key] = i
-            self._hint_of[key] = h
+            self.hint_groups.assign(h, key, i)
             if key in self._sizes:
                 self._ungroup(key)
-                self._add_hinted(h, key)
+                self.hint_groups.join(h, key)
             self.counters["hinted"] += 1
-
-    def _add_hinted(self, h: _Hint, key: bytes) -> None:
-        """Resident ``key`` joins hint group ``h`` (which re-enters the candidate heaps)."""
-        h.add_resident(key)
-        if not h.queued:
-            h.queued = True
-            heapq.heappush(self._hold.setdefault(h.cls, []), (h.t_set, h.hid))
-            heapq.heappush(self._hyoung.setdefault(h.cls, []), (-h.t_set, -h.hid))
 
     def clear_hints(self, keys: Sequence[bytes], now: float) -> None:
         """Drop explicit hints of ``keys``: they fall back to the learned model."""
         with self._lock:
             for key in keys:
-                if self._unhint(key) and key in self._sizes:
+                if self.hint_groups.unhint(key) and key in self._sizes:
                     self._place(key, now)
-
-    def _unhint(self, key: bytes) -> bool:
-        h = self._hint_of.pop(key, None)
-        if h is None:
-            return False
-        del h.pos[key]
-        h.resident.pop(key, None)
-        if not h.pos:
-            del self._hints[h.hid]
-        return True
-
-    def _hint_distance(self, h: _Hint, now: float) -> float:
-        cal = self.calibration
-        if cal is not None and cal.ready and not h.exact:
-            return cal.distance(h.gap, now - h.t_set)
-        if now <= h.t:
-            return h.t - now
-        return self.overdue_ratio * (now - h.t)
 
     # ------------------------------------------------------------------ groups
 
@@ -258,10 +195,10 @@ class NextUsePolicy(EvictionPolicy):
 
     def _place(self, key: bytes, now: float) -> None:
         """Put resident ``key`` in its hint group or its record's group."""
-        h = self._hint_of.get(key)
+        h = self.hint_groups.group_of(key)
         if h is not None:
             self._ungroup(key)
-            self._add_hinted(h, key)
+            self.hint_groups.join(h, key)
             return
         g = self._group_for(key, now)
         old = self._group_of.get(key)
@@ -273,16 +210,9 @@ class NextUsePolicy(EvictionPolicy):
         self._group_of[key] = g
 
     def _expire(self, now: float) -> None:
-        exp = self._expiry
-        while exp and exp[0][0] + self.hint_grace_s < now:
-            _, hid = heapq.heappop(exp)
-            h = self._hints.get(hid)
-            if h is None:
-                continue
-            for key in list(h.pos):
-                self._unhint(key)
-                if key in self._sizes:
-                    self._place(key, min(h.t, now))   # age from the use that did not come
+        for key, t in self.hint_groups.expire(now):
+            if key in self._sizes:
+                self._place(key, min(t, now))   # age from the use that did not come
 
     # ------------------------------------------------------------------ protocol
 
@@ -292,19 +222,17 @@ class NextUsePolicy(EvictionPolicy):
 
     def _access(self, key: bytes, now: float) -> None:
         with self._lock:
-            if key in self._sizes and key not in self._hint_of:
+            if key in self._sizes and key not in self.hint_groups:
                 self._place(key, now)      # a hint stays until replaced, cleared or expired
 
     def _remove(self, key: bytes) -> None:
         with self._lock:
             self._ungroup(key)
-            h = self._hint_of.get(key)
-            if h is not None:
-                h.resident.pop(key, None)
+            self.hint_groups.left(key)
 
     def _admit(self, key: bytes, nbytes: int, now: float) -> bool:
         with self._lock:
-            if not self.admission or self._used + nbytes <= self.capacity_bytes or self._released_resident:
+            if not self.admission or self._used + nbytes <= self.capacity_bytes or self._let_go_resident:
                 return True
             self._expire(now)
             best = self._best(lambda k: True, now)
@@ -325,60 +253,33 @@ class NextUsePolicy(EvictionPolicy):
 
     def victim_reason(self, key: bytes, now: float) -> str:
         d = self.distance(key, now)
-        src = "hint" if key in self._hint_of else "learned reuse"
+        src = "hint" if key in self.hint_groups else "learned reuse"
         return "never used again" if d == math.inf else f"farthest predicted next use ({d:.1f} s, {src})"
 
     # ------------------------------------------------------------------ scoring
 
     def _distance_new(self, key: bytes, now: float) -> float:
-        if key in self._released:
+        if key in self._let_go:
             return math.inf
-        h = self._hint_of.get(key)
+        h = self.hint_groups.group_of(key)
         if h is not None:
-            return self._hint_distance(h, now)
+            return self.hint_groups.distance(h, now)
         rec = self.model.record_of(key)
         if rec is None:
             return self.model.distance(self.model.UNKNOWN, 0.0)
         return self.model.distance(rec.cls, now - rec.t0)
 
     def distance(self, key: bytes, now: float) -> float:
-        """Predicted distance (seconds) of ``key`` to its next use; inf when released."""
+        """Predicted distance (seconds) of ``key`` to its next use; inf when let go."""
         with self._lock:
             g = self._group_of.get(key)
-            if g is None or key in self._released:
+            if g is None or key in self._let_go:
                 return self._distance_new(key, now)
             return self.model.distance(g.cls, now - g.t0)
 
-    def _hint_candidate(self, heap: list, sign: int, evictable, now: float) -> tuple | None:
-        """The evictable tail block of the hint group at the top of ``heap``."""
-        skipped, found = [], None
-        while heap:
-            h = self._hints.get(sign * heap[0][1])
-            if h is None:
-                heapq.heappop(heap)
-                continue
-            if not h.resident:                         # re-queued when a block arrives
-                heapq.heappop(heap)
-                h.queued = False
-                continue
-            key = next((k for k in reversed(h.resident) if evictable(k)), None)
-            if key is None:
-                skipped.append(heapq.heappop(heap))
-                continue
-            found = (self._hint_distance(h, now), -h.t_set, key)
-            break
-        for item in skipped:
-            heapq.heappush(heap, item)
-        return found
-
     def _best(self, evictable: Callable[[bytes], bool], now: float) -> tuple[float, float, bytes] | None:
         """The farthest candidate as ``(distance, -t0, key)``; None if no candidate is evictable."""
-        best: tuple[float, float, bytes] | None = None
-        for cls, heap in self._hold.items():
-            for h, sign in ((heap, 1), (self._hyoung[cls], -1)):
-                cand = self._hint_candidate(h, sign, evictable, now)
-                if cand is not None and (best is None or cand[:2] > best[:2]):
-                    best = cand
+        best = self.hint_groups.best(evictable, now)
         groups = self._groups
         dist = self.model.distance
         for cls, heap in self._old.items():

@@ -142,7 +142,7 @@ def test_background_thread_starts_and_stops():
     s.start()
     s.start()            # idempotent
     s.stop()
-    assert s._thread is None
+    assert not s.ticker.running
 
 
 LIGHT_TOOLS = (Tool("search", 0.8, 0.4, 400, 0.5, 0.35), Tool("browse", 2.5, 0.5, 1200, 0.6, 0.25),
@@ -209,4 +209,4 @@ def test_low_confidence_holds_a_promotion_back_and_an_abandoned_session_is_dropp
     assert s.stats.promoted_blocks == 0 and s.next_due() < float("inf")   # checked again later
     s.session_hint(SessionHint("T", "abandoned", ()))
     assert s.next_due() == float("inf") and s.stats.resumes == 0
-    assert all(m.policies[0].is_released(k) for k in keys)
+    assert all(m.policies[0].is_let_go(k) for k in keys)

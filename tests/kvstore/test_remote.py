@@ -253,7 +253,8 @@ def test_get_stream_reports_paged_in_blocks_as_remote(cluster):
 
 def test_prefetch_pages_a_waiting_trajectory_in_from_the_cluster(cluster):
     from kvstore.config.node import PrefetchConfig
-    from kvstore.agent.prefetch import DEFAULT_HOP_BANDWIDTH, PrefetchScheduler
+    from kvstore.agent.page_back import DEFAULT_HOP_BANDWIDTH
+    from kvstore.agent.prefetch import PrefetchScheduler
 
     a, b = node(cluster, publish="all"), node(cluster)
     keys = [K(i) for i in range(6)]

@@ -47,7 +47,7 @@ def test_a_finished_session_releases_only_its_private_blocks():
     assert st.private_keys("A") == [k("a"), k("b")]
     st.apply(SessionHint("A", "finished"), 5.0)                     # keys: as last given
     for p in (nu, lru):
-        assert p.is_released(k("a")) and p.is_released(k("b")) and not p.is_released(k("s"))
+        assert p.is_let_go(k("a")) and p.is_let_go(k("b")) and not p.is_let_go(k("s"))
         assert p.victim(lambda x: True, now=6.0) == k("b")          # tail first
     assert st.stats.finished == 1 and st.stats.released_blocks == 2
     assert st.get("A") is None
@@ -58,11 +58,11 @@ def test_abandoned_and_dropped_prefix_blocks_are_released_and_revived_on_reuse()
     resident(lru, "abcd")
     st.apply(SessionHint("A", "continues", (k("a"), k("b"), k("c")), 20.0), 0.0)
     st.apply(SessionHint("A", "continues", (k("a"), k("d")), 20.0), 10.0)   # history edited: b, c dropped
-    assert lru.is_released(k("b")) and lru.is_released(k("c")) and not lru.is_released(k("a"))
+    assert lru.is_let_go(k("b")) and lru.is_let_go(k("c")) and not lru.is_let_go(k("a"))
     st.apply(SessionHint("A", "abandoned"), 12.0)
-    assert lru.is_released(k("a")) and lru.is_released(k("d"))
+    assert lru.is_let_go(k("a")) and lru.is_let_go(k("d"))
     st.apply(SessionHint("C", "continues", (k("a"),), 5.0), 13.0)          # a new session reuses a
-    assert not lru.is_released(k("a"))
+    assert not lru.is_let_go(k("a"))
     assert st.stats.abandoned == 1 and st.stats.returns == 1
 
 
@@ -84,7 +84,7 @@ def test_a_ttl_that_runs_out_drops_the_hint_without_releasing():
     assert nu.distance(k("a"), 1.0) == pytest.approx(4.0)
     st.tick(25.0)
     assert st.get("A") is None and st.stats.lapsed == 1
-    assert not nu.is_released(k("a"))
+    assert not nu.is_let_go(k("a"))
     assert nu.distance(k("a"), 25.0) != pytest.approx(-20.0)       # back to the learned order
 
 

@@ -45,8 +45,9 @@ def scheduler(enabled=True, hbm_blocks=64, predictor="lognormal", repromote=Fals
 
 
 def sizes(s) -> dict:
-    return {"waiting": len(s._waiting), "due": len(s._due), "expiry": len(s._expiry), "active": len(s._active),
-            "expired": len(s._expired), "promoted": len(s._promoted),
+    t = s.waits.sizes()
+    return {"waiting": t["waiting"], "due": len(s.timeline), "expiry": t["expiry"], "active": t["running"],
+            "expired": t["expired"], "promoted": len(s.pager),
             "errors": len(s.stats.abs_error_s), "tools": len(s.predictor.tools())}
 
 
@@ -81,8 +82,8 @@ def test_max_waiting_bounds_the_table_even_within_the_expiry_time():
     clock.t = 100.0
     for i in range(5000):
         s.tool_call_start(f"T{i}", "search", clock.t, [])
-        assert len(s._waiting) <= 100
-    assert s.stats.expired == 4900 and len(s._expired) <= 100 and len(s._expiry) <= 2 * (2 * 100 + 64) + 1
+        assert len(s.waits) <= 100
+    assert s.stats.expired == 4900 and s.waits.sizes()["expired"] <= 100 and s.waits.sizes()["expiry"] <= 2 * (2 * 100 + 64) + 1
 
 
 def test_20000_start_resume_pairs_keep_statistics_and_tables_bounded():
@@ -124,7 +125,7 @@ def test_no_re_promotion_after_expiry():
     before_expiry = promoted[:199]                    # up to 199.5 s
     after_expiry = promoted[199:]
     assert before_expiry[-1] >= 6                     # promoted, then re-promoted after each push-out
-    assert "T" not in s._waiting and s.stats.expired == 1
+    assert "T" not in s.waits and s.stats.expired == 1
     assert after_expiry[-1] == after_expiry[0] == before_expiry[-1]     # nothing promoted after 200 s
     assert not any(k in m.tiers[0] for k in t_keys)
 
@@ -135,7 +136,7 @@ def test_a_late_resume_after_expiry_still_teaches_the_predictor():
     s.tool_call_start("T", "search", 100.0, [])
     clock.t = 500.0
     s.tick()
-    assert "T" not in s._waiting
+    assert "T" not in s.waits
     assert s.resume("T", 500.0) == (True, pytest.approx(400.0))
     assert s.predictor.tools()["search"] == before + 1 and s.stats.resumes_expired == 1
     assert s.resume("T", 501.0) == (False, 0.0)
@@ -203,9 +204,9 @@ def test_session_hint_waits_expire_and_a_late_hint_still_calibrates():
     clock.t = 100.0
     for i in range(300):                              # sessions that never come back
         s.session_hint(SessionHint(f"S{i}", SessionState.CONTINUES, (), expected_back_s=20.0, time=clock.t))
-    assert len(s._waiting) == 300
+    assert len(s.waits) == 300
     clock.t = 100.0 + 10 * 20.0 + 1                   # past expire_factor (10) x the hinted gap
     s.tick()
-    assert len(s._waiting) == 0 and s.stats.expired == 300
+    assert len(s.waits) == 0 and s.stats.expired == 300
     assert s.resume("S0", clock.t) == (True, pytest.approx(201.0))   # late: learned, not scored
     assert s.stats.resumes_expired == 1 and s.stats.resumes == 0

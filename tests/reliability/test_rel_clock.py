@@ -104,6 +104,6 @@ def test_a_step_forward_of_an_hour_does_not_fire_the_page_back_early(node, wall,
         wall.offset = +HOUR
         for _ in range(20):                                   # 20 scheduler passes after the step
             assert ticks.acquire(timeout=60), "the prefetch thread stopped ticking"
-        assert "T" in sched._waiting, "the call expired at once"
+        assert "T" in sched.waits, "the call expired at once"
         assert d.manager.tier_of(K) == TierKind.NVME and sched.stats.promoted_blocks == 0, "paged back at once"
         assert sched.next_due() == due                        # the schedule did not move
