@@ -145,7 +145,7 @@ def tier_rates(tier, raw: Raw, size: int, batch: int, total: int) -> dict:
     def put(r=-1):
         assert tier.put_many([(key(r, i), blocks[i]) for i in range(batch)]) == [True] * batch
     rates = {"tier put": timed_rounds(put, size * batch, total)}
-    for k in list(tier._own):                                # drop them, outside the timing
+    for k in tier.keys():                                # drop them, outside the timing
         tier.free(k)
     tier.flush(60)
     keys = [key(10**6, i) for i in range(batch)]
@@ -162,7 +162,7 @@ def tier_rates(tier, raw: Raw, size: int, batch: int, total: int) -> dict:
             tier.write(k, 0, blocks[0])
             tier.commit(k)
         rates["tier put (2-phase)"] = timed_rounds(put2, size, total)
-        for k in list(tier._own):
+        for k in tier.keys():
             if k != keys[0]:
                 tier.free(k)
         tier.flush(60)
@@ -170,7 +170,7 @@ def tier_rates(tier, raw: Raw, size: int, batch: int, total: int) -> dict:
         def get2(_r=0):
             assert tier.read_into(keys[0], outs[0]) == size
         rates["tier get (read_into)"] = timed_rounds(get2, size, total)
-    for k in list(tier._own):
+    for k in tier.keys():
         tier.free(k)
     tier.flush(60)
     return rates

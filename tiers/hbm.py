@@ -7,9 +7,10 @@ places blocks in it::
     slab   |blk a  |blk b     |free      |blk c  |free ...|
            ^0      ^4096      ^12288                       ^capacity
     extents (default): a block takes its size rounded up to 4096 bytes (GDS page),
-                       placed by the host tier's best-fit allocator
-                       (:class:`tiers.host.ExtentAllocator`, neighbours merged on free);
-    slots (slot_bytes=S): every block takes one S-byte slot (blocks > S do not fit).
+                       placed best fit (:class:`tiers.allocator.ExtentAllocator`,
+                       the host tier's allocator; neighbours merged on free);
+    slots (slot_bytes=S): every block takes one S-byte slot (blocks > S do not fit;
+                       :class:`tiers.allocator.SlotAllocator`).
 
 ``used_bytes`` counts those allocator units, so it can exceed the sum of payloads.
 
@@ -23,7 +24,8 @@ slab, its size and the CUDA device. The worker opens the handle once
 Without a GPU the slab is a :class:`multiprocessing.shared_memory.SharedMemory`
 segment; its name plays the IPC handle (``device == -1``) and
 :func:`kvstore.client.ipc.open_block` maps it read-only in another process (Linux
-``/dev/shm``). Everything else (allocation, accounting) is the same code.
+``/dev/shm``). Everything else (allocation, accounting) is the same code; the two
+slabs are :mod:`tiers.slab`.
 
 Capabilities: ``device`` (:meth:`HBMTier.device_array`, :meth:`HBMTier.ipc_handle`;
 numpy arrays on the stand-in) and, on the stand-in, ``host`` (zero-copy views).
@@ -34,28 +36,19 @@ Thread safety: allocation, commit and free are guarded by one lock; ``write`` an
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 
-from tiers.base import (
-    ByteRanges,
-    Capabilities,
-    IpcHandle,
-    Tier,
-    TierKind,
-    byte_view,
-    check_ranges,
-    output_view,
-)
+from tiers.allocator import ExtentAllocator, SlotAllocator
+from tiers.base import Tier, TierKind
+from tiers.buffers import ByteRanges, byte_view, check_ranges, output_view
+from tiers.capabilities import Capabilities, IpcHandle
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, NoRoom
 from tiers.gpu import cuda_buffer, gpu_available, require_gpu
-from tiers.host import ExtentAllocator
+from tiers.slab import CudaSlab, ShmSlab
 
 __all__ = ["ALIGNMENT", "HBMTier"]
 
@@ -63,147 +56,7 @@ ALIGNMENT = 4096
 """Extent granularity and alignment in bytes (GPU page: GDS moves whole 4 KiB pages)."""
 
 BACKENDS = ("cuda", "shm")
-_SHM_DIR = "/dev/shm"
 
-
-# ---------------------------------------------------------------------- allocator
-
-class _Slots:
-    """Fixed ``slot_bytes`` slots in ``[0, capacity)``, the same interface as
-    :class:`tiers.host.ExtentAllocator` (which places variable extents)."""
-
-    def __init__(self, capacity: int, slot_bytes: int):
-        self.slot_bytes = slot_bytes
-        self.capacity = capacity - capacity % slot_bytes
-        self.used = 0
-        self._free = list(range(self.capacity - slot_bytes, -1, -slot_bytes))  # pop() -> lowest
-
-    def round_up(self, nbytes: int) -> int:
-        return self.slot_bytes
-
-    @property
-    def largest_free(self) -> int:
-        return self.slot_bytes if self._free else 0
-
-    def can_allocate(self, nbytes: int) -> bool:
-        return 0 <= nbytes <= self.slot_bytes and bool(self._free)
-
-    def allocate(self, nbytes: int) -> tuple[int, int]:
-        if nbytes > self.slot_bytes:
-            raise NoRoom(f"a {nbytes}-byte block does not fit a {self.slot_bytes}-byte slot")
-        if not self._free:
-            raise NoRoom(f"all {self.capacity // self.slot_bytes} slots are taken")
-        self.used += self.slot_bytes
-        return self._free.pop(), self.slot_bytes
-
-    def release(self, start: int, size: int) -> None:
-        self.used -= size
-        self._free.append(start)
-
-
-# ---------------------------------------------------------------------- slabs
-
-class _ShmSlab:
-    """CPU stand-in for device memory: one shared-memory segment, named by ``handle``.
-
-    The segment is created (and unlinked) through :class:`SharedMemory`, but mapped by
-    our own :class:`mmap.mmap` that every view keeps alive: closing the tier while a
-    caller still holds a view unlinks the name and leaves the mapping to the last view
-    (``SharedMemory.close`` would unmap it under the view). Linux (``/dev/shm``) only.
-    """
-
-    device = -1
-    base_offset = 0                      # mmap is page aligned
-
-    def __init__(self, nbytes: int, device: int):
-        shm = shared_memory.SharedMemory(create=True, size=nbytes)
-        try:
-            fd = os.open(os.path.join(_SHM_DIR, shm.name), os.O_RDWR)
-            try:
-                self._map = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-        except BaseException:
-            shm.close()
-            shm.unlink()
-            raise
-        shm.close()                      # its own mapping; the segment lives until unlink
-        self._shm = shm
-        self.handle = shm.name.encode()
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-
-    def write(self, offset: int, data: Any) -> None:
-        src = np.frombuffer(data, dtype=np.uint8)
-        self.array[offset:offset + src.size] = src
-
-    def read_into(self, offset: int, out: np.ndarray) -> None:
-        out[:] = self.array[offset:offset + out.size]
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self.array[offset:offset + nbytes])
-
-    def device_array(self, offset: int, nbytes: int) -> np.ndarray:
-        return self.array[offset:offset + nbytes]
-
-    def close(self) -> None:
-        try:
-            self._shm.unlink()
-        except FileNotFoundError:
-            pass
-        self.array = np.empty(0, dtype=np.uint8)
-        try:
-            self._map.close()
-        except BufferError:
-            pass                         # a view is alive; the mapping goes with the last one
-
-
-class _CudaSlab:
-    """One ``cudaMalloc`` of ``nbytes`` on ``device`` (through CuPy, not its pool)."""
-
-    def __init__(self, nbytes: int, device: int):
-        import cupy
-        from cupy.cuda import runtime
-
-        self._cupy, self._rt = cupy, runtime
-        self.device = device
-        with cupy.cuda.Device(device):
-            # cudaMalloc promises 256-byte alignment; GDS wants 4096: over-allocate and shift
-            self._mem = cupy.cuda.Memory(nbytes + ALIGNMENT)
-            self.handle = bytes(runtime.ipcGetMemHandle(self._mem.ptr))
-        self.base_offset = (-int(self._mem.ptr)) % ALIGNMENT   # slab start, from the IPC base
-        self.ptr = int(self._mem.ptr) + self.base_offset
-
-    def write(self, offset: int, data: Any) -> None:
-        rt = self._rt
-        with self._cupy.cuda.Device(self.device):
-            if hasattr(data, "__cuda_array_interface__"):
-                src, n = cuda_buffer(data)
-                rt.memcpy(self.ptr + offset, src, n, rt.memcpyDeviceToDevice)
-            else:
-                host = np.frombuffer(data, dtype=np.uint8)
-                rt.memcpy(self.ptr + offset, host.ctypes.data, host.size, rt.memcpyHostToDevice)
-
-    def read_into(self, offset: int, out: np.ndarray) -> None:
-        rt = self._rt
-        with self._cupy.cuda.Device(self.device):
-            rt.memcpy(out.ctypes.data, self.ptr + offset, out.size, rt.memcpyDeviceToHost)
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        out = np.empty(nbytes, dtype=np.uint8)
-        self.read_into(offset, out)
-        return memoryview(out)
-
-    def device_array(self, offset: int, nbytes: int):
-        cupy = self._cupy
-        # the views own the cupy Memory, so the slab is freed after the last of them
-        mem = cupy.cuda.UnownedMemory(self.ptr + offset, nbytes, self._mem, self.device)
-        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-
-    def close(self) -> None:
-        self._mem = None  # cudaFree once no device_array() view holds it
-
-
-# ---------------------------------------------------------------------- tier
 
 @dataclass(eq=False)
 class _Block:
@@ -253,9 +106,10 @@ class HBMTier(Tier):
         self.name = name
         self.backend = backend
         self.slot_bytes = slot_bytes
-        self._alloc = _Slots(int(capacity_bytes), slot_bytes) if slot_bytes else \
+        self._alloc = SlotAllocator(int(capacity_bytes), slot_bytes) if slot_bytes else \
             ExtentAllocator(int(capacity_bytes), ALIGNMENT)
-        self._slab = (_CudaSlab if backend == "cuda" else _ShmSlab)(self._alloc.capacity, device)
+        self._slab = CudaSlab(self._alloc.capacity, device, ALIGNMENT) if backend == "cuda" else \
+            ShmSlab(self._alloc.capacity)
         self.device = self._slab.device
         self._blocks: dict[bytes, _Block] = {}
         self._lock = threading.Lock()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tiers.base import ByteRanges, Tier, TierKind, check_ranges
+from tiers.base import Tier, TierKind
+from tiers.buffers import ByteRanges, check_ranges
 from tiers.errors import BlockExists, BlockNotStored, NoRoom
 
 

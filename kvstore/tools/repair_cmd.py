@@ -2,7 +2,7 @@
 
 Run it while no daemon uses the folder (the tier's folder lock refuses otherwise). The
 old index is moved aside, not deleted; files with a bad header are moved to
-``PATH/quarantine``; no block is deleted (:func:`tiers.nvme.recover.repair_index`).
+``PATH/quarantine``; no block is deleted (:func:`tiers.nvme.repair.repair_index`).
 A daemon rebuilds a damaged index by itself at start; this command is for an operator
 who wants to rebuild one offline or check what a folder holds.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from tiers.errors import MediaIOError
-from tiers.nvme.recover import repair_index
+from tiers.nvme.repair import repair_index
 
 
 def cmd_repair_index(args: argparse.Namespace) -> int:

@@ -180,8 +180,8 @@ class DaemonProcess:
 
 def nvme_audit(path: pathlib.Path, verify_checksums: bool = True) -> dict:
     """Compare a closed NVMe tier folder's index with its block files (see
-    :func:`tiers.nvme.recover.audit_folder`: the counts, and ``keys``, the indexed keys)."""
-    from tiers.nvme.recover import audit_folder
+    :func:`tiers.nvme.repair.audit_folder`: the counts, and ``keys``, the indexed keys)."""
+    from tiers.nvme.repair import audit_folder
     return audit_folder(path, verify_payload=verify_checksums)
 
 

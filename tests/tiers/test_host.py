@@ -10,7 +10,8 @@ from tiers.base import read_bytes
 
 from tiers.errors import BlockNotStored, NoRoom
 from tiers.base import TierKind
-from tiers.host import ExtentAllocator, HostTier
+from tiers.allocator import ExtentAllocator
+from tiers.host import HostTier
 
 
 def K(i):

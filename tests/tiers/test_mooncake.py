@@ -123,7 +123,7 @@ def test_two_nodes_see_each_others_blocks(make_tier):
 
 
 def _overwrite(raw, tier, key, obj: bytes):
-    name = tier._name(key)
+    name = tier.object_name(key)
     raw.remove(name, True)
     assert raw.put(name, obj) == 0
 

@@ -448,7 +448,7 @@ def test_bad_arguments_are_value_errors(tmp_path):
 
 
 def test_tiers_import_nothing_from_kvstore():
-    code = ("import sys; import tiers.nvme, tiers.nvme.recover, tiers.nvme.device, tiers.gds; "
+    code = ("import sys; import tiers.nvme, tiers.nvme.recover, tiers.nvme.repair, tiers.nvme.device, tiers.gds; "
             "bad = sorted(m for m in sys.modules if m == 'kvstore' or m.startswith('kvstore.')); "
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

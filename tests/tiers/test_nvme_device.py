@@ -19,7 +19,7 @@ from tiers.base import DeviceFileIO
 from tiers.errors import BlockCorrupt, BlockNotStored, DiskFull, InvalidAccess
 from tiers.gpu import cuda_buffer
 from tiers.nvme.tier import NVMeTier
-from tiers.nvme.recover import read_header
+from tiers.nvme.format import read_header
 
 
 class HostDeviceArray:

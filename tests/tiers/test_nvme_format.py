@@ -20,9 +20,9 @@ from tiers.nvme.format import (
     encode_header,
     file_bytes,
     header_bytes,
+    read_header,
 )
 from tiers.nvme.read import HeaderCache, plan_spans
-from tiers.nvme.recover import read_header
 
 C = 16 << 10
 

@@ -26,7 +26,7 @@ from nvme_support import ROOT, K, block_files, file_of, payload, put, read
 from tiers.errors import MediaUnavailable
 from tiers.nvme.tier import NVMeTier
 from tiers.nvme.format import PAGE
-from tiers.nvme.recover import repair_index
+from tiers.nvme.repair import repair_index
 
 N = 300
 """Blocks in the damaged store: sizes 0 B to ~190 KB, written whole and in pieces."""
@@ -273,7 +273,7 @@ def test_repair_index_command(store):
 
 
 def test_audit_of_a_closed_folder(store):
-    from tiers.nvme.recover import audit_folder
+    from tiers.nvme.repair import audit_folder
     clean = audit_folder(store)
     assert clean["indexed"] == clean["files"] == N and len(clean["keys"]) == N
     assert all(clean[k] == 0 for k in ("temp", "orphans", "missing", "bad_size", "bad_header", "bad_checksum",

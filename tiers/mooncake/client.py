@@ -55,6 +55,26 @@ def code_name(rc: int) -> str:
     return f"{_CODE_NAMES.get(rc, 'ERROR')} ({rc})"
 
 
+# Judges of call results for :meth:`tiers.mooncake.guard.CallGuard.call`: the error text
+# when a result means "the cluster is unavailable" (a failure for the circuit breaker),
+# None when it is an answer.
+
+def master_down(rc: int) -> str | None:
+    """A single call's code: the master is unreachable."""
+    return f"master unreachable: {code_name(rc)}" if rc in MASTER_DOWN else None
+
+
+def all_master_down(rcs: list[int]) -> str | None:
+    """A batch call's codes: every one says the master is unreachable."""
+    return f"master unreachable: {code_name(rcs[0])}" if rcs and all(rc in MASTER_DOWN for rc in rcs) else None
+
+
+def any_error(rcs: list[int]) -> str | None:
+    """``batch_is_exist`` codes: any one of them an error."""
+    bad = [rc for rc in rcs if rc < 0]
+    return f"existence check failed: {code_name(bad[0])}" if bad else None
+
+
 class MooncakeUnavailable(MediaIOError):
     """The Mooncake client library cannot be loaded on this machine (the reason says
     which package is missing)."""
@@ -333,5 +353,6 @@ def _close_quietly(store: Any) -> None:
         pass
 
 
-__all__ = ["MASTER_DOWN", "Connector", "MooncakeConfig", "MooncakeUnavailable", "WHEEL", "WHEEL_VERSION", "apply_library_timeouts",
-           "code_name", "mooncake_missing", "open_session", "reachable", "replicate_config", "store_class"]
+__all__ = ["MASTER_DOWN", "Connector", "MooncakeConfig", "MooncakeUnavailable", "WHEEL", "WHEEL_VERSION",
+           "all_master_down", "any_error", "apply_library_timeouts", "code_name", "master_down", "mooncake_missing",
+           "open_session", "reachable", "replicate_config", "store_class"]

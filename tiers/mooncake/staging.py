@@ -14,8 +14,10 @@ a late transfer never writes into memory lent to someone else.
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 import time
+from typing import Callable
 
 from tiers.errors import InvalidAccess, MediaIOError
 from tiers.memory import allocate_host_buffer
@@ -38,22 +40,21 @@ class Lease:
         view: writable flat byte view of the piece.
     """
 
-    __slots__ = ("offset", "nbytes", "address", "view", "_arena", "_size")
+    __slots__ = ("offset", "nbytes", "address", "view", "_give_back")
 
-    def __init__(self, arena: "StagingArena", offset: int, nbytes: int, size: int):
-        self._arena = arena
+    def __init__(self, offset: int, nbytes: int, address: int, view: memoryview, give_back: Callable[[], None]):
         self.offset = offset
         self.nbytes = nbytes
-        self._size = size
-        self.address = arena.address + offset
-        self.view = arena._view[offset:offset + nbytes]
+        self.address = address
+        self.view = view
+        self._give_back = give_back
 
     def release(self) -> None:
         """Return the piece; a second release is a no-op."""
-        arena, self._arena = self._arena, None
-        if arena is not None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
             self.view.release()
-            arena._release(self.offset, self._size)
+            give_back()
 
 
 class StagingArena:
@@ -115,7 +116,8 @@ class StagingArena:
                             self._free[i] = (start + size, free - size)
                         self._used += size
                         self._leases += 1
-                        return Lease(self, start, nbytes, size)
+                        return Lease(start, nbytes, self.address + start, self._view[start:start + nbytes],
+                                     functools.partial(self._release, start, size))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StagingBusy(f"staging buffer busy: {self._used} of {self.nbytes} bytes lent, "

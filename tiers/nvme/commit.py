@@ -24,7 +24,7 @@ from typing import Any
 
 import lmdb
 
-from tiers.base import check_chunk
+from tiers.buffers import check_chunk
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
 from tiers.nvme.index import BlockIndex

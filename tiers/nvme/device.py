@@ -32,8 +32,7 @@ import xxhash
 
 from tiers.errors import BlockCorrupt
 from tiers.gpu import GPUUnavailable, cuda_buffer
-from tiers.nvme.format import HeaderError, IndexEntry
-from tiers.nvme.recover import read_header
+from tiers.nvme.format import HeaderError, IndexEntry, read_header
 
 log = logging.getLogger("kvstore.tiers.nvme")
 

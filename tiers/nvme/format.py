@@ -218,6 +218,25 @@ def decode_header(buf: memoryview, expect_key: bytes | None = None) -> BlockHead
     return BlockHeader(bytes(key), size, chunk, written_at, sums, h)
 
 
+def read_header(path: str, key: bytes) -> BlockHeader:
+    """Read and verify the header of the block file at ``path`` (not following a symbolic
+    link): one page-sized ``pread``, a second only for a header longer than a page.
+    Raises HeaderError (also for an unreadable file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        raise HeaderError(f"cannot open: {e.strerror}") from None
+    try:
+        first = os.pread(fd, PAGE, 0)
+        h = header_length(memoryview(first))
+        buf = first if h <= len(first) else first + os.pread(fd, h - len(first), len(first))
+        return decode_header(memoryview(buf), key)
+    except OSError as e:
+        raise HeaderError(f"cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------------- index values
 
 
@@ -280,4 +299,4 @@ def key_of_name(name: str) -> bytes | None:
 __all__ = ["BlockHeader", "DEFAULT_CHUNK_BYTES", "FORMAT_KEY", "FORMAT_VALUE", "FORMAT_VERSION",
            "HeaderError", "IndexEntry", "KEY_BYTES", "MAGIC", "PAGE", "block_path", "ceil_page",
            "check_chunk_bytes", "chunk_sums", "decode_header", "encode_header", "file_bytes",
-           "floor_page", "header_bytes", "header_length", "key_of_name", "num_chunks"]
+           "floor_page", "header_bytes", "header_length", "key_of_name", "num_chunks", "read_header"]

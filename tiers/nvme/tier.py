@@ -3,19 +3,21 @@ blocks survive restarts.
 
 Modules (one responsibility each):
 
-=========================  ==============================================================
-:mod:`tiers.nvme`          the tier: opening, reads, frees, the Tier interface
-:mod:`tiers.nvme.format`   on-disk format: folder layout, block header, index values
-:mod:`tiers.nvme.commit`   the two-phase write protocol: reservations, temp files, commit
-:mod:`tiers.nvme.write`    writing a block file (chunk checksums, O_DIRECT staging)
-:mod:`tiers.nvme.read`     ranged, verified reads straight into the caller's buffer
-:mod:`tiers.nvme.files`       folder lock, aligned buffers, O_DIRECT probe, vectored I/O
-:mod:`tiers.nvme.index`    the LMDB index, checked before it is mapped
-:mod:`tiers.nvme.recover`  index <-> files reconciliation, rebuild, repair, audit
-:mod:`tiers.nvme.space`    capacity accounting, disk full
-:mod:`tiers.nvme.spare`    freed files kept for reuse
-:mod:`tiers.nvme.device`   GPUDirect Storage (kvikio) in the same format
-=========================  ==============================================================
+==========================  =============================================================
+:mod:`tiers.nvme.tier`      the tier: the Tier interface, reads, frees, device files
+:mod:`tiers.nvme.folder`    the folder opened: lock, O_DIRECT probe, index reconciled, removal
+:mod:`tiers.nvme.format`    on-disk format: folder layout, block header, index values
+:mod:`tiers.nvme.commit`    the two-phase write protocol: reservations, temp files, commit
+:mod:`tiers.nvme.write`     writing a block file (chunk checksums, O_DIRECT staging)
+:mod:`tiers.nvme.read`      ranged, verified reads straight into the caller's buffer
+:mod:`tiers.nvme.files`     folder lock, aligned buffers, O_DIRECT probe, vectored I/O
+:mod:`tiers.nvme.index`     the LMDB index, checked before it is mapped
+:mod:`tiers.nvme.recover`   index <-> files reconciliation at start
+:mod:`tiers.nvme.repair`    offline index repair and audit of a closed folder
+:mod:`tiers.nvme.space`     capacity accounting, disk full
+:mod:`tiers.nvme.spare`     freed files kept for reuse
+:mod:`tiers.nvme.device`    GPUDirect Storage (kvikio) in the same format
+==========================  =============================================================
 
 Crash safety (SIGKILL at any point): a block is written to ``<hex>.tmp`` (payload, then
 the header with its checksums), renamed to ``<hex>`` (so a file with a block's name is
@@ -39,27 +41,19 @@ room for the configured capacity again, so the manager evicts instead of failing
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-import lmdb
-
-from tiers.base import (
-    NO_CAPABILITIES,
-    ByteRanges,
-    Capabilities,
-    Tier,
-    TierKind,
-    byte_view,
-    check_ranges,
-    output_view,
-)
-from tiers.errors import BlockCorrupt, BlockNotStored, InvalidAccess, MediaIOError, MediaUnavailable
+from tiers.base import Tier, TierKind
+from tiers.buffers import ByteRanges, byte_view, check_ranges, output_view
+from tiers.capabilities import NO_CAPABILITIES, Capabilities
+from tiers.errors import BlockCorrupt, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.gds import gds_available, gds_info
-from tiers.nvme.commit import REPAIR_HINT, Reservations
+from tiers.nvme.commit import Reservations
+from tiers.nvme.files import BufferPool, ReadThreads
+from tiers.nvme.folder import BlockFolder
 from tiers.nvme.format import (
     DEFAULT_CHUNK_BYTES,
     IndexEntry,
@@ -69,15 +63,8 @@ from tiers.nvme.format import (
     floor_page,
     header_bytes,
 )
-from tiers.nvme.index import BlockIndex
-from tiers.nvme.files import BufferPool, ReadThreads, lock_folder, probe_direct
 from tiers.nvme.read import HeaderCache, read_block
-from tiers.nvme.recover import RecoveryReport, reconcile, trim_to_capacity
-from tiers.nvme.space import Space
-from tiers.nvme.spare import SpareFiles
 from tiers.nvme.write import BlockWriter
-
-log = logging.getLogger("kvstore.tiers.nvme")
 
 IO_CHOICES = ("auto", "posix", "gds")
 
@@ -119,10 +106,10 @@ class NVMeTier(Tier):
         spare_bytes: most bytes those files may hold (default: capacity / 16, at most
             1 GiB); they are on disk in addition to :attr:`used_bytes`.
         rebuild_index: move the index aside and rebuild it from the block files
-            (what :func:`tiers.nvme.recover.repair_index` does).
+            (what :func:`tiers.nvme.repair.repair_index` does).
 
-    Opening reconciles the index with the files (:mod:`tiers.nvme.recover`; the outcome
-    is :attr:`recovery`) and deletes the oldest blocks beyond ``capacity_bytes``.
+    Opening (:class:`tiers.nvme.folder.BlockFolder`) reconciles the index with the files
+    (:mod:`tiers.nvme.recover`; the outcome is :attr:`recovery`) and deletes the oldest blocks beyond ``capacity_bytes``.
     Reads and writes of different blocks may run concurrently from several threads.
 
     Raises:
@@ -149,64 +136,30 @@ class NVMeTier(Tier):
         self.name = name
         self.io = "gds" if io == "gds" or (io == "auto" and gds_available()) else "posix"
         self.path = os.path.abspath(os.fspath(path))
-        self._capacity = capacity_bytes
         self._fsync = bool(fsync)
-        self._blocks_dir = os.path.join(self.path, "blocks")
         self._lock = threading.Lock()
         self._counts_lock = threading.Lock()
         self._counts = [0, 0, 0]             # reads, bytes served, bytes read
         self._closed = False
         self._headers = HeaderCache(header_cache_bytes)
         self._threads = ReadThreads(read_threads) if read_threads > 1 else None
-        self._index: BlockIndex | None = None
         self._device = None
-        self._lock_fd = lock_folder(self.path, name)
-        try:
-            self._open(direct, map_size, max_buffer_bytes, spare_files, spare_bytes, rebuild_index)
-        except BaseException:
-            if self._index is not None:
-                self._index.close()
-            os.close(self._lock_fd)
-            raise
-
-    def _open(self, direct, map_size, max_buffer_bytes, spare_files, spare_bytes, rebuild_index) -> None:
-        """The rest of ``__init__``, once the folder is locked."""
-        accepted = probe_direct(self.path) if direct is not False else False
-        if direct and not accepted:
-            raise MediaUnavailable(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT (direct=True)")
-        self.direct = accepted
-        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if accepted else 0)
+        self._folder = BlockFolder(self.path, capacity_bytes, name=name, direct=direct, fsync=self._fsync,
+                                   map_size=map_size, spare_files=spare_files, spare_bytes=spare_bytes,
+                                   rebuild_index=rebuild_index)
+        self.direct = self._folder.direct
+        self.recovery = self._folder.recovery
+        self._index, self._space = self._folder.index, self._folder.space
+        self._blocks_dir = self._folder.blocks_dir
+        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
         self._pool = BufferPool(max_buffer_bytes)
-        self._spares: SpareFiles | None = None
-        if spare_files > 0:
-            limit = min(self._capacity // 16, 1 << 30) if spare_bytes is None else spare_bytes
-            self._spares = SpareFiles(os.path.join(self.path, "spare"), spare_files, limit)
-        self._space = Space(self.path, self._capacity, lambda: self.spare_bytes, self.name)
-        report = self.recovery = RecoveryReport()
-        hint = REPAIR_HINT.format(path=self.path)
-        try:
-            self._index = BlockIndex(self.path, fsync=self._fsync, map_size=map_size, name=self.name,
-                                     rebuild=rebuild_index)
-            report.index_damage, report.index_moved_to = self._index.damage, self._index.moved_to
-            reconcile(self._blocks_dir, os.path.join(self.path, "quarantine"), self._index, report)
-            report.index_rebuilt = (rebuild_index or self._index.damage is not None
-                                    or (self._index.absent and report.adopted > 0))
-        except (OSError, lmdb.Error) as e:
-            raise MediaUnavailable(f"{self.name}: cannot open or rebuild the index in {self.path}: {e}; "
-                                  f"{hint}") from e
-        self._space.used = sum(e.file_bytes for e in self._index.entries.values())
-        if self._space.used > self._capacity:
-            report.trimmed = trim_to_capacity(self._index, self._space, self._remove_file, self.name)
-        report.blocks, report.file_bytes = len(self._index.entries), self._space.used
         self._writes = Reservations(folder=self.path, name=self.name, lock=self._lock, index=self._index,
-                                    space=self._space, writer=BlockWriter(accepted, self._pool),
-                                    spares=self._spares, direct=accepted, fsync=self._fsync,
+                                    space=self._space, writer=BlockWriter(self.direct, self._pool),
+                                    spares=self._folder.spares, direct=self.direct, fsync=self._fsync,
                                     headers=self._headers)
         if self.io == "gds":
             from tiers.nvme.device import DeviceFiles, kvikio_backend
             self._device = DeviceFiles(kvikio_backend())
-        level = logging.WARNING if (report.quarantined or report.index_damage) else logging.INFO
-        log.log(level, "%s: opened %s: %s", self.name, self.path, report.summary())
 
     # -------------------------------------------------------------- accounting
 
@@ -233,7 +186,7 @@ class NVMeTier(Tier):
     @property
     def spare_bytes(self) -> int:
         """Bytes (at most) in spare files: on disk, but outside :attr:`used_bytes`."""
-        return self._spares.nbytes if self._spares is not None else 0
+        return self._folder.spare_bytes
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index.entries
@@ -384,26 +337,7 @@ class NVMeTier(Tier):
         with self._lock:
             entry = self._entry(key)
             self._headers.drop(key)
-            self._remove_file(key, entry.file_bytes)
-            try:
-                self._index.delete([key])
-            except lmdb.Error as e:            # no file: the next start drops the entry
-                self._index.entries.pop(key, None)
-                log.warning("%s: cannot delete block %s from the index (%s); the next start will",
-                            self.name, key.hex()[:16], e)
-            self._space.give(entry.file_bytes)
-
-    def _remove_file(self, key: bytes, nbytes: int) -> None:
-        """Move a block's file to the spare files, or delete it."""
-        path = self._file(key)
-        if self._spares is not None and self._spares.give(path, nbytes):
-            return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("%s: cannot remove %s: %s", self.name, path, e)
+            self._folder.drop(key, entry)
 
     def recover(self) -> list[tuple[bytes, int]]:
         """The blocks held, as ``(key, payload bytes)``, oldest written first. Opening the
@@ -418,15 +352,12 @@ class NVMeTier(Tier):
                 return
             self._closed = True
         self._writes.discard_all()
-        if self._spares is not None:
-            self._spares.close()
-        self._index.close()
         self._pool.close()
         if self._threads is not None:
             self._threads.close()
         if self._device is not None:
             self._device.close()
-        os.close(self._lock_fd)           # releases the flock
+        self._folder.close()              # spare files, index, folder lock
 
     def describe(self) -> str:
         mode = "O_DIRECT" if self.direct else "buffered"
