@@ -220,7 +220,7 @@ class Mover:
         async_moves: run copies on worker threads per (source, destination) pair.
         disk_workers: copies in flight per pair whose destination is persistent (NVMe,
             remote: the medium serves several writes at once, and file I/O and checksums
-            release the GIL); pairs into memory get one worker.
+            run without the GIL); pairs into memory get one worker.
     """
 
     def __init__(self, tiers: Sequence[Tier], async_moves: bool, disk_workers: int = 4):

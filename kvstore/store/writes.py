@@ -143,7 +143,7 @@ class Writes:
                 if remaining <= 0:
                     raise WriteConflict(f"block {key.hex()[:16]} is still being written or read by another client")
                 cat.changed.wait(remaining)
-            # Claim the key before making room: making room may release the lock while it
+            # Claim the key before making room: making room may drop the lock while it
             # waits on a demotion, and a second put of the same key must wait, not reserve.
             claim = Claim(key, nbytes, owner=owner,
                           deadline=None if ttl_s is None else cat.clock() + ttl_s, meta=meta)
