@@ -16,8 +16,11 @@ alone. What it needs:
   background).
 
 Every method maps to one public method of the manager; none takes the manager's lock
-or chooses victims itself: :meth:`make_room` asks :meth:`TierManager.make_room` to
-demote unprotected blocks, and learns which ones moved from its callback.
+or chooses victims itself: :meth:`make_room` asks :meth:`TierManager.make_room` (the
+store's one room-making object, :class:`kvstore.store.room.Room`, which alone asks the
+policy for victims) to demote unprotected blocks, and learns which ones moved from its
+callback; :meth:`promote` is the store's one promotion path
+(:meth:`kvstore.store.moves.Moves.promote`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ is the **last** tier of the manager, so placement treats it as one more level: a
 evicted from the last local tier (NVMe) is demoted into the cluster, the background
 cleaner copies cold blocks there ahead of need, and its eviction policy bounds what this
 node keeps there. What only a cluster needs lives here, called from a few points of the
-core (:class:`Cluster`):
+core (:class:`Cluster`), which it reaches only through the port it declares
+(:class:`kvstore.cluster.port.LocalStore`, implemented by the store):
 
-- **Lookup** (:meth:`Cluster.lookup_rest`, from :meth:`kvstore.store.manager.TierManager.lookup`):
+- **Lookup** (:meth:`Cluster.lookup_rest`, from the store's Lookup):
   after a local prefix miss, one ``exists_many`` over the rest of the prefix, within
   ``lookup_timeout_s``; blocks other nodes put count as hits of tier ``REMOTE``. A cluster
   that fails or is slow answers "miss".
@@ -21,12 +22,15 @@ core (:class:`Cluster`):
 - **Publish** (:mod:`kvstore.cluster.publisher`, batched): with ``publish = "all"`` every
   put is also copied to the cluster in the background; with ``"demoted"`` (the default)
   blocks reach the cluster only by demotion. With ``[policy] write = "write_through"`` a
-  put call returns once the cluster holds its blocks too (:meth:`Cluster.put_done`).
+  put call returns once the cluster holds its blocks too (:meth:`Cluster.put_done`, which
+  the store calls at the end of each put call).
 
 Failure rules: every cluster call has a deadline and the tier's circuit breaker refuses
 calls at once while the cluster is down (:mod:`tiers.mooncake.guard`); any failure here is
 a miss or a skipped copy, counted (``remote_*`` counters), never an error of a local
-request. The page-in never holds the catalogue lock across a network call.
+request. The page-in never holds the catalogue lock across a network call. The tiers
+this level is given raise store errors (:mod:`kvstore.store.media` translates the
+media's), so a failed cluster call is a :class:`~kvstore.common.errors.TierIOError`.
 """
 
 from __future__ import annotations
@@ -36,19 +40,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from tiers import errors as terr
 from tiers.base import TierKind
 
+from kvstore.cluster.port import LocalStore
+from kvstore.cluster.publisher import Publisher
 from kvstore.common.errors import KVStoreError
 from kvstore.common.types import PUBLISH_CHOICES
-from kvstore.cluster.publisher import Publisher
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.manager import TierManager
 
 log = logging.getLogger("kvstore.cluster.cluster")
 
@@ -82,26 +83,37 @@ class ClusterOptions:
 
 
 class Cluster:
-    """The cluster level of one :class:`~kvstore.store.manager.TierManager` (see the module
-    docstring). Made by the manager when its last tier has the ``remote`` capability.
+    """The cluster level of one node's store (see the module docstring). Made by the store
+    when its last tier has the ``remote`` capability.
 
     Args:
-        manager: the store; ``options``: publish rule and deadlines.
+        local: this node's store (:class:`~kvstore.cluster.port.LocalStore`).
+        tiers: the store's tiers, fastest first, as the store calls them (each with
+            ``name``, ``kind``, ``host_addressable``, ``write_view``, ``max_block_bytes``
+            and ``remote``, the cluster's batch calls, raising store errors:
+            :class:`kvstore.store.media.TierAdapter`).
+        counters: the store's counters (``remote_*``).
+        options: publish rule and deadlines.
+        shared_tier: index of the tier same-node clients map (the host arena), or None.
+        write_through: the store's write policy is ``write_through`` (:meth:`put_done`).
     Raises ValueError when the remote tier is not the last tier.
     """
 
-    def __init__(self, manager: "TierManager", options: ClusterOptions | None = None):
-        self.m = manager
+    def __init__(self, local: LocalStore, tiers: Sequence[Any], counters: Any, options: ClusterOptions | None = None,
+                 *, shared_tier: int | None = None, write_through: bool = False):
+        self.local = local
         self.options = options or ClusterOptions()
-        self.index = len(manager.tiers) - 1
-        self.tier = manager.tiers[self.index]
-        store = self.tier.capabilities.remote
-        if store is None or any(t.capabilities.remote is not None for t in manager.tiers[:-1]):
+        self.index = len(tiers) - 1
+        self.tier = tiers[self.index]
+        remote = self.tier.remote
+        if remote is None or any(t.remote is not None for t in tiers[:-1]):
             raise ValueError("a remote tier must be the last tier, and there can be only one")
-        self.store = store
-        self.counters = manager.counters
-        self.dest = self._arena_tier()
+        self.remote = remote
+        self.counters = counters
+        self._kinds = [int(t.kind) for t in tiers]
+        self.dest = _arena_tier(tiers[:self.index], shared_tier)
         """Index of the tier blocks are paged into (the host arena), or None: plain puts."""
+        self._arena = tiers[self.dest] if self.dest is not None else None
         limit = self.options.chunk_bytes or self.tier.max_block_bytes
         self.chunk_bytes = max(1, limit)
         self._lock = threading.Lock()
@@ -111,20 +123,10 @@ class Cluster:
         self._ahead: collections.deque = collections.deque()   # (keys, on_done) for pull_ahead
         self._ahead_wake = threading.Event()
         self._ahead_thread: threading.Thread | None = None
-        self.publisher = Publisher(self, background=self.options.publish == "all",
-                                   write_through=manager.write_policy == "write_through",
+        self.publisher = Publisher(local, remote, self.index, dest=self.dest, chunk_bytes=self.chunk_bytes,
+                                   counters=counters, skip=self.paging,
+                                   background=self.options.publish == "all", write_through=write_through,
                                    backlog=self.options.publish_backlog)
-
-    def _arena_tier(self) -> int | None:
-        m = self.m
-        if m.shared_tier is not None:
-            return m.shared_tier
-        local = m.tiers[:self.index]
-        for kind in (TierKind.HOST, TierKind.HBM):
-            for i, t in enumerate(local):
-                if t.kind is kind and t.capabilities.host is not None:
-                    return i
-        return None
 
     # ------------------------------------------------------------------ lookup
 
@@ -136,24 +138,22 @@ class Cluster:
         ``remote_lookup_failures``)."""
         if not keys:
             return b""
-        cat = self.m.catalogue
-        with cat.lock:
-            local = [None if (e := cat.get(k)) is None else e.tiers[0] for k in keys]
+        local = self.local.fastest(keys)
         ask = [k for k, t in zip(keys, local) if t is None]
         found: set[bytes] = set()
         if ask:
             self.counters.inc("remote_lookups")
             try:
-                hits = self.store.exists_many(ask, deadline_s=self.options.lookup_timeout_s)
+                hits = self.remote.exists_many(ask, deadline_s=self.options.lookup_timeout_s)
                 found = {k for k, hit in zip(ask, hits) if hit}
-            except terr.MediaError as e:
+            except KVStoreError as e:
                 self.counters.inc("remote_lookup_failures")
                 log.debug("cluster lookup of %d blocks failed: %s", len(ask), e)
         codes = bytearray()
         remote = 0
         for key, t in zip(keys, local):
             if t is not None:
-                codes.append(int(self.m.tiers[t].kind))
+                codes.append(self._kinds[t])
             elif key in found:
                 codes.append(_REMOTE)
                 remote += 1
@@ -170,16 +170,13 @@ class Cluster:
         call). With ``prefix``, stop at the first block that is neither here nor in the
         cluster. Returns the keys paged in by this call. Never raises for a cluster
         failure: those blocks stay misses (counted)."""
-        cat = self.m.catalogue
         absent: list[bytes] = []
         remote_only: list[bytes] = []
-        with cat.lock:
-            for k in keys:
-                e = cat.get(k)
-                if e is None:
-                    absent.append(k)
-                elif e.tiers[0] == self.index:
-                    remote_only.append(k)
+        for k, t in zip(keys, self.local.fastest(keys)):
+            if t is None:
+                absent.append(k)
+            elif t == self.index:
+                remote_only.append(k)
         if not absent and not remote_only:
             return set()
         mine: list[bytes] = []
@@ -189,7 +186,7 @@ class Cluster:
                 ev = self._inflight.get(k)
                 if ev is not None:
                     theirs.append(ev)           # another request is paging it in: wait for that
-                elif cat.claim(k) is None:      # (a client writing it now: a miss, as without a cluster)
+                elif not self.local.writing(k):     # (a client writing it now: a miss, as without a cluster)
                     self._inflight[k] = threading.Event()
                     mine.append(k)
         pulled: set[bytes] = set()
@@ -208,7 +205,7 @@ class Cluster:
             for k in remote_only:
                 if keys.index(k) > last:
                     break
-                if self.m.promote(k, self.dest, wait=True):
+                if self.local.promote(k, self.dest):
                     pulled.add(k)
         return pulled
 
@@ -240,8 +237,8 @@ class Cluster:
     def _fetch_absent(self, keys: list[bytes], prefix: bool, pulled: set[bytes]) -> bytes | None:
         """Page in ``keys`` (none held here); returns the key a prefix stopped at."""
         try:
-            sizes = self.store.sizes_many(keys)
-        except terr.MediaError as e:
+            sizes = self.remote.sizes_many(keys)
+        except KVStoreError as e:
             self.counters.inc("remote_pull_failures")
             log.debug("cluster size check of %d blocks failed: %s", len(keys), e)
             return keys[0] if prefix else None
@@ -262,13 +259,13 @@ class Cluster:
     def _page_in(self, chunk: list[tuple[bytes, int]], pulled: set[bytes]) -> bool:
         """Reserve room for ``chunk`` in the arena, fetch it in one batch, commit what
         verified. Returns False when nothing more should be tried now."""
-        m = self.m
+        local = self.local
         claims = []
         go_on = True
         try:
             for key, size in chunk:
                 try:
-                    out = m.begin_put(key, size, tier=self.dest) if self.dest is not None else None
+                    out = local.begin_put(key, size, tier=self.dest) if self.dest is not None else None
                 except KVStoreError as e:        # no room (TierFull), medium failure, a conflicting put
                     log.debug("no room to page in block %s: %s", key.hex()[:16], e)
                     self.counters.inc("remote_pull_misses")
@@ -280,14 +277,13 @@ class Cluster:
                     claims.append((key, size, out.pending))
             if not claims:
                 return go_on
-            if self.dest is not None:
-                host = m.tiers[self.dest].capabilities.host
-                outs = [host.write_view(key)[:size] for key, size, _ in claims]
+            if self._arena is not None:
+                outs = [self._arena.write_view(key)[:size] for key, size, _ in claims]
             else:
                 outs = [np.empty(size, np.uint8) for _, size, _ in claims]
             try:
-                got = self.store.get_many_into([key for key, _, _ in claims], outs)
-            except terr.MediaError as e:
+                got = self.remote.get_many_into([key for key, _, _ in claims], outs)
+            except KVStoreError as e:
                 self.counters.inc("remote_pull_failures")
                 log.debug("cluster get of %d blocks failed: %s", len(claims), e)
                 got = [None] * len(claims)
@@ -300,21 +296,21 @@ class Cluster:
                     self.counters.inc("remote_pulled_bytes", size)
                 else:
                     if claim is not None:
-                        m.abort_put(claim)
+                        local.abort_put(claim)
                     self.counters.inc("remote_pull_misses")
             return go_on
         finally:
             for _, _, claim in claims:
                 if claim is not None:
-                    m.abort_put(claim)
+                    local.abort_put(claim)
 
     def _commit(self, key: bytes, claim, out) -> bool:
         self._paging.add(key)               # not published again (publish = "all")
         try:
             if claim is None:
-                self.m.put(key, out)
+                self.local.put(key, out)
             else:
-                self.m.commit_put(claim, in_place=True)
+                self.local.commit_put(claim, in_place=True)
             return True
         except KVStoreError as e:
             log.debug("paging in block %s failed: %s", key.hex()[:16], e)
@@ -331,7 +327,7 @@ class Cluster:
 
     def stats(self) -> dict[str, int]:
         """The remote tier's call counters for Stats (``remote_*``), when it keeps them."""
-        return {f"remote_{name}": n for name, n in self.store.call_counters().items()}
+        return {f"remote_{name}": n for name, n in self.remote.call_counters().items()}
 
     def put_done(self, keys: Sequence[bytes]) -> None:
         """A put call committed ``keys`` (called at its end): with write-through, returns
@@ -349,6 +345,18 @@ class Cluster:
         if self._ahead_thread is not None:
             self._ahead_thread.join(timeout=10)
         self.publisher.close()
+
+
+def _arena_tier(local: Sequence[Any], shared_tier: int | None) -> int | None:
+    """Where blocks are paged in: the shared arena, else the first host-addressable host
+    (then HBM) tier among the ``local`` tiers; None: plain puts."""
+    if shared_tier is not None:
+        return shared_tier
+    for kind in (TierKind.HOST, TierKind.HBM):
+        for i, t in enumerate(local):
+            if t.kind is kind and t.host_addressable:
+                return i
+    return None
 
 
 def _chunks(items: list[tuple[bytes, int]], limit: int) -> Iterator[list[tuple[bytes, int]]]:

@@ -1,15 +1,16 @@
 """Copies of local blocks into the cluster, in batches: write-through and ``publish = "all"``.
 
-Placement copies a block to the cluster one at a time when it is demoted (through the
+The store copies a block to the cluster one at a time when it is demoted (through the
 copy queues). Publishing copies many at once instead: :meth:`Publisher.publish_now`
 pins the blocks, makes room in this node's share of the cluster (evicting its coldest
 blocks there), stores them with one ``put_many`` per staging-full (no lock held), and
 records each stored copy in the catalogue (a clean lower copy, so evicting the local one
-later costs nothing). Two users:
+later costs nothing), all through the store's port (:class:`~kvstore.cluster.port.LocalStore`).
+Two users:
 
 - ``[policy] write = "write_through"``: a put call returns once the cluster holds its
   blocks too (:meth:`Publisher.put_done`, called at the end of each put call);
-- ``publish = "all"``: every committed put is queued (a catalogue event) and published
+- ``publish = "all"``: every committed put is queued (:meth:`LocalStore.watch_puts`) and published
   by a background thread, batched; a put never waits for it.
 
 A cluster that is down or slow makes these copies fail within the tier's deadlines
@@ -22,18 +23,10 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from tiers import errors as terr
-
-from kvstore.store.catalogue import BlockEvent, Entry
+from kvstore.cluster.port import Held, LocalStore
 from kvstore.common.errors import KVStoreError
-from kvstore.policy import NoVictim
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.cluster.cluster import Cluster
 
 log = logging.getLogger("kvstore.cluster.cluster")
 
@@ -42,13 +35,29 @@ OBJECT_OVERHEAD = 64
 
 
 class Publisher:
-    """Batched copies of local blocks into the cluster of ``cluster`` (see the module
-    docstring). ``background``: run the ``publish = "all"`` queue; ``write_through``:
-    :meth:`put_done` publishes synchronously."""
+    """Batched copies of local blocks into the cluster (see the module docstring).
 
-    def __init__(self, cluster: "Cluster", *, background: bool, write_through: bool, backlog: int):
-        self.c = cluster
-        self.m = cluster.m
+    Args:
+        local: this node's store (:class:`~kvstore.cluster.port.LocalStore`).
+        remote: the cluster's batch calls (``put_many``), raising store errors.
+        index: the remote tier's index; dest: the host arena's (zero-copy reads), or None.
+        chunk_bytes: most bytes one ``put_many`` carries.
+        counters: the store's counters (``remote_published``, ``remote_publish_failed``).
+        skip: True for a key not to publish now (being paged in: the cluster holds it).
+        background: run the ``publish = "all"`` queue; write_through: :meth:`put_done`
+            publishes synchronously; backlog: most queued keys (the oldest are skipped).
+    """
+
+    def __init__(self, local: LocalStore, remote: Any, index: int, *, dest: int | None, chunk_bytes: int,
+                 counters: Any, skip: Callable[[bytes], bool], background: bool, write_through: bool,
+                 backlog: int):
+        self.local = local
+        self.remote = remote
+        self.index = index
+        self.dest = dest
+        self.chunk_bytes = chunk_bytes
+        self.counters = counters
+        self._skip = skip
         self.write_through = write_through
         self.backlog = backlog
         self._queue: collections.deque[bytes] = collections.deque()
@@ -56,8 +65,9 @@ class Publisher:
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._unwatch: Callable[[], None] | None = None
         if background and not write_through:
-            self.m.events.subscribe(self._on_event)
+            self._unwatch = local.watch_puts(self._on_put)
             self._thread = threading.Thread(target=self._run, name="kvstore-publish", daemon=True)
             self._thread.start()
 
@@ -71,92 +81,55 @@ class Publisher:
         batch: list[bytes] = []
         total = 0
         for key in dict.fromkeys(keys):
-            loc = self.m.locate(key)
-            if loc is None:
+            size = self.local.size_of(key)
+            if size is None:
                 continue
-            if batch and total + loc[0] + OBJECT_OVERHEAD > self.c.chunk_bytes:
+            if batch and total + size + OBJECT_OVERHEAD > self.chunk_bytes:
                 stored += self._publish_keys(batch)
                 batch, total = [], 0
             batch.append(key)
-            total += loc[0] + OBJECT_OVERHEAD
+            total += size + OBJECT_OVERHEAD
         if batch:
             stored += self._publish_keys(batch)
         return stored
 
     def _publish_keys(self, keys: list[bytes]) -> int:
-        cat = self.m.catalogue
-        entries: list[Entry] = []
-        with cat.lock:
-            for key in keys:
-                e = cat.get(key)
-                if e is not None and self.c.index not in e.tiers and not self.c.paging(key):
-                    cat.pin_entry(e)
-                    entries.append(e)
+        held = self.local.pin_missing(keys, self.index, self._skip)
         try:
-            return self._publish_batch(entries) if entries else 0
+            return self._publish_batch(held) if held else 0
         finally:
-            for e in entries:
-                cat.unpin(e)
+            for h in held:
+                self.local.unpin(h)
 
-    def _publish_batch(self, batch: list[Entry]) -> int:
-        c, cat, p = self.c, self.m.catalogue, self.m.placement
-        counters = self.m.counters
-        with cat.lock:
-            try:
-                p.make_room_locked(c.index, sum(e.size + OBJECT_OVERHEAD for e in batch), incoming=None)
-            except (KVStoreError, NoVictim) as err:      # beyond what this node may keep in the cluster
-                counters.inc("remote_publish_failed", len(batch))
-                log.debug("publishing %d blocks: no room in the cluster: %s", len(batch), err)
-                return 0
+    def _publish_batch(self, batch: list[Held]) -> int:
+        counters = self.counters
+        try:
+            self.local.make_room(self.index, sum(h.size + OBJECT_OVERHEAD for h in batch))
+        except KVStoreError as err:      # beyond what this node may keep in the cluster (NoVictim too)
+            counters.inc("remote_publish_failed", len(batch))
+            log.debug("publishing %d blocks: no room in the cluster: %s", len(batch), err)
+            return 0
         items: list[tuple[bytes, Any]] = []
-        for e in batch:
-            data = self._payload(e)
+        sent: list[Held] = []
+        for h in batch:
+            data = self.local.payload(h, prefer=self.dest, skip=self.index)
             if data is None:
                 counters.inc("remote_publish_failed")
             else:
-                items.append((e.key, data))
+                items.append((h.key, data))
+                sent.append(h)
         try:
-            ok = c.store.put_many(items) if items else []
-        except terr.MediaError as err:
+            ok = self.remote.put_many(items) if items else []
+        except KVStoreError as err:
             counters.inc("remote_publish_failed", len(items))
             log.debug("publishing %d blocks failed: %s", len(items), err)
             return 0
-        stored = 0
-        now = self.m.clock()
-        by_key = {e.key: e for e in batch}
-        with cat.lock:
-            for (key, _), good in zip(items, ok):
-                e = by_key[key]
-                if not good:
-                    counters.inc("remote_publish_failed")
-                elif cat.raw(key) is e and not e.deleted and e.tiers and c.index not in e.tiers:
-                    p.policies[c.index].insert(key, e.size, now)
-                    p.add_copy(e, c.index, "write_through")
-                    stored += 1
-                elif c.index not in e.tiers:
-                    c.tier.free(key)         # deleted meanwhile: its cluster copy goes too (in the background)
+        failed = sum(1 for _, good in zip(items, ok) if not good)
+        if failed:
+            counters.inc("remote_publish_failed", failed)
+        stored = self.local.record_copies(sent, ok, self.index)
         counters.inc("remote_published", stored)
         return stored
-
-    def _payload(self, e: Entry) -> Any:
-        """The block's bytes: a zero-copy view of the host arena's copy, else read from
-        its fastest tier. None when no copy can be read."""
-        dest = self.c.dest
-        if dest is not None and dest in e.tiers:
-            try:
-                return self.m.tiers[dest].capabilities.host.view(e.key)
-            except terr.MediaError:
-                pass
-        for i in list(e.tiers):
-            if i == self.c.index:
-                continue
-            buf = np.empty(e.size, np.uint8)
-            try:
-                self.m.tiers[i].read_into(e.key, buf)
-                return buf
-            except terr.MediaError as err:
-                log.debug("reading block %s to publish it failed: %s", e.key.hex()[:16], err)
-        return None
 
     # ------------------------------------------------------------------ write-through
 
@@ -168,14 +141,14 @@ class Publisher:
 
     # ------------------------------------------------------------------ publish = "all"
 
-    def _on_event(self, event: BlockEvent) -> None:
+    def _on_put(self, key: bytes) -> None:
         """A committed put (catalogue lock held): queue it."""
-        if event.kind == "stored" and event.reason == "put" and not self.c.paging(event.key):
+        if not self._skip(key):
             with self._cond:
                 if len(self._queue) >= self.backlog:
                     self._queue.popleft()
-                    self.m.counters.inc("remote_publish_failed")
-                self._queue.append(event.key)
+                    self.counters.inc("remote_publish_failed")
+                self._queue.append(key)
                 self._cond.notify_all()
 
     def _run(self) -> None:
@@ -206,7 +179,8 @@ class Publisher:
 
     def close(self) -> None:
         if self._thread is not None:
-            self.m.events.unsubscribe(self._on_event)
+            if self._unwatch is not None:
+                self._unwatch()
             with self._cond:
                 self._stop = True
                 self._cond.notify_all()

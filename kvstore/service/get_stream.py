@@ -25,11 +25,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from tiers.base import TierKind, check_ranges
-from tiers.errors import InvalidAccess
+from tiers.base import TierKind
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.common.errors import CorruptBlock
+from kvstore.common.errors import CorruptBlock, InvalidRequest
 from kvstore.store.manager import TierManager
 from kvstore.store.reads import BlockReader
 from kvstore.common.wire import FAILED, FOUND, FrameBuilder
@@ -149,8 +148,8 @@ def _units(plan: GetPlan) -> Iterator[_Unit]:
             yield _Unit(key, None, 0, 0, 0, [], True)
             continue
         try:
-            total = check_ranges(plan.ranges, reader.size)
-        except InvalidAccess:              # a block too short for the ranges: a miss, not an error
+            total = reader.span(plan.ranges)
+        except InvalidRequest:             # a block too short for the ranges: a miss, not an error
             reader.close()
             yield _Unit(key, None, 0, 0, 0, [], True)
             continue

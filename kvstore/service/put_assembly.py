@@ -41,7 +41,8 @@ class PutAssembler:
         self.internal = internal
         self.stored = self.present = self.refused = self.conflicts = self.nbytes = 0
         self.detail = ""
-        self.committed: list[bytes] = []       # store keys committed by this stream
+        self._batch = manager.put_batch()      # one put call: the cluster's write-through at its end
+        self.committed = self._batch.keys      # store keys committed by this stream
         self._open: _Open | None = None
         self._skip_key: bytes | None = None
         self._skip_left = 0
@@ -106,8 +107,7 @@ class PutAssembler:
         self.m.write_chunk(op.pending, offset, data)
         if op.pending.written == op.size:
             self._open = None
-            self.m.commit_put(op.pending)
-            self.committed.append(op.pending.key)
+            self._batch.commit(op.pending)
             self.stored += 1
             self.nbytes += op.size
 
@@ -123,6 +123,5 @@ class PutAssembler:
             self.m.abort_put(op.pending)
             self._open = None
             raise InvalidRequest(f"stream ended inside block {op.name} ({op.pending.written} of {op.size} bytes)")
-        if self.m.cluster is not None:
-            self.m.cluster.put_done(self.committed)     # write-through to the cluster, batched
+        self._batch.end()
         return PutResult(self.stored, self.present, self.nbytes, self.refused, self.conflicts)

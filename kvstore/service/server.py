@@ -289,13 +289,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         internal = space.internal_many(keys)
         for lease_id in request.release:    # after the checks: a refused call changes nothing
             self.manager.release(lease_id, space.tenant)
-        try:
-            grant = self.manager.lease(internal, ttl, space.tenant, prefix=request.prefix, device=request.device,
-                                       max_bytes=request.max_bytes or None)
-        except errors.KVStoreError as e:
-            if type(e) is errors.KVStoreError:
-                raise errors.FeatureDisabled(str(e)) from None
-            raise
+        grant = self.manager.lease(internal, ttl, space.tenant, prefix=request.prefix, device=request.device,
+                                   max_bytes=request.max_bytes or None)
         reply = pb.LeaseReply(lease_id=grant.lease_id, ttl_seconds=grant.ttl_s,
                               resume_at=grant.resume_at or 0, complete=grant.resume_at is None)
         reply.offsets.extend(b.offset for b in grant.blocks)
@@ -350,15 +345,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if j != i:
                 raise errors.InvalidRequest(f"keys[{i}] repeats keys[{j}]: each reservation is committed once")
         claims = [m.find_claim(space.internal(k), space.tenant) for k in keys]
-        for claim in claims:
-            if request.abort:
+        if request.abort:
+            for claim in claims:
                 m.abort_put(claim)
-                continue
-            m.commit_put(claim, in_place=True)
-            committed += 1
-            nbytes += claim.size
-        if m.cluster is not None and not request.abort:
-            m.cluster.put_done([c.key for c in claims])     # write-through to the cluster, batched
+        else:
+            m.commit_puts(claims, in_place=True)      # one put call: the cluster's write-through batched
+            committed, nbytes = len(claims), sum(c.size for c in claims)
         return pb.CommitReply(committed=committed, bytes_committed=nbytes)
 
 

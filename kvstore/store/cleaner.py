@@ -1,13 +1,16 @@
-"""The background watermark keeper of a Placement: copies the coldest dirty blocks down.
+"""The background watermark keeper: copies the coldest dirty blocks down ahead of need.
 
 :class:`Cleaner` runs on its own thread (``kvstore-cleaner``). When a tier other than
 the last holds more than the high watermark of its capacity, it copies that tier's
 coldest dirty blocks to the next tier, several copies in flight, until the free and
 clean bytes reach ``1 - low`` of the capacity; a later put then evicts a clean block
-with a free and no I/O. Victims come in the tier policy's order while a dirty one is
-within :data:`kvstore.store.placement.CLEAN_SCAN` of the front, else from the placement's
-least recently used dirty list. Each tick it also runs ``on_tick`` (the manager's lease
-and reservation expiry). The scheme is described in :mod:`kvstore.store.placement`.
+with a free and no I/O. Which blocks it copies is :meth:`kvstore.store.room.Room.dirty_victim`
+(the one place victims are chosen); the scheme is described in :mod:`kvstore.store.room`.
+Each tick it also runs ``on_tick`` (the store's lease and reservation expiry).
+
+:class:`CleanerSignal` is how the rest of the store wakes the cleaner and sees it
+working: the room holds it (a put that found no clean victim waits while the cleaner
+is busy), the cleaner owns the thread.
 """
 
 from __future__ import annotations
@@ -16,36 +19,62 @@ import logging
 import threading
 from typing import Callable
 
-from kvstore.store import placement as _placement
 from kvstore.common.errors import TierFull, TierIOError
-from kvstore.store.placement import Placement
 from kvstore.policy import NoVictim
+from kvstore.store.catalogue import Catalogue
+from kvstore.store.counters import Counters
+from kvstore.store.placement import Placement
+from kvstore.store.room import Room
+from kvstore.store.transfers import Transfers
 
 log = logging.getLogger("kvstore.store.placement")
 
 
-class _ScanBudgetSpent(Exception):
-    """The policy looked at :data:`kvstore.store.placement.CLEAN_SCAN` blocks without finding a dirty one."""
+class CleanerSignal:
+    """Wakes the cleaner (:meth:`kick`); :attr:`busy` while a cleaning pass may run."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.busy = False
+
+    def kick(self) -> None:
+        """Wake the cleaner; :attr:`busy` until its pass ends."""
+        self.busy = True
+        self.wake.set()
 
 
 class Cleaner:
-    """Background watermark keeper of a :class:`Placement` (see :mod:`kvstore.store.placement`).
+    """Background watermark keeper (see the module docstring).
 
-    Runs on its own thread; woken by :meth:`kick` (a put that found no clean victim,
+    Runs on its own thread; woken through ``signal`` (a put that found no clean victim,
     a commit past the high watermark) and every ``period_s`` seconds, when it also runs
-    ``on_tick`` (the manager's lease and reservation expiry).
+    ``on_tick``.
+
+    Args:
+        signal: shared with the room; room: chooses victims and starts their copies.
+        placement: dirty and resident bytes per tier; transfers: runs the copies.
+        catalogue: the lock; counters: ``precleaned``.
+        disk_workers: copies in flight into a persistent tier (the mover's workers).
     """
 
-    def __init__(self, placement: Placement, period_s: float = 0.25,
+    def __init__(self, signal: CleanerSignal, room: Room, placement: Placement, transfers: Transfers,
+                 catalogue: Catalogue, counters: Counters, disk_workers: int = 4, period_s: float = 0.25,
                  on_tick: Callable[[], None] | None = None):
-        self.p = placement
+        self.signal = signal
+        self.room = room
+        self.placement = placement
+        self.transfers = transfers
+        self.cat = catalogue
+        self.counters = counters
+        self.disk_workers = disk_workers
         self.period_s = period_s
         self.on_tick = on_tick
-        self._wake = threading.Event()
         self._stop = threading.Event()
-        self.busy = False                 # a cleaning pass is copying blocks down
         self._thread = threading.Thread(target=self._run, name="kvstore-cleaner", daemon=True)
-        placement.cleaner = self
+
+    @property
+    def busy(self) -> bool:
+        return self.signal.busy
 
     def start(self) -> "Cleaner":
         self._thread.start()
@@ -53,18 +82,18 @@ class Cleaner:
 
     def kick(self) -> None:
         """Wake the cleaner; :attr:`busy` until its pass ends."""
-        self.busy = True
-        self._wake.set()
+        self.signal.kick()
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.signal.wake.set()
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        wake = self.signal.wake
         while not self._stop.is_set():
-            self._wake.wait(self.period_s)
-            self._wake.clear()
+            wake.wait(self.period_s)
+            wake.clear()
             try:
                 if self.on_tick is not None:
                     self.on_tick()
@@ -72,18 +101,19 @@ class Cleaner:
             except Exception:  # noqa: BLE001 - keep cleaning; the error is logged loudly
                 log.exception("background cleaning failed")
             finally:
-                self.busy = False
-                with self.p.cat.lock:
-                    self.p.cat.changed.notify_all()
+                self.signal.busy = False
+                with self.cat.lock:
+                    self.cat.changed.notify_all()
 
     def pass_once(self) -> int:
         """One pass over every tier but the last; returns blocks cleaned."""
         done = 0
-        for i, tier in enumerate(self.p.tiers):
+        room = self.room
+        for i, tier in enumerate(room.tiers):
             if self._stop.is_set():
                 break
             cap = tier.capacity_bytes
-            if i == self.p.last or cap <= 0 or tier.used_bytes <= self.p.high * cap:
+            if i == room.last or cap <= 0 or not room.above_high(i):
                 continue
             done += self._clean(i, cap)
         return done
@@ -91,59 +121,37 @@ class Cleaner:
     def _clean(self, i: int, cap: int) -> int:
         """Copy tier ``i``'s coldest dirty blocks down, several copies in flight, until its
         free and clean bytes reach ``1 - low`` of ``cap``. Returns blocks cleaned."""
-        p = self.p
-        tier, policy = p.tiers[i], p.policies[i]
-        raw = p.cat.raw
+        room, p, transfers = self.room, self.placement, self.transfers
+        tier = room.tiers[i]
         chosen: set[bytes] = set()
         inflight: list = []
-        width = 1 if p.tiers[i + 1].volatile else max(1, p.mover.disk_workers)
+        width = 1 if room.tiers[i + 1].volatile else max(1, self.disk_workers)
         done = {"cleaned": 0, "moving": 0}               # blocks cleaned, bytes being copied
 
-        def dirty(key: bytes) -> bool:
-            e = raw(key)
-            return e is not None and e.pins == 0 and not e.deleted and e.tiers[-1] == i and key not in chosen
-
-        looked = [0]
-
-        def dirty_near_front(key: bytes) -> bool:
-            looked[0] += 1
-            if looked[0] > _placement.CLEAN_SCAN:
-                raise _ScanBudgetSpent
-            return dirty(key)
-
-        def next_victim() -> bytes | None:
-            looked[0] = 0
-            try:
-                return policy.victim(dirty_near_front, incoming=None, now=p.clock())
-            except NoVictim:
-                return None
-            except _ScanBudgetSpent:      # the policy's coldest blocks are clean already
-                return next((k for k in p.dirty_keys(i) if dirty(k)), None)
-
         def settle(t) -> None:
-            p.run_transfer(t, wait=True)
+            transfers.run(t, wait=True)
             done["moving"] -= t.entry.size
             if t.ok:
                 done["cleaned"] += 1
-                p.counters.inc("precleaned")
-        with p.cat.lock:
-            self.busy = True
+                self.counters.inc("precleaned")
+        with self.cat.lock:
+            self.signal.busy = True
             try:
                 while not self._stop.is_set():
                     free = cap - tier.used_bytes
                     clean = p.resident_bytes(i) - p.dirty_bytes(i) + done["moving"]
-                    if free + clean >= (1.0 - p.low) * cap:
+                    if free + clean >= (1.0 - room.low) * cap:
                         break
-                    victim = next_victim()
+                    victim = room.dirty_victim(i, chosen)
                     if victim is None:
                         break
                     chosen.add(victim)
                     try:
-                        t = p.start_transfer_locked(raw(victim), i, i + 1, "demoted")
+                        t = room.start_copy_locked(self.cat.raw(victim), i, i + 1, "demoted")
                     except (TierFull, NoVictim, TierIOError) as e:
                         log.debug("pre-cleaning %s skipped: %s", victim.hex()[:16], e)
                         break
-                    p.run_transfer(t, wait=False)
+                    transfers.run(t, wait=False)
                     inflight.append(t)
                     done["moving"] += t.entry.size
                     if len(inflight) >= width:
@@ -151,6 +159,9 @@ class Cleaner:
                 while inflight:
                     settle(inflight.pop(0))
             finally:
-                self.busy = False
-                p.cat.changed.notify_all()
+                self.signal.busy = False
+                self.cat.changed.notify_all()
         return done["cleaned"]
+
+
+__all__ = ["Cleaner", "CleanerSignal"]

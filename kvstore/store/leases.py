@@ -5,8 +5,12 @@ that a client on the same node reads them in place: in the shared host arena, or
 through CUDA IPC. A block only in a lower tier is promoted into the arena first. A
 **reservation** is a put whose room is in the shared arena: the client writes the bytes
 there itself and commits. Both belong to the tenant that made them and end by their TTL
-when the client goes away (:meth:`Leases.maintain`), so a killed client costs nothing
-but the time until then.
+when the client goes away (:meth:`Leases.maintain`: an expired lease is released, an
+expired reservation aborted), so a killed client costs nothing but the time until then.
+
+A lease is released here (:meth:`Leases.release`, which ends its pins in
+:meth:`kvstore.store.catalogue.Catalogue.release`); a reservation is never released, it
+is committed or aborted (:class:`kvstore.store.writes.Writes`).
 """
 
 from __future__ import annotations
@@ -15,12 +19,11 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from tiers import errors as terr
 from tiers.base import IpcHandle, TierKind
 
-from kvstore.store.catalogue import Claim, Entry
 from kvstore.common.errors import (
     BlockNotFound,
+    FeatureDisabled,
     InvalidRequest,
     KVStoreError,
     SizeConflict,
@@ -28,8 +31,12 @@ from kvstore.common.errors import (
     TierIOError,
     WriteConflict,
 )
-from kvstore.store.placement import Placement
 from kvstore.common.types import ReserveStatus
+from kvstore.store.catalogue import Catalogue, Claim, Entry
+from kvstore.store.counters import Counters
+from kvstore.store.media import TierAdapter
+from kvstore.store.moves import Moves
+from kvstore.store.placement import Placement
 from kvstore.store.writes import PutOutcome, check_key
 
 log = logging.getLogger("kvstore.store.leases")
@@ -77,19 +84,31 @@ class LeaseGrant:
 
 
 class Leases:
-    """Leases and shared-arena reservations of one :class:`~kvstore.store.manager.TierManager`."""
+    """Leases and shared-arena reservations of the store.
 
-    def __init__(self, placement: Placement, shared_tier: int | None,
-                 begin_put: Callable[..., PutOutcome],
+    Args:
+        tiers: fastest first (:class:`~kvstore.store.media.TierAdapter`).
+        catalogue: pins, leases and claims; placement: touches leased blocks.
+        moves: promotes a block into the arena before it is leased.
+        counters: ``leases_*``, ``leased_*``, ``reservations_expired``.
+        shared_tier: index of the tier same-node clients map (the host arena), or None.
+        begin_put: phase one of a put (:meth:`kvstore.store.writes.Writes.begin_put`).
+        page_in: pages blocks held only in the cluster into the arena
+            (:meth:`kvstore.store.reads.Reads.page_in`).
+    """
+
+    def __init__(self, tiers: Sequence[TierAdapter], catalogue: Catalogue, placement: Placement, moves: Moves,
+                 counters: Counters, shared_tier: int | None, begin_put: Callable[..., PutOutcome],
                  page_in: Callable[..., object] = lambda keys, prefix=False: set()):
-        self.catalogue = placement.cat
-        self.tiers = placement.tiers
-        self.counters = placement.counters
+        self.catalogue = catalogue
+        self.tiers = list(tiers)
+        self.counters = counters
         self._placement = placement
+        self._moves = moves
         self._shared = shared_tier
         self._begin_put = begin_put
-        self._page_in = page_in        # blocks only in the cluster into the arena (Reads.page_in)
-        self._device = next((i for i, t in enumerate(self.tiers) if t.capabilities.device is not None), None)
+        self._page_in = page_in
+        self._device = next((i for i, t in enumerate(self.tiers) if t.on_device), None)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
               device: bool = False, max_bytes: int | None = None) -> LeaseGrant:
@@ -102,15 +121,15 @@ class Leases:
         ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
         room: the client releases, then asks for the rest. A grant that holds no block creates
         no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
-        (``resume_at`` 0). Raises InvalidRequest (bad key, TTL), KVStoreError when no tier
-        can be mapped by clients.
+        (``resume_at`` 0). Raises InvalidRequest (bad key, TTL), FeatureDisabled when no
+        tier can be mapped by clients.
         """
         if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN
             raise InvalidRequest(f"lease ttl must be in (0, {MAX_LEASE_TTL_S}] seconds, got {ttl_s}")
         for k in keys:
             check_key(k)
         if self._shared is None and not (device and self._device is not None):
-            raise KVStoreError("no tier can be read in place by clients (no shared host arena or HBM tier)")
+            raise FeatureDisabled("no tier can be read in place by clients (no shared host arena or HBM tier)")
         cat = self.catalogue
         if cat.num_leases >= MAX_LEASES:
             self.counters.inc("leases_refused")
@@ -160,7 +179,7 @@ class Leases:
         promotion (or ``len(keys)``, or where the grant stopped)."""
         cat, placement = self.catalogue, self._placement
         shared, dev = self._shared, self._device if device else None
-        extent = self.tiers[shared].capabilities.shared.extent if shared is not None else None
+        extent = self.tiers[shared].extent if shared is not None else None
         kind = self.tiers[shared].kind if shared is not None else None
         with cat.lock:
             while n < len(keys):
@@ -178,7 +197,7 @@ class Leases:
                     return n
                 if dev is not None and dev in e.tiers:
                     tier = self.tiers[dev]
-                    block = LeasedBlock(key, True, tier.kind, 0, e.size, tier.capabilities.device.ipc_handle(key))
+                    block = LeasedBlock(key, True, tier.kind, 0, e.size, tier.ipc_handle(key))
                 elif shared is not None and shared in e.tiers:
                     offset, size = extent(key)
                     block = LeasedBlock(key, True, kind, offset, size)
@@ -205,18 +224,18 @@ class Leases:
                 return _NO_ROOM
             s = self._shared
             if s is None:
-                raise terr.BlockNotStored("no shared arena")
+                raise BlockNotFound("no shared arena")
             with cat.lock:
                 self._placement.touch(entry)
-            t = self._placement.promote(entry, s, wait=True)
+            t = self._moves.promote(entry, s, wait=True)
             if t is None:                   # no room without evicting pinned blocks
                 cat.unpin(entry)
                 return _NO_ROOM
             if not t.ok or s not in entry.tiers:
-                raise terr.BlockNotStored("promotion into the shared arena failed")
-            offset, size = self.tiers[s].capabilities.shared.extent(key)
+                raise BlockNotFound("promotion into the shared arena failed")
+            offset, size = self.tiers[s].extent(key)
             return entry, LeasedBlock(key, True, self.tiers[s].kind, offset, size)
-        except terr.MediaError as e:
+        except KVStoreError as e:            # a miss: the block is not where the client reads
             log.debug("lease of %s: %s", key.hex()[:16], e)
             cat.unpin(entry)
             return None
@@ -225,11 +244,12 @@ class Leases:
             raise
 
     def release(self, lease_id: str, owner: str = "") -> bool:
-        """End a lease early. False when unknown, expired or another owner's."""
+        """Release lease ``lease_id`` of ``owner`` early: its blocks are unpinned. False
+        when unknown, expired or another owner's."""
         return self.catalogue.release(lease_id, owner)
 
     def maintain(self) -> None:
-        """Expire leases and zero-copy reservations whose TTL passed (the daemon's
+        """Release leases and abort zero-copy reservations whose TTL passed (the daemon's
         background thread calls this; tests may call it directly)."""
         n = self.catalogue.expire()
         if n:
@@ -272,7 +292,7 @@ class Leases:
             return 0, ReserveStatus.ALREADY_PRESENT, ""
         if outcome.not_admitted:
             return 0, ReserveStatus.NOT_ADMITTED, ""
-        offset, _ = self.tiers[self._shared].capabilities.shared.extent(key)
+        offset, _ = self.tiers[self._shared].extent(key)
         return offset, ReserveStatus.RESERVED, ""
 
     def find_claim(self, key: bytes, owner: str) -> Claim:

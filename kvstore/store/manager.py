@@ -1,63 +1,53 @@
-"""The tier manager: the store core's public face (put, read, lookup, lease, delete).
+"""The tier manager: the store core's public face. It declares the core's verbs (put,
+read, lookup, lease, promote, delete, ...), each a method with its contract that
+delegates to the part doing the work, in the shape of vLLM's ``OffloadingManager``.
 
-Tiers are ordered fastest first (HBM, host, NVMe). The manager composes the
-:class:`~kvstore.store.catalogue.Catalogue` (entries, claims, pins, leases, events), the
-:class:`~kvstore.store.placement.Placement` (eviction, demotion, promotion, background
-cleaning), the :class:`~kvstore.store.mover.Mover` (bytes between tiers) and the three parts of
-the data path: :class:`~kvstore.store.writes.Writes` (the put protocol),
-:class:`~kvstore.store.reads.Reads` and :class:`~kvstore.store.leases.Leases` (the same-node path),
-whose public methods it exposes as its own. It talks to
-media only through :class:`tiers.base.Tier` and their declared capabilities, so the
-same code runs the daemon (real media) and ``kvstore simulate`` (byte-less tiers,
-virtual time). Media errors (:mod:`tiers.errors`) become store errors
-(:mod:`kvstore.common.errors`) here.
-
-A block's way (see ``docs/architecture.md``):
-
-- **Put** claims the key, makes room in the fastest tier whose admission policy takes
-  the block (evicting a clean block, or demoting a dirty one), reserves it there; the
-  bytes are copied in without the lock; :meth:`TierManager.commit_put` makes the block
-  visible, and with ``write_through`` acknowledges only once every lower tier holds a
-  copy. The first writer of a key wins: a put of a stored key with the same size is a
-  no-op (``already_present``), with another size it is refused (:class:`SizeConflict`).
-- **Read** (:meth:`TierManager.read_into`) pins the block, reads it (or byte ranges of
-  it) from the fastest tier holding it straight into the caller's buffer, unpins, and
-  asks for a promotion when the copy came from a lower tier (async in the daemon).
-- **Lease** pins blocks with a TTL for a client that reads them in place (the shared
-  host arena, or HBM by CUDA IPC); blocks only in a lower tier are promoted first.
-- Pinned and leased blocks are never evicted; a delete of one hides it at once and
-  frees it when the last pin goes.
-- **Cluster** (a remote tier, last): Lookup also asks the cluster, reads page blocks in
-  from it, and it receives demotions; :mod:`kvstore.cluster.cluster` (:attr:`TierManager.cluster`).
-
-A copy that fails its checksum is dropped from that tier and counted in
-``corrupt_blocks``; the block is served from another tier's copy or is a miss.
+Tiers are ordered fastest first (HBM, host, NVMe; a remote tier last). The parts, each
+given what it needs when it is made (none holds the manager): ``catalogue`` (entries,
+claims, pins, leases, events; one lock), ``placement`` (the per-tier bookkeeping of
+copies), ``room`` (which blocks leave a tier: the one caller of ``policy.victim``),
+``transfers`` (two-phase copies in flight; ``mover`` moves the bytes), ``moves``
+(promotion up, write-through and persist down), ``writes`` (the put protocol),
+``reads``, ``leases`` (the same-node path), and ``cluster`` (:mod:`kvstore.cluster`,
+with a remote tier). Media are called only through
+:class:`kvstore.store.media.TierAdapter`, where media errors (:mod:`tiers.errors`)
+become store errors (:mod:`kvstore.common.errors`), and through their declared
+capabilities, so the same code runs the daemon and ``kvstore simulate`` (byte-less
+tiers, virtual time). A block's way is drawn in ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from tiers.base import Tier, TierKind
+from tiers.base import ByteRanges, Tier, TierKind
 
-from kvstore.store.catalogue import Catalogue
-from kvstore.store.cleaner import Cleaner
-from kvstore.store.counters import Counters
-from kvstore.common.errors import KVStoreError
-from kvstore.store.leases import MAX_LEASE_TTL_S, MAX_LEASES, LeasedBlock, LeaseGrant, Leases
-from kvstore.store.mover import Mover
-from kvstore.store.placement import Placement
-from kvstore.policy import AcceptsNextUse, EvictionPolicy, NoVictim, PredictsDistance, UsesReuseModel
-from kvstore.store.reads import BlockReader, Reads
 from kvstore.cluster.cluster import Cluster, ClusterOptions
-from kvstore.common.types import LookupResult
-from kvstore.store.writes import MAX_SIZE_CONFLICTS_LOGGED, WRITE_BACK, WRITE_THROUGH, PutOutcome, Writes
-
-log = logging.getLogger("kvstore.store.manager")
+from kvstore.common.types import GetResult, LookupResult, ReserveStatus
+from kvstore.policy import AcceptsNextUse, EvictionPolicy, PredictsDistance, UsesReuseModel
+from kvstore.store.catalogue import Catalogue, Claim, Entry
+from kvstore.store.cleaner import Cleaner, CleanerSignal
+from kvstore.store.cluster_port import ClusterPort
+from kvstore.store.counters import Counters
+from kvstore.store.leases import MAX_LEASE_TTL_S, MAX_LEASES, LeasedBlock, LeaseGrant, Leases
+from kvstore.store.media import TierAdapter
+from kvstore.store.mover import Mover
+from kvstore.store.moves import Moves
+from kvstore.store.placement import Placement
+from kvstore.store.reads import BlockReader, Reads
+from kvstore.store.room import Room
+from kvstore.store.transfers import Transfers
+from kvstore.store.writes import (
+    MAX_SIZE_CONFLICTS_LOGGED,
+    WRITE_BACK,
+    WRITE_THROUGH,
+    PutBatch,
+    PutOutcome,
+    Writes,
+)
 
 
 @dataclass
@@ -82,12 +72,13 @@ class TierManager:
         promote_on_get: copy blocks read from a lower tier into the first tier.
         writer_wait_s: how long a put of a key another client is writing waits (seconds).
         async_moves: the daemon: tier-to-tier copies on background queues with the lock
-            released, and a background thread keeping the watermarks and expiring leases
-            and reservations. False (the simulator): copies inline, deterministic.
+            dropped, and a background thread keeping the watermarks, releasing expired
+            leases and aborting expired reservations. False (the simulator): copies
+            inline, deterministic.
         transfer_timeout_s: a copy waited on longer than this is abandoned (seconds).
         watermarks: ``(low, high)`` fractions of capacity for background cleaning.
         cluster: how to use a remote tier (the last tier), when there is one.
-    Raises ValueError for inconsistent arguments.
+    Raises ValueError for inconsistent arguments; store errors when a tier's recovery fails.
     """
 
     def __init__(self, tiers: Sequence[Tier], policies: Sequence[EvictionPolicy],
@@ -103,35 +94,43 @@ class TierManager:
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1, got {watermarks}")
         self.tiers = list(tiers)
+        """The media themselves, fastest first (the parts call them through adapters)."""
         self.policies = list(policies)
         self.clock = clock
         self.counters = Counters()
-        self.catalogue = Catalogue(on_unpinned=lambda e: self.placement.free_entry(e, "deleted"))
+        self.catalogue = Catalogue(on_unpinned=self._free_deleted)
         self.events = self.catalogue.events
-        self.mover = Mover(self.tiers, async_moves)
-        self.placement = Placement(self.tiers, self.policies, self.catalogue, self.mover, self.counters,
-                                   clock, transfer_timeout_s, watermarks, promote_on_get=promote_on_get)
-        self.shared_tier = next((i for i, t in enumerate(self.tiers) if t.capabilities.shared is not None), None)
+        media = [TierAdapter(t) for t in self.tiers]
+        self.shared_tier = next((i for i, t in enumerate(media) if t.shared), None)
         """Index of the tier whose memory same-node clients map (the host arena), if any."""
-        self.writes = Writes(self.placement, write_policy, writer_wait_s)
-        self.reads = Reads(self.placement)
-        self.leases = Leases(self.placement, self.shared_tier, self.writes.begin_put, self.reads.page_in)
-        # the parts' public methods, on the manager itself
-        self.begin_put, self.write_chunk, self.commit_put = (self.writes.begin_put, self.writes.write_chunk,
-                                                             self.writes.commit_put)
-        self.abort_put, self.put = self.writes.abort_put, self.writes.put
-        self.reader, self.read_into, self.get, self.get_many, self.locate = (
-            self.reads.reader, self.reads.read_into, self.reads.get, self.reads.get_many, self.reads.locate)
-        self.lease, self.release, self.maintain = self.leases.lease, self.leases.release, self.leases.maintain
-        self.reserve_shared, self.find_claim = self.leases.reserve_shared, self.leases.find_claim
-        self.cluster = (Cluster(self, cluster) if any(t.capabilities.remote is not None for t in self.tiers)
-                        else None)
+        cat, pol, counters = self.catalogue, self.policies, self.counters
+        self.mover = Mover(self.tiers, async_moves)
+        self.placement = Placement(media, pol, cat, counters, clock)
+        self.transfers = Transfers(media, pol, cat, self.placement, self.mover, counters, clock, transfer_timeout_s)
+        signal = CleanerSignal() if async_moves else None
+        self.room = Room(media, pol, cat, self.placement, self.transfers, counters, clock, watermarks, signal)
+        self.moves = Moves(media, cat, self.room, self.transfers, counters)
+        self.writes = Writes(media, pol, cat, self.placement, self.room, self.moves, counters, clock,
+                             write_policy, writer_wait_s)
+        self.cluster: Cluster | None = None
         """The cluster level (:mod:`kvstore.cluster.cluster`) when a remote tier is configured."""
-        self.reads.cluster = self.writes.cluster = self.cluster
-        self._recover()
+        if any(t.remote is not None for t in media):
+            port = ClusterPort(media, pol, cat, self.placement, self.room, self.moves, self.writes, clock)
+            self.cluster = Cluster(port, media, counters, cluster, shared_tier=self.shared_tier,
+                                   write_through=write_policy == WRITE_THROUGH)
+        self.reads = Reads(media, cat, self.placement, self.moves, counters, self.cluster, promote_on_get)
+        self.leases = Leases(media, cat, self.placement, self.moves, counters, self.shared_tier,
+                             self.writes.begin_put, self.reads.page_in)
+        self.placement.recover()
         self._cleaner = None
-        if async_moves:
-            self._cleaner = Cleaner(self.placement, on_tick=self.maintain).start()
+        if signal is not None:
+            self._cleaner = Cleaner(signal, self.room, self.placement, self.transfers, cat, counters,
+                                    disk_workers=self.mover.disk_workers, on_tick=self.leases.maintain).start()
+
+    def _free_deleted(self, entry: Entry) -> None:
+        self.placement.free_entry(entry, "deleted")       # a deleted block's last pin went
+
+    # ------------------------------------------------------------------ queries
 
     @property
     def write_policy(self) -> str:
@@ -142,33 +141,10 @@ class TierManager:
         """``(monotonic time, why)`` of the last failed put since the last success."""
         return self.writes.put_failure
 
-    # ------------------------------------------------------------------ recovery
-
-    def _recover(self) -> None:
-        now = self.clock()
-        p = self.placement
-        with self.catalogue.lock:
-            for i, tier in enumerate(self.tiers):
-                for key, nbytes in tier.recover():
-                    entry = self.catalogue.raw(key)
-                    if entry is None:
-                        p.new_entry(key, nbytes, i, "recovered")
-                    elif entry.size == nbytes:
-                        p.add_copy(entry, i, "recovered")
-                    else:
-                        log.warning("block %s has %d bytes in %s but %d elsewhere; dropping the %s copy",
-                                    key.hex()[:16], nbytes, tier.name, entry.size, tier.name)
-                        tier.free(key)
-                        continue
-                    self.policies[i].insert(key, nbytes, now)
-                    self.counters.inc("blocks_recovered")
-
     @property
     def lock(self) -> threading.RLock:
         """The catalogue lock (tests and tools; the store's own components use the API)."""
         return self.catalogue.lock
-
-    # ------------------------------------------------------------------ queries
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.catalogue
@@ -178,9 +154,12 @@ class TierManager:
 
     def tier_of(self, key: bytes) -> TierKind | None:
         """Fastest tier holding ``key``, or None when not stored."""
-        with self.catalogue.lock:
-            e = self.catalogue.get(key)
-            return None if e is None else self.tiers[e.tiers[0]].kind
+        loc = self.locate(key)
+        return None if loc is None else self.tiers[loc[1]].kind
+
+    def locate(self, key: bytes) -> tuple[int, int] | None:
+        """``(payload bytes, index of the fastest tier holding it)``, or None when not stored."""
+        return self.reads.locate(key)
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Longest prefix of ``keys`` that is stored, and the fastest tier of each hit.
@@ -189,15 +168,7 @@ class TierManager:
         other nodes; one existence check with a short deadline, a failure is a miss).
         Does not count as an access for the eviction policies (the read that follows does).
         """
-        hits = self.catalogue.prefix(keys)
-        kinds = [int(t.kind) for t in self.tiers]
-        codes = bytes(kinds[i] for i in hits)
-        if self.cluster is not None and len(hits) < len(keys):
-            codes += self.cluster.lookup_rest(keys[len(hits):])    # the cluster, within a deadline
-        self.counters.inc("lookups")
-        self.counters.inc("lookup_blocks", len(keys))
-        self.counters.inc("lookup_hit_blocks", len(codes))
-        return LookupResult(len(codes), codes)
+        return self.reads.lookup(keys)
 
     @property
     def num_tiers(self) -> int:
@@ -230,69 +201,134 @@ class TierManager:
 
     # ------------------------------------------------------------------ put
 
+    def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
+                  tier: int | None = None, meta=None) -> PutOutcome:
+        """Phase one of a put: claim the 32-byte ``key`` and reserve ``nbytes`` (> 0) bytes
+        in the fastest tier that admits it (``tier``: only there). ``owner``/``ttl_s``
+        (seconds): a zero-copy reservation's tenant and lifetime; ``meta``: its
+        :class:`~kvstore.common.types.BlockMeta`. Returns a :class:`PutOutcome` (stored
+        already, not admitted, or ``pending``). Raises InvalidRequest, SizeConflict,
+        TierFull, TierIOError, WriteConflict (:meth:`kvstore.store.writes.Writes.begin_put`)."""
+        return self.writes.begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=tier, meta=meta)
+
+    def write_chunk(self, pending: Claim, offset: int, data: Any) -> None:
+        """Copy one in-order chunk (any buffer) at byte ``offset`` of an open put, without
+        the lock. Raises InvalidRequest (out of order, oversize), TierFull, TierIOError."""
+        self.writes.write_chunk(pending, offset, data)
+
+    def commit_put(self, pending: Claim, *, in_place: bool = False) -> None:
+        """Phase two: make the fully written block visible (``in_place``: written through
+        the shared arena). Local write-through copies are made before it returns; the
+        cluster's at the end of the put call (:meth:`put_batch`). Raises InvalidRequest
+        (bytes missing: aborted), BlockNotFound (expired or aborted), TierFull, TierIOError."""
+        self.writes.commit_put(pending, in_place=in_place)
+
+    def abort_put(self, pending: Claim) -> None:
+        """Drop an open put (or zero-copy reservation) and its room. Safe to call twice."""
+        self.writes.abort_put(pending)
+
+    def put(self, key: bytes, data: Any) -> bool:
+        """Store block ``key`` (32 bytes) with payload ``data`` (any buffer) in one call,
+        written through to the cluster when the policy says so. Returns False when it
+        was stored already or no tier admitted it. Raises as :meth:`begin_put` and
+        :meth:`write_chunk`."""
+        stored = self.writes.put(key, data)
+        if stored and self.cluster is not None:
+            self.cluster.put_done([key])
+        return stored
+
+    def put_batch(self) -> PutBatch:
+        """A put call of many blocks: ``batch.commit(pending)`` per block, ``batch.end()``
+        when the call ends (the cluster's write-through, batched)."""
+        return PutBatch(self.writes, self.cluster)
+
+    def commit_puts(self, pending: Sequence[Claim], *, in_place: bool = False) -> None:
+        """:meth:`commit_put` each of ``pending`` as one put call (then the cluster's
+        write-through, batched). Raises as :meth:`commit_put` (the rest stay open)."""
+        batch = self.put_batch()
+        for p in pending:
+            batch.commit(p, in_place=in_place)
+        batch.end()
+
+    # ------------------------------------------------------------------ read
+
+    def reader(self, key: bytes, *, remote: bool = True) -> BlockReader | None:
+        """Open block ``key`` for a read in several pieces (pinned until ``close``); None
+        on a miss. ``remote``: page it in from the cluster first when only it holds it.
+        Raises InvalidRequest for a bad key."""
+        return self.reads.reader(key, remote=remote)
+
+    def read_into(self, key: bytes, out: Any, ranges: ByteRanges | None = None) -> TierKind | None:
+        """Read block ``key`` (or byte ``ranges`` of it, concatenated) into writable buffer
+        ``out``. Returns the tier read from, or None on a miss (a copy failing its checksum
+        is dropped; none left is a miss). Raises InvalidRequest (key, ranges, ``out`` too small)."""
+        return self.reads.read_into(key, out, ranges)
+
+    def get(self, key: bytes, ranges: ByteRanges | None = None) -> GetResult:
+        """:meth:`read_into` a new buffer: ``GetResult.data`` is a memoryview of uint8."""
+        return self.reads.get(key, ranges)
+
+    def get_many(self, keys: Iterable[bytes], ranges: ByteRanges | None = None,
+                 stop_at_miss: bool = False) -> Iterator[GetResult]:
+        """Yield :meth:`get` for each key (the cluster asked once); with ``stop_at_miss``
+        stop after the first miss."""
+        return self.reads.get_many(keys, ranges, stop_at_miss)
+
+    # ------------------------------------------------------------------ same-node path
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
+              device: bool = False, max_bytes: int | None = None) -> LeaseGrant:
+        """Pin ``keys`` for ``ttl_s`` seconds for a client of tenant ``owner`` that reads
+        them in place (the shared arena, or HBM by CUDA IPC with ``device``); at most
+        ``max_bytes`` per grant. Returns a :class:`LeaseGrant`. Raises InvalidRequest
+        (key, TTL), FeatureDisabled (no tier clients can map)."""
+        return self.leases.lease(keys, ttl_s, owner, prefix=prefix, device=device, max_bytes=max_bytes)
+
+    def release(self, lease_id: str, owner: str = "") -> bool:
+        """Release lease ``lease_id`` of tenant ``owner`` (its blocks are unpinned).
+        Returns False when it is unknown, expired or another tenant's; never raises."""
+        return self.leases.release(lease_id, owner)
+
+    def maintain(self) -> None:
+        """Release leases and abort zero-copy reservations whose TTL passed (the daemon's
+        cleaner thread calls this every tick)."""
+        self.leases.maintain()
+
+    def reserve_shared(self, key: bytes, nbytes: int, owner: str, ttl_s: float,
+                       meta=None) -> tuple[int, ReserveStatus, str]:
+        """Reserve ``nbytes`` for ``key`` in the shared arena for a zero-copy put of tenant
+        ``owner``, for ``ttl_s`` seconds: ``(arena offset in bytes, status, detail)``.
+        Refusals are statuses, never errors."""
+        return self.leases.reserve_shared(key, nbytes, owner, ttl_s, meta)
+
+    def find_claim(self, key: bytes, owner: str) -> Claim:
+        """The open zero-copy reservation of ``key`` by ``owner`` (to commit or abort).
+        Raises BlockNotFound (none, expired, or another tenant's)."""
+        return self.leases.find_claim(key, owner)
+
     # ------------------------------------------------------------------ moves
 
     def promote(self, key: bytes, to: int = 0, wait: bool = True) -> bool:
-        """Copy a stored block up into tier ``to`` (prefetch). True when it is there now
-        (or, with ``wait=False``, on its way). Never evicts pinned blocks."""
-        entry = self.catalogue.pin(key)
-        if entry is None:
-            return False
-        try:
-            t = self.placement.promote(entry, to, wait)
-            return t is not None and (t.ok or not wait)
-        finally:
-            self.catalogue.unpin(entry)
+        """Copy stored block ``key`` up into tier ``to`` (prefetch). True when it is there
+        now (or, with ``wait=False``, on its way). Never evicts pinned blocks."""
+        return self.moves.promote_key(key, to, wait)
 
     def demote(self, key: bytes, frm: int = 0) -> bool:
-        """Move a block out of tier ``frm`` (to the next tier). False if absent there, pinned
-        or leased, or when the demotion failed."""
-        with self.catalogue.lock:
-            e = self.catalogue.get(key)
-            if e is None or frm not in e.tiers or e.pins or len(self.tiers) < 2:
-                return False
-            try:
-                self.placement.evict_locked(frm, key, reason="evicted")
-            except KVStoreError as err:
-                log.warning("demotion of %s failed: %s", key.hex()[:16], err)
-                return False
-            return frm not in e.tiers
+        """Move block ``key`` out of tier ``frm`` (to the next tier). False if absent
+        there, pinned or leased, or when the demotion failed (logged); never raises."""
+        return self.room.demote(key, frm)
 
     def make_room(self, tier: int, nbytes: int, *, protect: Callable[[bytes], bool] = lambda k: False,
                   candidates: Iterable[bytes] = (), give_up: Callable[[bytes], bool] | None = None,
                   on_moved: Callable[[bytes], None] | None = None) -> bool:
-        """Free room for ``nbytes`` in tier ``tier`` by demoting blocks (prefetch).
+        """Free room for ``nbytes`` in tier ``tier`` by demoting blocks (prefetch):
+        ``candidates`` first, then the tier policy's victims, never a ``protect``-ed,
+        pinned or leased block; stops when ``give_up(victim)``. ``on_moved(key)`` per
+        block moved. Returns True when the room is there; never raises."""
+        return self.room.make_room(tier, nbytes, protect=protect, candidates=candidates, give_up=give_up,
+                                   on_moved=on_moved)
 
-        ``candidates`` are demoted first, in order; then the tier policy's victims. Blocks
-        for which ``protect`` is True, pinned and leased blocks are never moved; when the
-        policy's next victim makes ``give_up`` True, nothing more is moved; ``on_moved(key)``
-        is called for each block moved out. Returns True when the room is there.
-        """
-        t = self.tiers[tier]
-        if tier == len(self.tiers) - 1:
-            return t.fits(nbytes)        # demoting from the last tier would drop blocks
-        p = self.placement
-        with self.catalogue.lock:
-            try:
-                for key in candidates:
-                    if t.fits(nbytes):
-                        return True
-                    if key in t and not protect(key) and p.evictable(key):
-                        p.evict_locked(tier, key)
-                        if on_moved is not None:
-                            on_moved(key)
-                while not t.fits(nbytes):
-                    victim = self.policies[tier].victim(lambda k: p.evictable(k) and not protect(k),
-                                                        incoming=None, now=self.clock())
-                    if give_up is not None and give_up(victim):
-                        return False
-                    p.evict_locked(tier, victim)
-                    if on_moved is not None:
-                        on_moved(victim)
-                return True
-            except (NoVictim, KVStoreError) as e:
-                log.debug("make_room(%s, %d) gave up: %s", t.name, nbytes, e)
-                return False
+    # ------------------------------------------------------------------ the policies
 
     def hint_next_use(self, keys: Sequence[bytes], times: float | Sequence[float], now: float) -> None:
         """Pass predicted next-use times (seconds, the manager's clock) to every policy
@@ -319,59 +355,21 @@ class TierManager:
     # ------------------------------------------------------------------ delete, persist, close
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Delete blocks from every tier. Returns how many were stored.
-
-        A block being read (pinned or leased) is hidden at once and freed when its last
-        reader finishes.
-        """
-        deleted = 0
-        with self.catalogue.lock:
-            for key in keys:
-                e = self.catalogue.get(key)
-                if e is None:
-                    continue
-                deleted += 1
-                if e.pins:
-                    e.deleted = True
-                else:
-                    self.placement.free_entry(e, "deleted")
-        self.counters.inc("blocks_deleted", deleted)
-        return deleted
+        """Delete blocks from every tier. Returns how many were stored. A block being read
+        (pinned or leased) is hidden at once and freed when its last reader finishes."""
+        return self.placement.delete(keys)
 
     def persist(self, timeout: float = 60.0) -> int:
-        """Copy every block held only in volatile tiers down to the last tier when it is
-        persistent (NVMe), so a graceful stop keeps them. Bounded by ``timeout`` seconds;
-        returns blocks copied."""
+        """Copy every block held only in volatile tiers down to the last local tier when it
+        is persistent (NVMe), so a graceful stop keeps them. Bounded by ``timeout``
+        seconds; returns blocks copied."""
         last = len(self.tiers) - 1 - (self.cluster is not None)    # the last local tier
         if last <= 0 or self.tiers[last].volatile:
             return 0
-        deadline = time.monotonic() + timeout
-        copied = 0
-        with self.catalogue.lock:
-            todo = [e for e in self.catalogue.entries() if last not in e.tiers]
-            if todo:
-                log.info("persist: copying %d blocks held only in memory to %s (at most %.0f s)",
-                         len(todo), self.tiers[last].name, timeout)
-            shown = time.monotonic()
-            for entry in todo:
-                if time.monotonic() - shown > 5.0:
-                    shown = time.monotonic()
-                    log.info("persist: %d of %d blocks copied", copied, len(todo))
-                if time.monotonic() > deadline:
-                    log.warning("persist: time is up; %d blocks stay only in memory", len(todo) - copied)
-                    break
-                if entry.deleted or last in entry.tiers or not entry.tiers:
-                    continue
-                try:
-                    self.placement.copy_locked(entry, entry.tiers[0], last, "demoted")
-                    copied += 1
-                except (KVStoreError, NoVictim) as e:
-                    log.debug("persist of %s skipped: %s", entry.key.hex()[:16], e)
-        self.counters.inc("blocks_persisted", copied)
-        return copied
+        return self.moves.persist(last, timeout)
 
     def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every queued transfer has finished (tests, shutdown)."""
+        """Wait until every queued transfer has finished (tests, shutdown; seconds)."""
         self.mover.drain(timeout)
 
     def close(self) -> None:
@@ -380,12 +378,10 @@ class TierManager:
             self.cluster.close()
         if self._cleaner is not None:
             self._cleaner.stop()
-        self.mover.stop(timeout=self.placement.transfer_timeout_s)
+        self.mover.stop(timeout=self.transfers.transfer_timeout_s)
         for tier in self.tiers:
             tier.close()
 
 
-
-__all__ = ["BlockReader", "LeaseGrant", "LeasedBlock", "PutOutcome", "TierManager", "TierUsage", "WRITE_BACK",
-           "WRITE_THROUGH", "MAX_LEASE_TTL_S", "MAX_LEASES",
-           "MAX_SIZE_CONFLICTS_LOGGED"]
+__all__ = ["BlockReader", "LeaseGrant", "LeasedBlock", "PutBatch", "PutOutcome", "TierManager", "TierUsage",
+           "WRITE_BACK", "WRITE_THROUGH", "MAX_LEASE_TTL_S", "MAX_LEASES", "MAX_SIZE_CONFLICTS_LOGGED"]

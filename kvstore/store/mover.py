@@ -1,28 +1,31 @@
 """Tier-to-tier copies: one copy plan per (source, destination) pair, one queue per pair.
 
-The manager starts a copy (phase one, under the catalogue lock: the source is pinned,
-room is reserved in the destination), the :class:`Mover` moves the bytes with no lock
-held (phase two), and the manager commits. How the bytes move is decided once per
-pair from the tiers' declared capabilities (:class:`tiers.base.Capabilities`), never
-by probing attributes:
+The store starts a copy (phase one, under the catalogue lock: the source is pinned,
+room is reserved in the destination; :mod:`kvstore.store.transfers`), the
+:class:`Mover` moves the bytes with no lock held (phase two), and the store commits.
 
-=============================================  =========================================
-pair (by capability)                           copy
-=============================================  =========================================
-device source -> device_files destination     ``dst.write_from_device(src.device_array)``
-                                               (HBM -> NVMe by GPUDirect Storage)
-device_files source -> device destination     ``src.read_into_device(dst.device_array)``
-                                               (NVMe -> HBM by GPUDirect Storage)
-host source (zero-copy view)                   ``dst.write(key, 0, src.view(key))``
-host destination (writable reservation)        ``src.read_into(key, dst.write_view(key))``
-                                               (NVMe -> host arena: read straight in)
-anything else                                  through one bounded bounce buffer, in
-                                               :data:`BOUNCE_BYTES` pieces
-=============================================  =========================================
+How the bytes move is looked up once per pair in a registry keyed by (source medium,
+destination medium), :data:`COPY_PLANS`, in the shape of vLLM's offloading worker
+(handlers registered per medium pair). A tier's media come from its declared
+capabilities (:class:`tiers.base.Capabilities`), never from probing attributes
+(:func:`media_of`), preferred first; the plan is the first registered pair over the
+source's media, then the destination's:
+
+=======================  =============================================================
+(source, destination)    copy
+=======================  =============================================================
+(DEVICE, FILES)          ``dst.write_from_device(src.device_array)`` (HBM -> NVMe, GDS)
+(FILES, DEVICE)          ``src.read_into_device(dst.device_array)`` (NVMe -> HBM, GDS)
+(HOST, BYTES)            ``dst.write(key, 0, src.view(key))`` (a zero-copy source)
+(BYTES, HOST)            ``src.read_into(key, dst.write_view(key))`` (read straight into
+                         the reservation: NVMe -> host arena)
+(BYTES, BYTES)           through one bounded bounce buffer, in :data:`BOUNCE_BYTES` pieces
+=======================  =============================================================
 
 A destination with the ``remote`` capability (the cluster) then gets ``send(key)``: its
 network put runs here, on the copy queue without the lock, so the commit that follows
-(under the lock) is only bookkeeping.
+(under the lock) is only bookkeeping. A plan raises store errors
+(:func:`kvstore.store.media.translating`).
 
 With ``async_moves`` each pair has its own worker threads (several into a persistent
 tier: a disk takes several writes at once), so a slow NVMe write never delays a
@@ -33,15 +36,17 @@ inline, deterministically.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from tiers.base import Tier
+
+from kvstore.store.media import translating
 
 log = logging.getLogger("kvstore.store.mover")
 
@@ -49,42 +54,85 @@ BOUNCE_BYTES = 4 << 20
 """Piece size of a copy between two tiers that cannot address each other (bytes)."""
 
 CopyFn = Callable[[bytes], None]
+"""``copy(key)``: fill the destination's reservation of ``key`` from the source's copy."""
 
 
-@dataclass(eq=False)
-class Transfer:
-    """One copy of block ``key`` from tier index ``src`` to tier index ``dst``.
+class Medium(enum.Enum):
+    """How a copy reaches a tier's bytes (from :class:`tiers.base.Capabilities`)."""
 
-    ``entry`` is the source's catalogue entry (pinned while the copy runs). ``done`` is
-    set when the copy committed (``ok``), failed (``error``) or was abandoned after a
-    timeout (``abandoned``: its pin was released early; the destination reservation is
-    dropped when the stuck I/O returns). ``waiters`` counts requests deduplicated onto it.
-    """
+    DEVICE = "device"       # GPU arrays (``device``: the HBM tier)
+    FILES = "files"         # files the GPU reads and writes directly (``device_files``: GDS)
+    HOST = "host"           # host memory this process addresses (``host``)
+    BYTES = "bytes"         # any tier: ``read_into`` and ``write``
 
-    key: bytes
-    src: int
-    dst: int
-    entry: Any
-    reason: str = "copy"
-    ok: bool = False
-    error: BaseException | None = None
-    abandoned: bool = False
-    reserved: bool = False      # room reserved in ``dst``: the copy may run
-    submitted: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
 
-    @classmethod
-    def finished(cls, key: bytes, src: int, dst: int) -> "Transfer":
-        """A transfer with nothing to do (the destination already holds the block)."""
-        t = cls(key, src, dst, None, ok=True, reserved=True)
-        t.done.set()
-        return t
+def media_of(tier: Tier) -> tuple[Medium, ...]:
+    """The media ``tier`` offers a copy, preferred first; always ends with BYTES."""
+    caps = tier.capabilities
+    media = [m for m, cap in ((Medium.DEVICE, caps.device), (Medium.FILES, caps.device_files),
+                              (Medium.HOST, caps.host)) if cap is not None]
+    return (*media, Medium.BYTES)
+
+
+COPY_PLANS: dict[tuple[Medium, Medium], tuple[str, Callable[[Tier, Tier], CopyFn]]] = {}
+"""(source medium, destination medium) -> (plan name, ``make(src, dst) -> copy``)."""
+
+
+def register(src: Medium, dst: Medium, name: str):
+    """Register ``make(src_tier, dst_tier) -> copy`` as the plan of the ``(src, dst)`` pair."""
+    def add(make: Callable[[Tier, Tier], CopyFn]) -> Callable[[Tier, Tier], CopyFn]:
+        COPY_PLANS[(src, dst)] = (name, make)
+        return make
+    return add
+
+
+@register(Medium.DEVICE, Medium.FILES, "device->files")
+def _device_to_files(src: Tier, dst: Tier) -> CopyFn:
+    dev, files = src.capabilities.device, dst.capabilities.device_files
+    return lambda key: files.write_from_device(key, dev.device_array(key))
+
+
+@register(Medium.FILES, Medium.DEVICE, "files->device")
+def _files_to_device(src: Tier, dst: Tier) -> CopyFn:
+    files, dev = src.capabilities.device_files, dst.capabilities.device
+
+    def copy(key: bytes) -> None:
+        dev.mark_written(key, files.read_into_device(key, dev.device_array(key)))
+    return copy
+
+
+@register(Medium.HOST, Medium.BYTES, "view->write")
+def _view_to_write(src: Tier, dst: Tier) -> CopyFn:
+    view = src.capabilities.host.view
+    return lambda key: dst.write(key, 0, view(key))
+
+
+@register(Medium.BYTES, Medium.HOST, "read->reservation")
+def _read_to_reservation(src: Tier, dst: Tier) -> CopyFn:
+    host = dst.capabilities.host
+
+    def copy(key: bytes) -> None:
+        host.mark_written(key, src.read_into(key, host.write_view(key)))
+    return copy
+
+
+@register(Medium.BYTES, Medium.BYTES, "bounce")
+def _bounce(src: Tier, dst: Tier) -> CopyFn:
+    def copy(key: bytes) -> None:
+        size = src.size_of(key)
+        buf = np.empty(min(size, BOUNCE_BYTES), dtype=np.uint8)
+        for off in range(0, size, BOUNCE_BYTES):
+            n = min(BOUNCE_BYTES, size - off)
+            src.read_into(key, buf, [(off, n)])
+            dst.write(key, off, buf[:n])
+    return copy
 
 
 def copy_plan(src: Tier, dst: Tier) -> tuple[str, CopyFn]:
-    """How blocks move from ``src`` to ``dst``: ``(name, copy(key))``. The destination
-    holds a reservation of the block's size; the caller commits."""
-    name, copy = _byte_plan(src, dst)
+    """How blocks move from ``src`` to ``dst``: ``(name, copy(key))`` from :data:`COPY_PLANS`.
+    The destination holds a reservation of the block's size; the caller commits. The
+    copy raises media errors (:mod:`tiers.errors`)."""
+    name, copy = _registered(src, dst)
     remote = dst.capabilities.remote
     if remote is None:
         return name, copy
@@ -95,35 +143,14 @@ def copy_plan(src: Tier, dst: Tier) -> tuple[str, CopyFn]:
     return name + "+send", copy_then_send
 
 
-def _byte_plan(src: Tier, dst: Tier) -> tuple[str, CopyFn]:
-    sc, dc = src.capabilities, dst.capabilities
-    if sc.device is not None and dc.device_files is not None:
-        dev, files = sc.device, dc.device_files
-        return "device->files", lambda key: files.write_from_device(key, dev.device_array(key))
-    if sc.device_files is not None and dc.device is not None:
-        files, dev = sc.device_files, dc.device
-
-        def files_to_device(key: bytes) -> None:
-            dev.mark_written(key, files.read_into_device(key, dev.device_array(key)))
-        return "files->device", files_to_device
-    if sc.host is not None:
-        view = sc.host.view
-        return "view->write", lambda key: dst.write(key, 0, view(key))
-    if dc.host is not None:
-        host = dc.host
-
-        def read_in_place(key: bytes) -> None:
-            host.mark_written(key, src.read_into(key, host.write_view(key)))
-        return "read->reservation", read_in_place
-
-    def bounce(key: bytes) -> None:
-        size = src.size_of(key)
-        buf = np.empty(min(size, BOUNCE_BYTES), dtype=np.uint8)
-        for off in range(0, size, BOUNCE_BYTES):
-            n = min(BOUNCE_BYTES, size - off)
-            src.read_into(key, buf, [(off, n)])
-            dst.write(key, off, buf[:n])
-    return "bounce", bounce
+def _registered(src: Tier, dst: Tier) -> tuple[str, CopyFn]:
+    dst_media = media_of(dst)
+    for s in media_of(src):
+        for d in dst_media:
+            plan = COPY_PLANS.get((s, d))
+            if plan is not None:
+                return plan[0], plan[1](src, dst)
+    raise LookupError(f"no copy plan from {src.name} to {dst.name}")   # pragma: no cover - BYTES pairs always
 
 
 class _Queue:
@@ -193,7 +220,7 @@ class Mover:
         async_moves: run copies on worker threads per (source, destination) pair.
         disk_workers: copies in flight per pair whose destination is persistent (NVMe,
             remote: the medium serves several writes at once, and file I/O and checksums
-            release the GIL); pairs into memory get one worker.
+            run without the GIL); pairs into memory get one worker.
     """
 
     def __init__(self, tiers: Sequence[Tier], async_moves: bool, disk_workers: int = 4):
@@ -212,12 +239,13 @@ class Mover:
     def _plan(self, src: int, dst: int) -> tuple[str, CopyFn]:
         plan = self._plans.get((src, dst))
         if plan is None:
-            plan = self._plans[(src, dst)] = copy_plan(self.tiers[src], self.tiers[dst])
+            name, copy = copy_plan(self.tiers[src], self.tiers[dst])
+            plan = self._plans[(src, dst)] = (name, translating(copy))
         return plan
 
     def copy(self, key: bytes, src: int, dst: int) -> None:
         """Fill ``dst``'s reservation of ``key`` from its committed copy in ``src``.
-        Raises tier errors (:mod:`tiers.errors`)."""
+        Raises store errors (TierFull, TierIOError, ...: :mod:`kvstore.store.media`)."""
         self._plan(src, dst)[1](key)
 
     def submit(self, src: int, dst: int, job: Callable[[], None]) -> None:

@@ -5,7 +5,7 @@ in chunks, :mod:`kvstore.service.get_stream`); :meth:`Reads.read_into` is one re
 goes to the fastest tier holding a good copy; a copy that fails its checksum or its
 medium is dropped and counted (``corrupt_blocks``, ``read_errors``) and the next copy is
 tried, so a block is served whole and right, or is a miss. A read from a lower tier asks
-for a promotion (:meth:`kvstore.store.placement.Placement.promote`) when it ends. With a
+for a promotion (:meth:`kvstore.store.moves.Moves.promote`) when it ends. With a
 cluster, a block held only there is paged into the host arena first
 (:meth:`kvstore.cluster.cluster.Cluster.pull`).
 """
@@ -17,35 +17,61 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from tiers import errors as terr
-from tiers.base import ByteRanges, TierKind, check_ranges
+from tiers.base import ByteRanges, TierKind
 
-from kvstore.store.catalogue import Entry
-from kvstore.common.errors import CorruptBlock, InvalidRequest
+from kvstore.cluster.cluster import Cluster
+from kvstore.common.errors import BlockNotFound, CorruptBlock, TierIOError
+from kvstore.common.types import KEY_BYTES, GetResult, LookupResult
+from kvstore.store.catalogue import Catalogue, Entry
+from kvstore.store.counters import Counters
+from kvstore.store.media import TierAdapter, check_ranges
+from kvstore.store.moves import Moves
 from kvstore.store.placement import Placement
-from kvstore.common.types import KEY_BYTES, GetResult
 from kvstore.store.writes import check_key
 
 log = logging.getLogger("kvstore.store.reads")
 
 
 class Reads:
-    """The read path of one :class:`~kvstore.store.manager.TierManager`."""
+    """The read path of the store.
 
-    def __init__(self, placement: Placement):
-        self.catalogue = placement.cat
-        self.counters = placement.counters
-        self.tiers = placement.tiers
-        self.placement = self._placement = placement
-        self.cluster = None
-        """The cluster level (:class:`kvstore.cluster.cluster.Cluster`), set by the manager when a
-        remote tier is configured."""
+    Args:
+        tiers: fastest first (:class:`~kvstore.store.media.TierAdapter`).
+        catalogue: pins; placement: touches, drops failed copies, counts reads.
+        moves: the promotion after a read from a lower tier; counters: ``reads*``, ``get_misses``.
+        cluster: the cluster level when a remote tier is configured (page-in), else None.
+        promote_on_get: a read from a lower tier asks for a promotion into tier 0.
+    """
+
+    def __init__(self, tiers: Sequence[TierAdapter], catalogue: Catalogue, placement: Placement, moves: Moves,
+                 counters: Counters, cluster: Cluster | None = None, promote_on_get: bool = True):
+        self.catalogue = catalogue
+        self.counters = counters
+        self.tiers = list(tiers)
+        self.placement = placement
+        self.moves = moves
+        self.cluster = cluster
+        self.promote_on_get = promote_on_get
+        self._kinds = [int(t.kind) for t in self.tiers]
 
     def locate(self, key: bytes) -> tuple[int, int] | None:
         """``(payload bytes, index of the fastest tier holding it)``, or None."""
         with self.catalogue.lock:
             e = self.catalogue.get(key)
             return None if e is None else (e.size, e.tiers[0])
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Longest stored prefix of ``keys`` and the fastest tier of each hit (with a
+        cluster, ``REMOTE`` hits after a local miss, within its deadline)."""
+        hits = self.catalogue.prefix(keys)
+        kinds = self._kinds
+        codes = bytes(kinds[i] for i in hits)
+        if self.cluster is not None and len(hits) < len(keys):
+            codes += self.cluster.lookup_rest(keys[len(hits):])    # the cluster, within a deadline
+        self.counters.inc("lookups")
+        self.counters.inc("lookup_blocks", len(keys))
+        self.counters.inc("lookup_hit_blocks", len(codes))
+        return LookupResult(len(codes), codes)
 
     def page_in(self, keys: Sequence[bytes], prefix: bool = False) -> set[bytes]:
         """Page blocks held only in the cluster into the host arena (no-op without one);
@@ -66,7 +92,7 @@ class Reads:
             self.counters.inc("get_misses")
             return None
         with self.catalogue.lock:
-            self._placement.touch(entry)
+            self.placement.touch(entry)
         return BlockReader(self, entry)
 
     def read_into(self, key: bytes, out: Any, ranges: ByteRanges | None = None) -> TierKind | None:
@@ -98,10 +124,7 @@ class Reads:
             check_key(key)
             self.counters.inc("get_misses")
             return GetResult(key, False)
-        try:
-            total = check_ranges(ranges, loc[0])
-        except terr.InvalidAccess as e:
-            raise InvalidRequest(str(e)) from None
+        total = check_ranges(ranges, loc[0])
         out = np.empty(total, dtype=np.uint8)
         tier = self.read_into(key, out, ranges)
         return GetResult(key, True, tier, memoryview(out)) if tier is not None else GetResult(key, False)
@@ -136,6 +159,11 @@ class BlockReader:
         self._closed = False
         self._counted = False
 
+    def span(self, ranges: ByteRanges | None) -> int:
+        """Bytes that ``ranges`` (``(offset, length)`` pairs) select from this block (its
+        size when empty). Raises InvalidRequest for a range outside the block."""
+        return check_ranges(ranges, self.size)
+
     def read_into(self, out: Any, ranges: ByteRanges | None = None) -> TierKind:
         """Copy the block (or ``ranges``) into ``out``; returns the tier read from.
 
@@ -143,19 +171,14 @@ class BlockReader:
         copy is left (the block is gone from the store).
         """
         m, entry = self._m, self.entry
-        try:
-            total = check_ranges(ranges, entry.size)
-        except terr.InvalidAccess as e:
-            raise InvalidRequest(str(e)) from None
+        total = check_ranges(ranges, entry.size)
         while entry.tiers:
             i = entry.tiers[0]
             tier = m.tiers[i]
             try:
                 tier.read_into(entry.key, out, ranges)
-            except terr.InvalidAccess as e:
-                raise InvalidRequest(str(e)) from None
-            except (terr.BlockCorrupt, terr.MediaIOError, terr.BlockNotStored) as e:
-                corrupt = isinstance(e, terr.BlockCorrupt)
+            except (CorruptBlock, TierIOError, BlockNotFound) as e:
+                corrupt = isinstance(e, CorruptBlock)
                 log.warning("dropping %s copy of block %s: %s", tier.name, entry.key.hex()[:16], e)
                 m.counters.inc("corrupt_blocks" if corrupt else "read_errors")
                 with m.catalogue.lock:
@@ -164,7 +187,7 @@ class BlockReader:
                 continue
             m.placement.count_read(tier, total, block=not self._counted)   # one read per block, bytes per piece
             self._counted = True
-            if i > 0 and m.placement.promote_on_get:
+            if i > 0 and m.promote_on_get:
                 self._promote_from = i
             return tier.kind
         raise CorruptBlock(f"block {entry.key.hex()[:16]}: no readable copy is left")
@@ -175,7 +198,7 @@ class BlockReader:
         self._closed = True
         try:
             if self._promote_from is not None and self.entry.tiers:
-                self._m.placement.promote(self.entry, 0, wait=False)
+                self._m.moves.promote(self.entry, 0, wait=False)
         finally:
             self._m.catalogue.unpin(self.entry)
 

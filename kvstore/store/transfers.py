@@ -1,44 +1,105 @@
-"""Two-phase copies of blocks between tiers, and promotion: the transfers of a Placement.
+"""Two-phase copies of blocks between tiers: a copy's life, and the copies in flight.
 
-:class:`TransferMixin` is mixed into :class:`kvstore.store.placement.Placement`. It owns a
-copy's life: phase one pins the block, makes room in the destination and reserves it
-(:meth:`~TransferMixin.start_transfer_locked`); phase two copies the bytes through the
-:class:`kvstore.store.mover.Mover` (inline, or on the ``(src, dst)`` queue) and commits or
-aborts (:meth:`~TransferMixin.run_transfer`); a copy waited on past
+:class:`Transfers` owns every copy from start to end. Phase one
+(:meth:`Transfers.start_locked`, catalogue lock held) pins the block and has room made
+and reserved in the destination by the caller's ``reserve`` (the room-making of
+:class:`kvstore.store.room.Room`); phase two (:meth:`Transfers.run`) copies the bytes
+through the :class:`kvstore.store.mover.Mover` (inline, or on the ``(src, dst)`` queue
+with the lock dropped) and commits or aborts. A copy waited on past
 ``transfer_timeout_s`` is abandoned. Copies are deduplicated per ``(block,
-destination)``; :meth:`~TransferMixin.promote` is the one promotion path. It uses the
-placement's ``tiers``, ``policies``, ``cat``, ``mover``, ``counters``, ``clock``,
-``transfer_timeout_s``, ``_moving``, ``reserve_locked`` and ``add_copy``.
+destination)``: a second request for the same copy joins the one in flight.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
-from tiers import errors as terr
-
-from kvstore.store.catalogue import Entry
-from kvstore.common.errors import TierFull, TierIOError
-from kvstore.store.mover import Transfer
-from kvstore.policy import NoVictim
+from kvstore.common.errors import BlockNotFound, TierIOError
+from kvstore.policy import EvictionPolicy
+from kvstore.store.catalogue import Catalogue, Entry
+from kvstore.store.counters import Counters
+from kvstore.store.media import TierAdapter
+from kvstore.store.mover import Mover
+from kvstore.store.placement import Placement
 
 log = logging.getLogger("kvstore.store.placement")
 
 
-class TransferMixin:
-    """Block copies between tiers (see the module docstring); the catalogue lock rules of
-    :mod:`kvstore.store.placement` apply."""
+@dataclass(eq=False)
+class Transfer:
+    """One copy of block ``key`` from tier index ``src`` to tier index ``dst``.
+
+    ``entry`` is the source's catalogue entry (pinned while the copy runs). ``done`` is
+    set when the copy committed (``ok``), failed (``error``, a store error) or was
+    abandoned after a timeout (``abandoned``: its pin was dropped early; the destination
+    reservation is dropped when the stuck I/O returns).
+    """
+
+    key: bytes
+    src: int
+    dst: int
+    entry: Any
+    reason: str = "copy"
+    ok: bool = False
+    error: BaseException | None = None
+    abandoned: bool = False
+    reserved: bool = False      # room reserved in ``dst``: the copy may run
+    submitted: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def finished(cls, key: bytes, src: int, dst: int) -> "Transfer":
+        """A transfer with nothing to do (the destination already holds the block)."""
+        t = cls(key, src, dst, None, ok=True, reserved=True)
+        t.done.set()
+        return t
+
+
+class Transfers:
+    """The copies between ``tiers`` in flight (see the module docstring).
+
+    Args:
+        tiers: the store's tiers (:class:`~kvstore.store.media.TierAdapter`), fastest first.
+        policies: one per tier (a committed copy is inserted into its tier's policy).
+        catalogue: its lock guards every transfer's state; placement: records committed copies.
+        mover: moves the bytes; counters: ``transfers_failed``, ``transfers_timed_out``.
+        clock: the policies' time (seconds).
+        transfer_timeout_s: a copy waited on longer than this is abandoned (seconds).
+    """
+
+    def __init__(self, tiers: Sequence[TierAdapter], policies: Sequence[EvictionPolicy], catalogue: Catalogue,
+                 placement: Placement, mover: Mover, counters: Counters, clock: Callable[[], float],
+                 transfer_timeout_s: float):
+        self.tiers = list(tiers)
+        self.policies = list(policies)
+        self.cat = catalogue
+        self.placement = placement
+        self.mover = mover
+        self.counters = counters
+        self.clock = clock
+        self.transfer_timeout_s = transfer_timeout_s
+        self._moving: dict[tuple[bytes, int], Transfer] = {}
 
     def moving(self, key: bytes, dst: int) -> Transfer | None:
+        """The copy of ``key`` into tier ``dst`` in flight, if any (lock held)."""
         return self._moving.get((key, dst))
 
-    def start_transfer_locked(self, entry: Entry, src: int, dst: int, reason: str) -> Transfer:
-        """Phase one of a copy: pin the block, make room in ``dst`` and reserve it.
+    def __len__(self) -> int:
+        return len(self._moving)
 
-        Returns the transfer already in flight for ``(key, dst)`` if there is one.
-        Raises TierFull / NoVictim when ``dst`` cannot make room, TierIOError when an
-        earlier copy of the block to ``dst`` is stuck.
+    def start_locked(self, entry: Entry, src: int, dst: int, reason: str,
+                     reserve: Callable[[int, bytes, int, bytes], None]) -> Transfer:
+        """Phase one of a copy: pin the block, then ``reserve(dst, key, size, key)`` room
+        for it in ``dst`` (:meth:`kvstore.store.room.Room.reserve_locked`).
+
+        Returns the transfer already in flight for ``(key, dst)`` if there is one (a
+        finished one when ``dst`` holds the block). ``reserve`` may drop the lock while it
+        waits on a demotion; it raises TierFull / NoVictim / TierIOError, which this
+        raises too. Raises TierIOError when an earlier copy of the block to ``dst`` is stuck.
         """
         key = entry.key
         existing = self._moving.get((key, dst))
@@ -49,13 +110,13 @@ class TransferMixin:
             return existing
         if dst in entry.tiers:
             return Transfer.finished(key, src, dst)
-        # Registered before room is made: making room may release the lock while it waits
+        # Registered before room is made: making room may drop the lock while it waits
         # on a demotion, and another copy of this block to ``dst`` must join this one.
         t = Transfer(key, src, dst, entry, reason=reason)
         self._moving[(key, dst)] = t
         entry.pins += 1  # the source copy must stay while room is made below and bytes move
         try:
-            self.reserve_locked(dst, key, entry.size, incoming=key)
+            reserve(dst, key, entry.size, key)
         except BaseException as e:
             self._moving.pop((key, dst), None)
             t.error = e
@@ -66,8 +127,8 @@ class TransferMixin:
         t.reserved = True
         return t
 
-    def run_transfer(self, t: Transfer, wait: bool) -> None:
-        """Phase two: copy the bytes, then commit. Lock held on entry (released while
+    def run(self, t: Transfer, wait: bool) -> None:
+        """Phase two: copy the bytes, then commit. Lock held on entry (dropped while
         waiting). Async: the copy runs on the ``(src, dst)`` queue; with ``wait`` this
         waits up to ``transfer_timeout_s`` (then the transfer is abandoned)."""
         if t.done.is_set():
@@ -87,7 +148,7 @@ class TransferMixin:
             try:
                 self.mover.submit(t.src, t.dst, lambda: self._copy_bytes(t))
             except RuntimeError as e:        # the mover is stopped: the store is closing
-                self._finish_locked(t, terr.MediaIOError(str(e)))
+                self._finish_locked(t, TierIOError(str(e)))
                 return
         if not wait:
             return
@@ -120,15 +181,15 @@ class TransferMixin:
                 err = e
         if err is not None or t.abandoned or gone:
             dst.abort(t.key)
-            t.error = err or (terr.MediaIOError(f"transfer exceeded {self.transfer_timeout_s}s")
-                              if t.abandoned else terr.MediaError("the block was deleted during the copy"))
+            t.error = err or (TierIOError(f"transfer exceeded {self.transfer_timeout_s}s")
+                              if t.abandoned else BlockNotFound("the block was deleted during the copy"))
             if err is not None or t.abandoned:
                 self.counters.inc("transfers_failed")
                 log.warning("copy of block %s from %s to %s failed: %s", t.key.hex()[:16],
                             self.tiers[t.src].name, dst.name, t.error)
         else:
             self.policies[t.dst].insert(t.key, entry.size, self.clock())
-            self.add_copy(entry, t.dst, t.reason)
+            self.placement.add_copy(entry, t.dst, t.reason)
             t.ok = True
         if not t.abandoned:
             self.cat.unpin(entry)
@@ -139,38 +200,9 @@ class TransferMixin:
         if t.abandoned or t.done.is_set():
             return
         t.abandoned = True
-        t.error = terr.MediaIOError(f"transfer did not finish in {self.transfer_timeout_s}s")
+        t.error = TierIOError(f"transfer did not finish in {self.transfer_timeout_s}s")
         self.counters.inc("transfers_timed_out")
         self.cat.unpin(t.entry)
 
-    def copy_locked(self, entry: Entry, src: int, dst: int, reason: str) -> None:
-        """Copy a committed block from ``src`` into ``dst`` and wait for it.
-        Raises TierFull / NoVictim / TierIOError."""
-        t = self.start_transfer_locked(entry, src, dst, reason)
-        self.run_transfer(t, wait=True)
-        if not t.ok:
-            raise TierIOError(f"copy of block {entry.key.hex()[:16]} to {self.tiers[dst].name} failed: {t.error}")
 
-    def promote(self, entry: Entry, to: int, wait: bool) -> Transfer | None:
-        """Copy ``entry`` up into tier ``to`` from its fastest copy: THE promotion path
-        (after a read, by prefetch, for a lease). Deduplicated: a block already moving
-        there joins that transfer. Returns the transfer (None when no room could be made
-        without evicting pinned blocks: counted in ``promotions_skipped``)."""
-        with self.cat.lock:
-            if entry.deleted or to in entry.tiers or not entry.tiers:
-                return Transfer.finished(entry.key, to, to)
-            existing = self._moving.get((entry.key, to))
-            if existing is not None:
-                self.counters.inc("promotions_deduplicated")
-                t = existing
-            else:
-                src = entry.tiers[0]
-                try:
-                    t = self.start_transfer_locked(entry, src, to, "promoted")
-                except (TierFull, NoVictim, TierIOError) as e:
-                    self.counters.inc("promotions_skipped")
-                    log.debug("promotion of %s skipped: %s", entry.key.hex()[:16], e)
-                    return None
-                self.counters.inc("promotions")
-            self.run_transfer(t, wait=wait)
-            return t
+__all__ = ["Transfer", "Transfers"]

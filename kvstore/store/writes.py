@@ -2,12 +2,13 @@
 
 A put claims its key in the catalogue before room is made (a second put of the same key
 waits for the first instead of reserving), reserves room in the fastest tier whose
-admission policy takes the block (:meth:`kvstore.store.placement.Placement.reserve_locked`
+admission policy takes the block (:meth:`kvstore.store.room.Room.reserve_locked`
 evicts or demotes as needed), copies the bytes in without the lock, and commits: the
 block becomes visible. With ``write_through`` the commit returns only once every lower
-tier holds a copy. The first writer of a key wins (:class:`~kvstore.common.errors.SizeConflict`
+local tier holds a copy, and a put call (:class:`PutBatch`) ends once the cluster holds
+its blocks too. The first writer of a key wins (:class:`~kvstore.common.errors.SizeConflict`
 for another size). Zero-copy reservations (the shared arena) carry an owner and a
-deadline; :meth:`kvstore.store.leases.Leases.maintain` reclaims expired ones.
+deadline; :meth:`kvstore.store.leases.Leases.maintain` aborts expired ones.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from tiers import errors as terr
-
-from kvstore.store.catalogue import Claim
 from kvstore.common.errors import (
     BlockNotFound,
     InvalidRequest,
@@ -29,9 +27,14 @@ from kvstore.common.errors import (
     TierIOError,
     WriteConflict,
 )
-from kvstore.store.placement import Placement
-from kvstore.policy import NoVictim
 from kvstore.common.types import KEY_BYTES
+from kvstore.policy import EvictionPolicy, NoVictim
+from kvstore.store.catalogue import Catalogue, Claim
+from kvstore.store.counters import Counters
+from kvstore.store.media import TierAdapter
+from kvstore.store.moves import Moves
+from kvstore.store.placement import Placement
+from kvstore.store.room import Room
 
 log = logging.getLogger("kvstore.store.writes")
 
@@ -64,27 +67,40 @@ def check_key(key: bytes) -> None:
 
 
 class Writes:
-    """The put protocol of one :class:`~kvstore.store.manager.TierManager`.
+    """The put protocol of the store.
+
+    Args:
+        tiers: fastest first (:class:`~kvstore.store.media.TierAdapter`); policies: one per tier.
+        catalogue: claims and entries; placement: records the committed copy.
+        room: makes room for a reservation; moves: the write-through copies.
+        counters: ``puts_*``, ``blocks_put``; clock: the policies' time (seconds).
+        write_policy: :data:`WRITE_BACK` or :data:`WRITE_THROUGH`.
+        writer_wait_s: how long a put of a key another client is writing waits (seconds).
 
     Attributes:
         put_failure: ``(monotonic time, why)`` of the last put that found no room or
             whose medium failed, cleared by the next successful commit (health).
+        on_refused: called with the key of a put no tier admitted (explain-miss), or None.
+    Raises ValueError for an unknown ``write_policy``.
     """
 
-    def __init__(self, placement: Placement, write_policy: str, writer_wait_s: float):
+    def __init__(self, tiers: Sequence[TierAdapter], policies: Sequence[EvictionPolicy], catalogue: Catalogue,
+                 placement: Placement, room: Room, moves: Moves, counters: Counters, clock: Callable[[], float],
+                 write_policy: str, writer_wait_s: float):
         if write_policy not in (WRITE_BACK, WRITE_THROUGH):
             raise ValueError(f"unknown write policy {write_policy!r}")
-        self.catalogue = placement.cat
-        self.tiers = placement.tiers
-        self.policies = placement.policies
-        self.counters = placement.counters
-        self.clock = placement.clock
+        self.catalogue = catalogue
+        self.tiers = list(tiers)
+        self.policies = list(policies)
+        self.counters = counters
+        self.clock = clock
         self._placement = placement
+        self._room = room
+        self._moves = moves
         self.write_policy = write_policy
         self.writer_wait_s = writer_wait_s
         self.put_failure: tuple[float, str] | None = None
-        self.on_refused = None      # called with the key of a put no tier admitted (explain-miss)
-        self.cluster = None         # the cluster level, set by the manager (kvstore.cluster.cluster)
+        self.on_refused: Callable[[bytes], None] | None = None
         self._size_conflicts_logged: OrderedDict[bytes, None] = OrderedDict()
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
@@ -127,7 +143,7 @@ class Writes:
                 if remaining <= 0:
                     raise WriteConflict(f"block {key.hex()[:16]} is still being written or read by another client")
                 cat.changed.wait(remaining)
-            # Claim the key before making room: making room may release the lock while it
+            # Claim the key before making room: making room may drop the lock while it
             # waits on a demotion, and a second put of the same key must wait, not reserve.
             claim = Claim(key, nbytes, owner=owner,
                           deadline=None if ttl_s is None else cat.clock() + ttl_s, meta=meta)
@@ -166,13 +182,13 @@ class Writes:
         for i, tier in enumerate(self.tiers):
             if only is not None and i != only:
                 continue
-            if tier.capabilities.remote is not None:
+            if tier.remote is not None:
                 continue    # the cluster gets blocks by demotion or publishing, never a put's first copy
             if not self.policies[i].admit(key, nbytes, now):
                 continue
             admitted = True
             try:
-                self._placement.reserve_locked(i, key, nbytes, incoming=key)
+                self._room.reserve_locked(i, key, nbytes, incoming=key)
                 return i
             except TierIOError as err:
                 if only is None:
@@ -196,14 +212,7 @@ class Writes:
         TierFull for a full disk) when the medium fails.
         """
         n = memoryview(data).nbytes
-        try:
-            self.tiers[pending.tier].write(pending.key, offset, data)
-        except terr.InvalidAccess as e:
-            raise InvalidRequest(str(e)) from None
-        except terr.NoRoom as e:             # a full disk (DiskFull)
-            raise TierFull(f"{self.tiers[pending.tier].name}: {e}") from None
-        except terr.MediaError as e:
-            raise TierIOError(f"{self.tiers[pending.tier].name}: {e}") from None
+        self.tiers[pending.tier].write(pending.key, offset, data)     # TierFull: a full disk (DiskFull)
         pending.written = offset + n
 
     def commit_put(self, pending: Claim, *, in_place: bool = False) -> None:
@@ -215,11 +224,10 @@ class Writes:
         """
         tier = self.tiers[pending.tier]
         if in_place:
-            host = tier.capabilities.host
-            if host is None:
+            if not tier.host_addressable:
                 self.abort_put(pending)
                 raise InvalidRequest(f"{tier.name} cannot be written in place")
-            host.mark_written(pending.key, pending.size)
+            tier.mark_written(pending.key, pending.size)
             pending.written = pending.size
         if pending.written != pending.size:
             self.abort_put(pending)
@@ -234,10 +242,8 @@ class Writes:
             except BaseException as e:
                 tier.abort(pending.key)
                 cat.end_claim(pending)
-                if isinstance(e, terr.NoRoom):
-                    raise TierFull(f"{tier.name}: committing block {pending.key.hex()[:16]} failed: {e}") from None
-                if isinstance(e, terr.MediaError):
-                    raise TierIOError(f"{tier.name}: committing block {pending.key.hex()[:16]} failed: {e}") from None
+                if isinstance(e, (TierFull, TierIOError)):     # the medium: full (a full disk), or failed
+                    raise type(e)(f"{tier.name}: committing block {pending.key.hex()[:16]} failed: {e}") from None
                 raise
             cat.end_claim(pending)
             self.put_failure = None
@@ -245,13 +251,13 @@ class Writes:
             self.policies[pending.tier].insert(pending.key, pending.size, self.clock())
             self.counters.inc("blocks_put")
             self.counters.inc("bytes_put", pending.size)
-            self._placement.kick_if_full(pending.tier)
+            self._room.kick_if_full(pending.tier)
             if self.write_policy == WRITE_THROUGH:
                 for j in range(pending.tier + 1, len(self.tiers)):
-                    if self.tiers[j].capabilities.remote is not None:
-                        continue    # the cluster: batched at the end of the put call (Cluster.put_done)
+                    if self.tiers[j].remote is not None:
+                        continue    # the cluster: batched at the end of the put call (PutBatch.end)
                     try:    # acknowledged only once every lower copy exists (crash-safe)
-                        self._placement.copy_locked(entry, pending.tier, j, "write_through")
+                        self._moves.copy_locked(entry, pending.tier, j, "write_through")
                         self.counters.inc("write_through_copies")
                     except (TierFull, NoVictim, TierIOError) as e:
                         log.warning("write-through of %s to %s failed: %s",
@@ -267,8 +273,9 @@ class Writes:
                 self.counters.inc("puts_aborted")
 
     def put(self, key: bytes, data: Any) -> bool:
-        """Store a whole block in one call. Returns False when it was already stored or no
-        tier admitted it. Raises as :meth:`begin_put` and :meth:`write_chunk`."""
+        """Store a whole block in one call (no cluster write-through: :class:`PutBatch`).
+        Returns False when it was already stored or no tier admitted it. Raises as
+        :meth:`begin_put` and :meth:`write_chunk`."""
         outcome = self.begin_put(key, memoryview(data).nbytes)
         if outcome.already_present or outcome.not_admitted:
             return False
@@ -279,7 +286,34 @@ class Writes:
             self.abort_put(outcome.pending)
             raise
         self.commit_put(outcome.pending)
-        if self.cluster is not None:
-            self.cluster.put_done([key])
         return True
 
+
+class PutBatch:
+    """The puts of one call (a Put stream, a Commit of zero-copy reservations).
+
+    Each block is committed as it completes (:meth:`commit`); :meth:`end` ends the call:
+    with write-through to a cluster it returns once the cluster holds every block the
+    call committed (one batched copy, :meth:`kvstore.cluster.cluster.Cluster.put_done`).
+
+    Args:
+        writes: the put protocol; cluster: the cluster level, or None.
+    """
+
+    def __init__(self, writes: Writes, cluster=None):
+        self._writes = writes
+        self._cluster = cluster
+        self.keys: list[bytes] = []
+        """Store keys committed by this call, in order."""
+
+    def commit(self, pending: Claim, *, in_place: bool = False) -> None:
+        """:meth:`Writes.commit_put` ``pending`` and remember it. Raises as that does."""
+        self._writes.commit_put(pending, in_place=in_place)
+        self.keys.append(pending.key)
+
+    def end(self) -> None:
+        """The call ends: write the committed blocks through to the cluster (when the
+        write policy says so; bounded by the cluster tier's deadlines, never raises for
+        a cluster failure)."""
+        if self._cluster is not None:
+            self._cluster.put_done(self.keys)

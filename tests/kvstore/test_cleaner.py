@@ -100,7 +100,7 @@ def test_without_a_clean_block_a_put_waits_for_the_demotion_then_succeeds():
 def test_cleaner_does_not_rescan_a_clean_front_for_every_block(monkeypatch):
     """Once the policy's coldest blocks are all clean, each further block is found in the
     list of dirty blocks, not by the policy looking past every clean block again."""
-    import kvstore.store.placement as placement_mod
+    import kvstore.store.room as placement_mod
     monkeypatch.setattr(placement_mod, "CLEAN_SCAN", 16)
     m, host, nvme = make(host_blocks=3000, nvme_blocks=4000)
     looked = [0]

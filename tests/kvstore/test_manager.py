@@ -248,9 +248,9 @@ def slow_tier(kind, capacity):
 def wait_for_demotion(m, timeout_s=60.0):
     """Wait (generously) until a demotion is in flight in ``m``."""
     deadline = time.monotonic() + timeout_s
-    while not m.placement._moving and time.monotonic() < deadline:
+    while not m.transfers._moving and time.monotonic() < deadline:
         threading.Event().wait(0.01)
-    assert m.placement._moving, "the demotion should be in flight"
+    assert m.transfers._moving, "the demotion should be in flight"
 
 
 def test_get_is_not_blocked_by_a_slow_demotion(moves):
@@ -320,7 +320,7 @@ def test_hung_demotion_times_out_and_releases_pins(moves):
     assert m.counters["transfers_timed_out"] == 1
     nvme.write_gate.set()
     m.drain()
-    assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m.placement._moving
+    assert nvme.used_bytes == 0 and host.used_bytes == 200 and not m.transfers._moving
 
 
 def test_block_no_tier_admits_is_a_normal_not_stored_outcome():

@@ -91,7 +91,7 @@ def release_and_check_recovery(m: TierManager, puts: int) -> None:
     host, nvme = m.tiers
     nvme.write_gate.set()                                    # the stuck I/O returns at last
     nvme.write_gate = None
-    m.placement.transfer_timeout_s = DEADLINE                # the copies from now on are not hung
+    m.transfers.transfer_timeout_s = DEADLINE                # the copies from now on are not hung
     m.drain(DEADLINE)
     wait_for(lambda: nvme.used_bytes == 0, "the abandoned NVMe reservation to be dropped")
     assert host.used_bytes == 2 * BLOCK

@@ -1,0 +1,305 @@
+"""Room in a tier: which blocks leave it, and how. The one place victims are chosen.
+
+:class:`Room` is the only object in the project that asks an eviction policy for its
+victims (``policy.victim``). Everything that needs room asks it: a put reserving its
+first copy and every copy into a tier (:meth:`Room.reserve_locked`), the background
+cleaner (:meth:`Room.dirty_victim`), prefetch and the manager's ``make_room``
+(:meth:`Room.make_room`), publishing to the cluster (:meth:`Room.make_room_locked`).
+
+A victim is **demoted** (copied to the next tier, then freed here) or, when a lower tier
+already holds a copy (the block is *clean*), simply freed; the last tier's victims leave
+the store. Pinned and leased blocks are never victims.
+
+**Off the put path** (``async_moves``, the daemon): a
+:class:`~kvstore.store.cleaner.Cleaner` thread watches each tier's watermarks. When a
+tier other than the last holds more than ``high`` of its capacity, it copies its
+coldest dirty blocks down until the free and clean bytes reach ``1 - low`` of the
+capacity: in the tier policy's order while its next dirty block is near the front
+(:data:`CLEAN_SCAN`), else the least recently used dirty block (the placement's dirty
+list), so a tier whose coldest blocks are all clean already costs no scan per cleaned
+block. A put into a full tier then evicts a clean block, which costs a free and no I/O;
+it waits for a demotion only when no clean block is left (a burst faster than the
+disk), bounded by ``transfer_timeout_s``. The last tier's victims leave the store, which
+costs a free (no copy), so they are evicted when a put needs the room and the last tier
+keeps its whole capacity. Without ``async_moves`` (the simulator) every eviction runs
+inline, in pure policy order.
+
+Methods whose name ends in ``_locked`` expect the catalogue lock held; the others take
+it. Waiting on a transfer drops it for the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from kvstore.common.errors import KVStoreError, TierFull, TierIOError
+from kvstore.policy import EvictionPolicy, NoVictim
+from kvstore.store.catalogue import Catalogue, Entry
+from kvstore.store.counters import Counters
+from kvstore.store.media import TierAdapter
+from kvstore.store.placement import Placement
+from kvstore.store.transfers import Transfer, Transfers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.store.cleaner import CleanerSignal
+
+log = logging.getLogger("kvstore.store.placement")
+
+CLEAN_SCAN = 256
+"""Blocks the cleaner lets a policy look at to find its next dirty victim before it
+takes the least recently used dirty block instead."""
+
+CLEAN_WAIT_S = 5.0
+"""How long a put that found no clean victim waits for the cleaner's demotions before it
+demotes a block itself (seconds)."""
+
+
+class Room:
+    """Makes room in ``tiers`` under their ``policies`` (see the module docstring).
+
+    Args:
+        tiers: fastest first (:class:`~kvstore.store.media.TierAdapter`); policies: one per tier.
+        catalogue: its lock guards every decision here; placement: the per-tier bookkeeping.
+        transfers: the copies a demotion runs; counters: the daemon's counters.
+        clock: time for the policies (seconds; virtual in the simulator).
+        watermarks: ``(low, high)`` fractions of each tier's capacity (background cleaning).
+        cleaner: how to wake the background cleaner (``async_moves``); None: every
+            eviction runs inline, in pure policy order (the simulator).
+    """
+
+    def __init__(self, tiers: Sequence[TierAdapter], policies: Sequence[EvictionPolicy], catalogue: Catalogue,
+                 placement: Placement, transfers: Transfers, counters: Counters, clock: Callable[[], float],
+                 watermarks: tuple[float, float] = (0.85, 0.95), cleaner: CleanerSignal | None = None):
+        self.tiers = list(tiers)
+        self.policies = list(policies)
+        self.cat = catalogue
+        self.placement = placement
+        self.transfers = transfers
+        self.counters = counters
+        self.clock = clock
+        self.low, self.high = watermarks
+        self.cleaner = cleaner
+        self.last = len(self.tiers) - 1
+
+    # ------------------------------------------------------------------ which blocks may go
+
+    def evictable(self, key: bytes) -> bool:
+        """Whether ``key`` may leave a tier now (stored and not pinned or leased)."""
+        e = self.cat.raw(key)
+        return e is not None and e.pins == 0
+
+    def _clean_in(self, i: int) -> Callable[[bytes], bool]:
+        raw = self.cat.raw
+
+        def clean(key: bytes) -> bool:
+            e = raw(key)
+            return e is not None and e.pins == 0 and (i == self.last or e.tiers[-1] > i)
+        return clean
+
+    def above_high(self, i: int) -> bool:
+        """Whether tier ``i`` holds more than its high watermark."""
+        tier = self.tiers[i]
+        return tier.used_bytes > self.high * tier.capacity_bytes
+
+    def kick_if_full(self, i: int) -> None:
+        """Wake the cleaner when tier ``i`` passed its high watermark."""
+        if self.cleaner is not None:
+            tier = self.tiers[i]
+            if tier.used_bytes > self.high * tier.capacity_bytes:
+                self.cleaner.kick()
+
+    # ------------------------------------------------------------------ room for one block
+
+    def make_room_locked(self, i: int, nbytes: int, incoming: bytes | None) -> None:
+        """Evict from tier ``i`` until ``nbytes`` fit: a clean victim first (with the
+        cleaner), else the policy's victim, demoted. Raises TierFull, NoVictim, TierIOError."""
+        tier, policy = self.tiers[i], self.policies[i]
+        if nbytes > tier.max_block_bytes:
+            raise TierFull(f"{tier.name}: a {nbytes}-byte block exceeds the largest block the tier "
+                           f"can hold ({tier.max_block_bytes} bytes)")
+        now = self.clock()
+        cleaner = self.cleaner
+        clean = self._clean_in(i) if cleaner is not None and i < self.last else None
+        waited_until = None
+        while not tier.fits(nbytes):
+            victim = None
+            if clean is not None:
+                try:
+                    victim = policy.victim(clean, incoming=incoming, now=now)
+                except NoVictim:
+                    if self.above_high(i):
+                        # the cleaner demotes several blocks at once: wait for one to be
+                        # clean rather than demoting a single block here, for a while
+                        if waited_until is None:
+                            cleaner.kick()
+                            waited_until = time.monotonic() + min(self.transfers.transfer_timeout_s, CLEAN_WAIT_S)
+                        if time.monotonic() < waited_until and cleaner.busy:
+                            self.cat.changed.wait(0.05)
+                            continue
+            if victim is None:
+                victim = policy.victim(self.evictable, incoming=incoming, now=now)
+            self.evict_locked(i, victim)
+
+    def reserve_locked(self, i: int, key: bytes, nbytes: int, incoming: bytes | None) -> None:
+        """Make room in tier ``i`` and reserve ``nbytes`` for ``key`` (a few tries: room made
+        while the lock was dropped may be taken). Raises TierFull, NoVictim, TierIOError."""
+        tier = self.tiers[i]
+        for attempt in range(3):
+            self.make_room_locked(i, nbytes, incoming)
+            try:
+                tier.reserve(key, nbytes)
+                return
+            except TierFull:
+                if attempt == 2 or nbytes > tier.max_block_bytes:
+                    raise
+
+    def start_copy_locked(self, entry: Entry, src: int, dst: int, reason: str) -> Transfer:
+        """Phase one of a copy of ``entry`` into tier ``dst``, making room there
+        (:meth:`kvstore.store.transfers.Transfers.start_locked`). Raises TierFull,
+        NoVictim, TierIOError."""
+        return self.transfers.start_locked(entry, src, dst, reason, self.reserve_locked)
+
+    # ------------------------------------------------------------------ one block out
+
+    def evict_locked(self, i: int, key: bytes, reason: str = "evicted") -> None:
+        """Move ``key`` out of tier ``i``: demote it to the next tier, or drop it.
+
+        With async moves the copy runs on the (i, i+1) queue while this thread waits with
+        the lock dropped; the block stays pinned meanwhile. If a reader pinned it during
+        the copy, its tier-``i`` copy is kept (now clean) and the caller picks again.
+        Raises TierIOError (the block is kept) or TierFull when the demotion fails.
+        """
+        entry = self.cat.raw(key)
+        if entry is None:
+            return
+        if not any(j > i for j in entry.tiers) and i < self.last:
+            # The cluster is best effort: when it cannot take the block, it is dropped as
+            # if there were no tier below, so a dead cluster never fails a local put.
+            best_effort = self.tiers[i + 1].remote is not None
+            for attempt in (1, 2):
+                try:
+                    t = self.transfers.start_locked(entry, i, i + 1, "demoted", self.reserve_locked)
+                except TierIOError as e:
+                    if not best_effort:
+                        raise
+                    log.debug("demotion of block %s to %s failed (%s); dropping it", key.hex()[:16],
+                              self.tiers[i + 1].name, e)
+                    self.counters.inc("demotions_failed")
+                    break
+                except (TierFull, NoVictim) as e:
+                    log.warning("demotion of block %s to %s impossible (%s); dropping it",
+                                key.hex()[:16], self.tiers[i + 1].name, e)
+                    self.counters.inc("demotions_failed")
+                    break
+                self.transfers.run(t, wait=True)
+                if t.ok:
+                    self.counters.inc("demotions")
+                    if self.cat.raw(key) is not entry or i not in entry.tiers or entry.pins:
+                        return  # deleted, or read again while it was copied: keep the clean copy
+                    break
+                if self.cat.raw(key) is not entry or entry.deleted:
+                    return  # deleted while it was copied: nothing to demote, its room is free
+                self.counters.inc("demotions_failed")
+                full = t.reserved and isinstance(t.error, TierFull)    # the medium filled up mid-copy
+                if full and attempt == 1:
+                    continue   # the disk filled up: the tier now evicts to fit, so retry once
+                if best_effort:
+                    log.debug("demotion of block %s to %s failed (%s); dropping it", key.hex()[:16],
+                              self.tiers[i + 1].name, t.error)
+                    if self.cat.raw(key) is not entry or i not in entry.tiers or entry.pins:
+                        return  # deleted, or read while the copy was tried: keep it
+                    break
+                cls = TierFull if full else TierIOError
+                raise cls(f"demotion of block {key.hex()[:16]} from {self.tiers[i].name} to "
+                          f"{self.tiers[i + 1].name} failed: {t.error}")
+        self.counters.inc(f"evictions_{self.tiers[i].name}")
+        if self.placement.drop_copy(entry, i, reason, policy=self.policies[i].name):
+            self.counters.inc("blocks_dropped")
+
+    def demote(self, key: bytes, frm: int = 0) -> bool:
+        """Move ``key`` out of tier ``frm`` (to the next tier). False if absent there, pinned
+        or leased, or when the demotion failed (logged)."""
+        with self.cat.lock:
+            e = self.cat.get(key)
+            if e is None or frm not in e.tiers or e.pins or len(self.tiers) < 2:
+                return False
+            try:
+                self.evict_locked(frm, key, reason="evicted")
+            except KVStoreError as err:
+                log.warning("demotion of %s failed: %s", key.hex()[:16], err)
+                return False
+            return frm not in e.tiers
+
+    # ------------------------------------------------------------------ room on request
+
+    def make_room(self, tier: int, nbytes: int, *, protect: Callable[[bytes], bool] = lambda k: False,
+                  candidates: Iterable[bytes] = (), give_up: Callable[[bytes], bool] | None = None,
+                  on_moved: Callable[[bytes], None] | None = None) -> bool:
+        """Free room for ``nbytes`` in tier ``tier`` by demoting blocks (prefetch).
+
+        ``candidates`` are demoted first, in order; then the tier policy's victims. Blocks
+        for which ``protect`` is True, pinned and leased blocks are never moved; when the
+        policy's next victim makes ``give_up`` True, nothing more is moved; ``on_moved(key)``
+        is called for each block moved out. Returns True when the room is there.
+        """
+        t = self.tiers[tier]
+        if tier == self.last:
+            return t.fits(nbytes)        # demoting from the last tier would drop blocks
+        with self.cat.lock:
+            try:
+                for key in candidates:
+                    if t.fits(nbytes):
+                        return True
+                    if key in t and not protect(key) and self.evictable(key):
+                        self.evict_locked(tier, key)
+                        if on_moved is not None:
+                            on_moved(key)
+                while not t.fits(nbytes):
+                    victim = self.policies[tier].victim(lambda k: self.evictable(k) and not protect(k),
+                                                        incoming=None, now=self.clock())
+                    if give_up is not None and give_up(victim):
+                        return False
+                    self.evict_locked(tier, victim)
+                    if on_moved is not None:
+                        on_moved(victim)
+                return True
+            except (NoVictim, KVStoreError) as e:
+                log.debug("make_room(%s, %d) gave up: %s", t.name, nbytes, e)
+                return False
+
+    def dirty_victim(self, i: int, skip: set[bytes]) -> bytes | None:
+        """The cleaner's next block of tier ``i`` to copy down (lock held): the policy's
+        coldest dirty block, unpinned and not in ``skip``, while one is within
+        :data:`CLEAN_SCAN` blocks of the policy's front; past that, the least recently
+        used such block of the placement's dirty list. None when there is none.
+
+        The policy's scan is bounded without an exception: the predicate answers yes
+        to the first block past the budget, which ends the policy's scan there, and
+        that answer is then set aside for the dirty list's.
+        """
+        raw = self.cat.raw
+
+        def dirty(key: bytes) -> bool:
+            e = raw(key)
+            return e is not None and e.pins == 0 and not e.deleted and e.tiers[-1] == i and key not in skip
+
+        looked = 0
+        budget = CLEAN_SCAN
+
+        def dirty_near_front(key: bytes) -> bool:
+            nonlocal looked
+            looked += 1
+            return looked > budget or dirty(key)
+
+        try:
+            victim = self.policies[i].victim(dirty_near_front, incoming=None, now=self.clock())
+        except NoVictim:
+            return None
+        if looked > budget:               # the policy's coldest blocks are clean already
+            return next((k for k in self.placement.dirty_keys(i) if dirty(k)), None)
+        return victim
+
+
+__all__ = ["CLEAN_SCAN", "CLEAN_WAIT_S", "Room"]
