@@ -15,7 +15,7 @@ grpcio pair that kvstore supports, including the engines' pins (vLLM allows prot
 That grpcio-tools needs protobuf < 6, so it runs in a tool environment of its own,
 ``.venv-protoc`` (created on first use with pip; ignored by git), unless the current
 interpreter already has exactly that version. The generated files are committed;
-tests/test_proto.py regenerates them into a temporary folder and fails when they differ.
+tests/kvstore/test_proto.py regenerates them into a temporary folder and fails when they differ.
 """
 
 from __future__ import annotations

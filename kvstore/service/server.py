@@ -89,7 +89,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             :attr:`hint_handlers` (:class:`~kvstore.service.hints.HintHandlers`, built here
             from ``hints``, ``sessions`` and ``explain``).
         auth: maps each call's bearer token to its tenant; None: one shared key space.
-        health: :class:`kvstore.service.health.Health` (Stats reports it), or None.
+        health: :class:`kvstore.service.health.HealthMonitor` (Stats reports it), or None.
         info: the :class:`~kvstore._proto.kvstore_pb2.InfoReply` to answer Info with.
         observe: called with (method name, seconds, tenant) after every call (metrics).
         tally: counts Lookups per tenant (metrics), or None.
@@ -272,7 +272,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # ------------------------------------------------------------------ same-node data plane
 
     def _check_arena(self, context) -> None:
-        """A mapped client names its arena (:data:`~kvstore.service.arena_server.ARENA_HEADER`); one mapped
+        """A mapped client names its arena (:data:`~kvstore.common.arena.ARENA_HEADER`); one mapped
         from another daemon (this one restarted since) would read and write the wrong
         memory: refused (FAILED_PRECONDITION), before anything changes."""
         for k, v in context.invocation_metadata():

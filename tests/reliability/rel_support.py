@@ -28,7 +28,7 @@ from kvstore.common.errors import TierFull, TierIOError
 from tiers.base import Tier, TierKind, check_ranges
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-INDEX_VALUE = struct.Struct("<QQd")      # tiers/nvme.py's index value: size, xxh3_64, time
+INDEX_VALUE = struct.Struct("<QQd")      # tiers/nvme/tier.py's index value: size, xxh3_64, time
 PAGE = 4096
 
 

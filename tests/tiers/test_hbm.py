@@ -1,6 +1,6 @@
 """HBM tier on its CPU stand-in (shared memory): accounting, two-phase writes, IPC
 handles, and a second process reading a block in place through its handle (leases are
-the catalogue's: tests/kvstore/test_leases.py).
+the catalogue's: tests/kvstore/test_manager.py).
 
 The CUDA backend runs the same code with a device slab; see ``test_gpu_hbm.py``.
 """
