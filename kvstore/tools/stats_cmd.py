@@ -129,7 +129,8 @@ def render(target: str, cur: Sample, prev: Sample | None, *, clock: str = "") ->
     lines.append(f"per second: lookups {_num(r.per_s('lookups'))}  blocks put {_num(r.per_s('blocks_put'))} "
                  f"({_bytes_per_s(r.per_s('bytes_put'))})  blocks read {_num(r.per_s('reads'))}  "
                  f"leased {_num(r.per_s('leased_blocks'))}  get misses {_num(r.per_s('get_misses'))}  "
-                 f"demotions {_num(r.per_s('demotions'))}  promotions {_num(r.per_s('promotions'))}")
+                 f"demotions {_num(r.per_s('demotions'))}  precleaned {_num(r.per_s('precleaned'))}  "
+                 f"promotions {_num(r.per_s('promotions'))}")
     trouble = {k: c.get(k, 0) for k in ("corrupt_blocks", "read_errors", "puts_rejected_full", "transfers_failed")}
     lines.append("since start: " + "  ".join(f"{k} {v}" for k, v in trouble.items()))
     lines += [f"problem: {p}" for p in s["problems"]] or ["problems: none"]
