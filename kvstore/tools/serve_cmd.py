@@ -19,6 +19,7 @@ from kvstore import config as config_mod
 from kvstore.common.errors import ConfigError
 from kvstore.service.startup import Daemon, start_server
 from kvstore.common.units import format_size
+from kvstore.tools.serve_summary import data_lines
 
 log = logging.getLogger("kvstore.service.startup")
 
@@ -53,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return 2
-    print(_describe(daemon), flush=True)
+    print(_describe(daemon), *data_lines(cfg, args.config), sep="\n", flush=True)
     done = threading.Event()
 
     def on_signal(signum, frame):
