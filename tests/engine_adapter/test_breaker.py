@@ -191,7 +191,10 @@ def test_a_hung_daemon_costs_the_vllm_scheduler_one_short_deadline_then_nothing(
                           scheme="tokens", engine="vllm")
     planner = SchedulerPlanner(ns, BS, store, ConnectorSettings(target=address).lookup_timeout_s)
     try:
-        assert planner.num_new_matched_tokens(request(0), 0) == 6 * BS      # a hit while the daemon answers
+        client.wait_ready(60)
+        # a hit while the daemon answers (a first lookup slower than 50 ms on a loaded machine is a miss: retry)
+        wait_until(lambda: planner.num_new_matched_tokens(request(0), 0) == 6 * BS)
+        assert not store.breaker.is_open
         service.hung.set()                                                   # SIGSTOP, as far as the client sees
         n = 20
         t0 = time.monotonic()
@@ -200,11 +203,12 @@ def test_a_hung_daemon_costs_the_vllm_scheduler_one_short_deadline_then_nothing(
             took = time.monotonic() - t0
             wait_until(lambda: store.breaker.outages == 1)                  # its probe hangs too: an outage
         assert answers == [0] * n
-        assert service.lookups_while_hung == 1       # one Lookup reached the hung daemon, then none
+        assert service.lookups_while_hung <= 1       # at most one Lookup reached the hung daemon, then none
         assert took < n * 10.0 / 10                  # the old cost was n x 10 s; 50 ms once is expected
         print(f"\n{n} lookups against a hung daemon took {took:.3f} s in all")
         assert store.breaker.counts()[LOOKUP][0] == n
-        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+        ours = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("engine_adapter")]
+        assert len(ours) == 1
         service.hung.clear()
         service.released.set()                                               # SIGCONT
         wait_until(lambda: planner.num_new_matched_tokens(request(99), 0) == 6 * BS)   # the same planner
@@ -250,7 +254,7 @@ def test_100_failed_saves_log_one_warning_and_one_summary(tmp_path, caplog):
             _step(w, 100)
         assert w.blocks_saved == 1
         assert d.manager.lookup([(100).to_bytes(32, "little")]).hit_blocks == 1
-        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("engine_adapter")]
         summaries = [r for r in caplog.records if r.levelno == logging.INFO and "answers again" in r.getMessage()]
         assert len(warnings) == 1 and "is unavailable" in warnings[0].getMessage()
         assert len(summaries) == 1 and "100 saves (100 blocks) not stored" in summaries[0].getMessage()

@@ -160,6 +160,7 @@ def test_a_raw_frame_always_carries_32_key_bytes():
 
 # ------------------------------------------------------------------ item 13: keys per request
 
+@pytest.mark.slow
 def test_lookup_and_delete_of_more_keys_than_the_daemon_cap(node):
     """1.2 M keys, 4 stored at the front: one call each, split by the 1,048,576-key cap."""
     n = MAX_KEYS_PER_REQUEST + 150_000
