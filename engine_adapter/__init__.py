@@ -5,8 +5,9 @@ stored block payload layout ``[layer][k|v][kv_head][token][head_dim]``, its byte
 per TP rank, and the reference runner's namespace), :mod:`~engine_adapter.engine_keys`
 (store keys from an engine's block hashes or tokens, and an engine's namespace),
 :mod:`~engine_adapter.store_io` (the plug-ins' one data path to the store: lookup, load,
-save) and :mod:`~engine_adapter.background` (the background job runner that puts new
-blocks off the engine step). They import only ``kvstore.common``, ``kvstore.client``
+save, through a client behind the circuit breaker of :mod:`~engine_adapter.breaker`, so
+a store that is slow or gone costs a bounded miss) and :mod:`~engine_adapter.background`
+(the background job runner that puts new blocks off the engine step). They import only ``kvstore.common``, ``kvstore.client``
 and ``kernels``.
 
 :mod:`engine_adapter.reference` is the reference tensor-parallel runner (a Llama-style

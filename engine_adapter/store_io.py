@@ -13,6 +13,12 @@ concatenated). Any element dtype; sizes are checked in bytes.
 Errors: the :mod:`kvstore.common.errors` exceptions of the client (``StoreUnavailable`` when the
 daemon cannot be reached or does not answer in time, ``InvalidRequest``, ``TierFull``)
 propagate; a miss is a normal result (``False`` in the returned mask, or a shorter hit).
+
+The plug-ins call these functions with a :class:`GuardedStore`: the client behind the
+circuit breaker of :mod:`engine_adapter.breaker`, so a store that failed is not called
+again (``StoreSkipped``, a ``StoreUnavailable``, at once) until it answers a probe, and an
+outage is logged once with one summary at its end. A plug-in treats any
+``StoreUnavailable`` as a miss, a recompute or a dropped save, and logs nothing itself.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstore.client.client import KVStoreClient
+from kvstore.client.client import GetIntoResult, KVStoreClient
+from kvstore.common.errors import StoreUnavailable
+from kvstore.common.types import LookupResult, PutResult
+
+from engine_adapter.breaker import LOAD, LOOKUP, SAVE, BreakerSettings, StoreBreaker, StoreSkipped
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,71 @@ class SaveResult:
     stored: int
     already_present: int
     not_admitted: int
+
+
+class GuardedStore:
+    """A store client behind a :class:`~engine_adapter.breaker.StoreBreaker`: what the
+    engine plug-ins call for lookups, loads and saves.
+
+    Args:
+        store: the client (:class:`KVStoreClient`, or any object with its ``lookup``,
+            ``get_into``, ``put_from``, ``check_block_tokens`` and ``ping``).
+        settings: the breaker's back-off.
+        name: the store in log lines (default ``"kvstore at <target>"``).
+
+    ``lookup``, ``get_into`` and ``put_from`` take the client's arguments and return its
+    results; while the breaker is open they raise
+    :class:`~engine_adapter.breaker.StoreSkipped` at once (no call is made), and a call that
+    raises StoreUnavailable opens it. Other errors (InvalidRequest, TierFull, ...) pass
+    through and leave it closed. The happy path adds one attribute read per call.
+    """
+
+    def __init__(self, store, settings: BreakerSettings = BreakerSettings(), name: str | None = None):
+        self.store = store
+        target = getattr(store, "target", "")
+        name = name or (f"kvstore at {target}" if target else "kvstore")
+        self.breaker = StoreBreaker(store.ping, settings, name=name)
+
+    def _call(self, kind: str, blocks: int, method, *args, **kwargs):
+        breaker = self.breaker
+        if not breaker.allow():
+            breaker.skipped(kind, blocks)
+            raise StoreSkipped(f"{breaker.name} is not called: it failed and has not answered a probe since")
+        try:
+            result = method(*args, **kwargs)
+        except StoreUnavailable as e:
+            breaker.failed(kind, blocks, e)
+            raise
+        breaker.succeeded()
+        return result
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
+        """:meth:`KVStoreClient.lookup` behind the breaker."""
+        return self._call(LOOKUP, len(keys), self.store.lookup, keys, timeout=timeout)
+
+    def get_into(self, keys: Sequence[bytes], out, **kwargs) -> GetIntoResult:
+        """:meth:`KVStoreClient.get_into` behind the breaker."""
+        return self._call(LOAD, len(keys), self.store.get_into, keys, out, **kwargs)
+
+    def put_from(self, keys: Sequence[bytes], src, **kwargs) -> PutResult:
+        """:meth:`KVStoreClient.put_from` behind the breaker."""
+        return self._call(SAVE, len(keys), self.store.put_from, keys, src, **kwargs)
+
+    def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
+        """:meth:`KVStoreClient.delete` (not behind the breaker: not on the engine's path)."""
+        return self.store.delete(keys, timeout=timeout)
+
+    def check_block_tokens(self, block_tokens: int) -> None:
+        """:meth:`KVStoreClient.check_block_tokens` (at start-up; not behind the breaker)."""
+        self.store.check_block_tokens(block_tokens)
+
+    def ping(self, timeout: float = 1.0):
+        """:meth:`KVStoreClient.ping` (the breaker's probe)."""
+        return self.store.ping(timeout)
+
+    def close(self) -> None:
+        """Stop the breaker's probe. The store is the caller's to close."""
+        self.breaker.close()
 
 
 def connect(target: str, *, timeout_s: float = 10.0, auth_token: str = "") -> KVStoreClient:
@@ -64,7 +139,7 @@ def _byte_rows(buf, n: int, *, writable: bool) -> np.ndarray:
     return arr[:n]
 
 
-def lookup_prefix(client: KVStoreClient, keys: Sequence[bytes], timeout_s: float | None = None) -> int:
+def lookup_prefix(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], timeout_s: float | None = None) -> int:
     """How many leading ``keys`` are stored (the daemon's Lookup; prefix semantics).
 
     Returns an int in ``[0, len(keys)]``; 0 for no keys (no call is made).
@@ -74,7 +149,7 @@ def lookup_prefix(client: KVStoreClient, keys: Sequence[bytes], timeout_s: float
     return client.lookup(list(keys), timeout=timeout_s).hit_blocks
 
 
-def load_blocks(client: KVStoreClient, keys: Sequence[bytes], out, *,
+def load_blocks(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], out, *,
                 ranges: Sequence[tuple[int, int]] | None = None,
                 timeout_s: float | None = None) -> list[bool]:
     """Copy the stored blocks ``keys`` into the rows of ``out``.
@@ -103,7 +178,7 @@ def load_blocks(client: KVStoreClient, keys: Sequence[bytes], out, *,
     return [size == rows.shape[1] for size in res.sizes]
 
 
-def save_blocks(client: KVStoreClient, keys: Sequence[bytes], src, *,
+def save_blocks(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], src, *,
                 timeout_s: float | None = None) -> SaveResult:
     """Store the rows of ``src`` as the blocks ``keys`` (whole payloads; idempotent).
 

@@ -22,6 +22,11 @@ the logits are the same as with no store at all.
 After a prefill or a decode step that fills a block, :meth:`PageBackAdapter.store_new_blocks`
 copies the new full blocks out of the cache (``kernels.gather_blocks``) into host memory
 and hands them to the background :class:`~engine_adapter.reference.transfer.StoreWriter`.
+
+The store sits behind a circuit breaker (:class:`engine_adapter.store_io.GuardedStore`):
+a lookup has a deadline of tens of milliseconds (``EngineConfig.lookup_timeout_s``), and
+after a store failure no call is made (a zero hit, no page back, stores dropped) until
+the store answers a probe; the breaker logs the outage once and a summary at its end.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from typing import Sequence as Seq
 import torch
 
 from kernels import gather_blocks, scatter_blocks
-from kvstore.common.errors import InvalidRequest, KVStoreError
+from kvstore.common.errors import InvalidRequest, KVStoreError, StoreUnavailable
 from kvstore.common.keys import BlockKeyer, chain_key
 
+from engine_adapter.breaker import BreakerSettings
 from engine_adapter.reference.config import EngineConfig, ModelConfig
+from engine_adapter.store_io import GuardedStore
 from engine_adapter.layout import BlockLayout, namespace
 from engine_adapter.reference.paged_cache import PagedKVCache, Sequence
 from engine_adapter.reference.tp import TPGroup, shard_bounds
@@ -118,7 +125,9 @@ class PageBackAdapter:
     """Page back and store of one TP rank.
 
     Args:
-        store: the store, or ``None`` to run without one (every prefill recomputes).
+        store: the store, or ``None`` to run without one (every prefill recomputes); it
+            is used behind a breaker (:attr:`store`, a
+            :class:`~engine_adapter.store_io.GuardedStore`), and stays the caller's to close.
         model: architecture.
         engine: engine settings (block size, timeouts, namespace fields).
         tp: this rank's collectives.
@@ -133,7 +142,9 @@ class PageBackAdapter:
 
     def __init__(self, store: BlockStore | None, model: ModelConfig, engine: EngineConfig, tp: TPGroup,
                  cache: PagedKVCache):
-        self.store = store
+        self.store = (GuardedStore(store, BreakerSettings(backoff_s=engine.store_backoff_s,
+                                                          max_backoff_s=engine.store_max_backoff_s))
+                      if store is not None else None)
         self.engine = engine
         self.tp = tp
         self.cache = cache
@@ -154,7 +165,7 @@ class PageBackAdapter:
         self.heads = shard_bounds(model.num_kv_heads, tp.rank, tp.world_size)
         self._staging: torch.Tensor | None = None
         self._loader: LayerLoader | None = None
-        self.writer = (StoreWriter(store if tp.is_first else None, self.layout, tp, engine.store_timeout_s,
+        self.writer = (StoreWriter(self.store if tp.is_first else None, self.layout, tp, engine.store_timeout_s,
                                    engine.max_pending_stores) if store is not None else None)
 
     @property
@@ -164,7 +175,9 @@ class PageBackAdapter:
     def plan(self, tokens: Seq[int], page_back: bool = True) -> PageBackPlan:
         """Keys, Lookup and the MIN agreement of one prefill (a collective when ``page_back``).
 
-        Never raises for store trouble: an unreachable store is a zero hit with a warning.
+        Never raises for store trouble: a store that fails, misses the lookup deadline
+        or has its breaker open is a zero hit (the breaker logs the outage; another
+        store error is logged here).
         """
         plan = PageBackPlan(keys=self.keyer.keys(tokens))
         if not page_back:
@@ -173,10 +186,11 @@ class PageBackAdapter:
         local = 0
         if self.store is not None and usable:
             try:
-                local = self.store.lookup(usable, timeout=self.engine.store_timeout_s).hit_blocks
+                local = self.store.lookup(usable, timeout=self.engine.lookup_timeout_s).hit_blocks
             except KVStoreError as e:
                 plan.problems.append(f"lookup failed: {e}")
-                log.warning("prefix lookup failed (%s); prefilling the whole prompt", e)
+                if not isinstance(e, StoreUnavailable):
+                    log.warning("prefix lookup failed (%s); prefilling the whole prompt", e)
         plan.local_hit_blocks = local
         plan.hit_blocks = self.tp.all_reduce_min(local)
         return plan
@@ -240,3 +254,5 @@ class PageBackAdapter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.store is not None:
+            self.store.close()

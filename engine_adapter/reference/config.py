@@ -133,8 +133,16 @@ class EngineConfig:
         tenant: tenant salt of the store namespace.
         load_timeout_s: a page back that has not delivered a layer this many seconds
             after it started gives up on it; the tokens are recomputed.
-        store_timeout_s: deadline of each store call (lookup, get, put), seconds.
-        max_pending_stores: background store jobs queued before a new one blocks.
+        store_timeout_s: deadline of each load and store call (get, put), seconds.
+        lookup_timeout_s: deadline of the lookup before a prefill, seconds (the most a
+            store that is slow or gone adds to the prefill, once per outage).
+        store_backoff_s, store_max_backoff_s: after a store call failed, the store is not
+            called (lookups miss, loads are recomputed, stores are dropped) until it answers
+            a probe; probes wait ``store_backoff_s``, doubling up to ``store_max_backoff_s``
+            seconds (:class:`engine_adapter.breaker.BreakerSettings`).
+        max_pending_stores: background store jobs queued at most; at TP=1 a new job finding
+            the queue full is dropped (counted), at TP>1 it waits (every rank's writer
+            takes part in each job's head gather, so the ranks must agree on the jobs).
         device: torch device of weights and the paged cache (``"cpu"``, ``"cuda"``,
             ``"cuda:1"``). At TP>1 on GPUs each rank uses ``cuda:<rank>`` and NCCL.
     """
@@ -147,6 +155,9 @@ class EngineConfig:
     tenant: str = ""
     load_timeout_s: float = 10.0
     store_timeout_s: float = 10.0
+    lookup_timeout_s: float = 0.05
+    store_backoff_s: float = 0.1
+    store_max_backoff_s: float = 1.0
     max_pending_stores: int = 64
     device: str = "cpu"
 
@@ -157,9 +168,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-        for name in ("load_timeout_s", "store_timeout_s"):
+        for name in ("load_timeout_s", "store_timeout_s", "lookup_timeout_s", "store_backoff_s",
+                     "store_max_backoff_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0 seconds")
+        if self.store_max_backoff_s < self.store_backoff_s:
+            raise ValueError("EngineConfig.store_max_backoff_s must be at least store_backoff_s")
 
     @property
     def torch_dtype(self) -> torch.dtype:

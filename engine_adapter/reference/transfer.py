@@ -33,7 +33,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from kvstore.client.client import GetIntoResult
-from kvstore.common.errors import KVStoreError
+from kvstore.common.errors import KVStoreError, StoreUnavailable
 from kvstore.common.types import LookupResult, PutResult
 
 from engine_adapter.background import BackgroundJobs
@@ -72,6 +72,11 @@ class BlockStore(Protocol):
     def check_block_tokens(self, block_tokens: int) -> None:
         """Raise :class:`kvstore.common.errors.InvalidRequest` when the node is configured for
         another block size (``[blocks] block_tokens``)."""
+        ...
+
+    def ping(self, timeout: float = 1.0) -> object:
+        """Return when the store answers within ``timeout`` seconds; raise
+        :class:`kvstore.common.errors.StoreUnavailable` otherwise (the breaker's probe)."""
 
 
 def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
@@ -256,7 +261,15 @@ class StoreWriter:
         layout: the payload layout.
         tp: this rank's collectives (the gather uses ``tp.store_group``).
         call_timeout_s: deadline of each put, seconds.
-        max_pending: queued jobs before :meth:`submit` blocks (bounds staging memory).
+        max_pending: queued jobs at most (bounds staging memory). At TP=1 a job that
+            finds the queue full is dropped and counted (``jobs_dropped``, one warning
+            until the queue has room again): a store that is slow or gone never stalls
+            the engine. At TP>1 :meth:`submit` waits for room instead: every rank's
+            writer takes part in each job's head gather, so the ranks must agree on
+            the jobs; jobs are quick while the store's breaker is open (no put is made).
+
+    Attributes: ``blocks_stored``, ``put_failures`` (puts that failed or were skipped
+    while the store's breaker was open), ``jobs_dropped``, ``blocks_dropped``.
     """
 
     def __init__(self, store: BlockStore | None, layout: BlockLayout, tp: TPGroup,
@@ -266,8 +279,10 @@ class StoreWriter:
         self.tp = tp
         self.call_timeout_s = call_timeout_s
         self._failing = False
+        self._behind = False
         self.blocks_stored = 0
         self.put_failures = 0
+        self.jobs_dropped = self.blocks_dropped = 0
         self._jobs = BackgroundJobs(self._put, "kv-store-writer", max_pending)
 
     def submit(self, keys: Sequence[bytes], kv: torch.Tensor) -> None:
@@ -280,7 +295,15 @@ class StoreWriter:
         """
         if len(keys) != kv.shape[0]:
             raise ValueError(f"{len(keys)} keys for {kv.shape[0]} blocks")
-        self._jobs.submit(list(keys), kv)
+        if self._jobs.submit(list(keys), kv, block=self.tp.world_size > 1):
+            self._behind = False
+            return
+        self.jobs_dropped += 1
+        self.blocks_dropped += len(keys)
+        if not self._behind:
+            log.warning("the store writer has %d jobs queued; not storing the blocks of new jobs (counted in "
+                        "jobs_dropped) until it has room", self._jobs.max_pending)
+        self._behind = True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every submitted job is done; False if ``timeout_s`` passed first."""
@@ -299,6 +322,9 @@ class StoreWriter:
             raise ValueError(f"blocks to store must be {shape} {self.layout.dtype}, got {tuple(full.shape)} {full.dtype}")
         try:       # one buffer, block i at i * block_bytes: the payload layout of docs/block_layout.md
             self.store.put_from(keys, full.contiguous(), sizes=self.layout.block_bytes, timeout=self.call_timeout_s)
+        except StoreUnavailable:            # failing or skipped: the store's breaker logs and counts it
+            self.put_failures += 1
+            return
         except KVStoreError as e:
             self.put_failures += 1
             if not self._failing:

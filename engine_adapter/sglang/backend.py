@@ -6,9 +6,11 @@
         "target": "unix:/run/kvstore/kvstore.sock", "interface_v1": 1}'
 
 Extra config keys besides the factory's: ``target`` (required), ``auth_token``,
-``timeout_s``, ``model_id`` (default: SGLang's model name), ``tenant``, ``interface_v1``
-(SGLang then calls the zero-copy ``batch_get_v1`` / ``batch_set_v1`` with host-pool
-indices).
+``timeout_s`` (deadline of a get or set, seconds), ``lookup_timeout_s`` (of an exists,
+default 0.05 s), ``backoff_s`` and ``max_backoff_s`` (the circuit breaker's probe
+back-off, :class:`engine_adapter.breaker.BreakerSettings`), ``model_id`` (default:
+SGLang's model name), ``tenant``, ``interface_v1`` (SGLang then calls the zero-copy
+``batch_get_v1`` / ``batch_set_v1`` with host-pool indices).
 
 Keys: SGLang's page hashes are chained over the prefix and topology-free (token ids,
 extra key, cache salt); our key is ``engine_keys.key_from_engine_hash(root, hash)``
@@ -20,7 +22,10 @@ daemon can assemble a block from ranks' head ranges.
 Failures: creating the backend with the daemon unreachable raises (SGLang's attach
 expects exceptions, never a silent success); afterwards a store error is a miss
 (``exists`` False, ``get`` None, ``batch_get_v1`` False) or a failed write (``set`` False),
-logged once, so SGLang recomputes and its prefetch and backup threads keep running.
+so SGLang recomputes and its prefetch and backup threads keep running. The client sits
+behind a circuit breaker (:class:`engine_adapter.store_io.GuardedStore`): after a store
+failure no call is made until the store answers a probe, and the breaker logs the outage
+once and one summary at its end; other store errors are logged once until a call works.
 """
 
 from __future__ import annotations
@@ -32,15 +37,17 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kvstore.common.errors import KVStoreError
+from kvstore.common.errors import KVStoreError, StoreUnavailable
 
 from engine_adapter import store_io
+from engine_adapter.breaker import BreakerSettings
 from engine_adapter.engine_keys import engine_namespace, key_from_engine_hash
 
 log = logging.getLogger("engine_adapter.sglang")
 
 _FACTORY_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
-_OUR_KEYS = {"target", "auth_token", "timeout_s", "model_id", "tenant"}
+_OUR_KEYS = {"target", "auth_token", "timeout_s", "lookup_timeout_s", "backoff_s", "max_backoff_s", "model_id",
+             "tenant"}
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
@@ -50,7 +57,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         storage_config: SGLang's ``HiCacheStorageConfig`` (``extra_config`` holds ours).
         kwargs: what the factory passes (unused).
     Raises:
-        ValueError: a missing ``target`` or an unknown extra config key.
+        ValueError: a missing ``target``, an unknown extra config key or a bad number.
         kvstore.common.errors.StoreUnavailable: the daemon does not answer.
     """
 
@@ -63,11 +70,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             raise ValueError("hicache storage extra config needs 'target', the kvstore daemon address")
         self.config = storage_config
         self.timeout_s = float(extra.get("timeout_s", 10.0))
+        self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 0.05))
+        if not (self.timeout_s > 0 and self.lookup_timeout_s > 0):
+            raise ValueError("hicache storage extra config 'timeout_s' and 'lookup_timeout_s' must be positive")
+        breaker = BreakerSettings(backoff_s=float(extra.get("backoff_s", 0.1)),
+                                  max_backoff_s=float(extra.get("max_backoff_s", 1.0)))
         self.model_id = extra.get("model_id") or storage_config.model_name or "unknown-model"
         self.tenant = extra.get("tenant", "")
         self.client = store_io.connect(extra["target"], timeout_s=self.timeout_s,
                                        auth_token=extra.get("auth_token", ""))
         self.client.wait_ready(self.timeout_s)
+        self.store = store_io.GuardedStore(self.client, breaker)
         self.root: bytes | None = None
         self.mem_pool_host = None
         self._failing = False
@@ -97,8 +110,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return [key_from_engine_hash(self.root, k.encode("utf-8")) for k in keys]
 
     def _store_error(self, what: str, e: Exception) -> None:
+        if isinstance(e, StoreUnavailable):
+            return                      # the breaker logs the outage and counts what it cost
         if not self._failing:
-            log.warning("kvstore %s failed (%s); treating as a miss until the daemon answers again", what, e)
+            log.warning("kvstore %s failed (%s); treating as a miss until a call succeeds", what, e)
         self._failing = True
 
     def _page_rows(self, n: int) -> torch.Tensor:
@@ -113,7 +128,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         """Leading pages of ``keys`` that are stored (one Lookup); 0 when the daemon fails."""
         try:
-            hit = store_io.lookup_prefix(self.client, self._keys(keys), self.timeout_s)
+            hit = store_io.lookup_prefix(self.store, self._keys(keys), self.lookup_timeout_s)
         except KVStoreError as e:
             self._store_error("lookup", e)
             return 0
@@ -124,7 +139,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def _load(self, keys: List[str], rows: torch.Tensor) -> list[bool]:
         try:
-            ok = store_io.load_blocks(self.client, self._keys(keys), rows, timeout_s=self.timeout_s)
+            ok = store_io.load_blocks(self.store, self._keys(keys), rows, timeout_s=self.timeout_s)
         except KVStoreError as e:
             self._store_error("get", e)
             return [False] * len(keys)
@@ -167,7 +182,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return True
         src = torch.stack([p.reshape(-1) for p in pages]).contiguous()
         try:
-            store_io.save_blocks(self.client, self._keys(keys), src, timeout_s=self.timeout_s)
+            store_io.save_blocks(self.store, self._keys(keys), src, timeout_s=self.timeout_s)
         except KVStoreError as e:
             self._store_error("put", e)
             return False
@@ -190,4 +205,5 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return [self._save(keys, pages)] * len(keys)
 
     def close(self) -> None:
+        self.store.close()
         self.client.close()

@@ -6,7 +6,8 @@
                            "kv_connector_extra_config": {"target": "unix:/run/kvstore/kvstore.sock"}}'
 
 ``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``target`` (required),
-``auth_token``, ``timeout_s``, ``load_timeout_s``, ``model_id``, ``tenant``,
+``auth_token``, ``timeout_s``, ``lookup_timeout_s``, ``load_timeout_s``, ``backoff_s``,
+``max_backoff_s``, ``model_id``, ``tenant``,
 ``key_scheme`` (``auto`` | ``block_hash`` | ``tokens``), ``kv_layout`` (``auto`` |
 ``token`` | ``cpu`` | ``kv_first``).
 
@@ -59,13 +60,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.client = store_io.connect(self.settings.target, timeout_s=self.settings.timeout_s,
                                        auth_token=self.settings.auth_token)
+        self.store = store_io.GuardedStore(self.client, self.settings.breaker())
         self.planner: SchedulerPlanner | None = None
         self.worker: WorkerTransfers | None = None
         if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is not 'recompute': a block that fails to load from kvstore "
                         "fails its request instead of being recomputed")
         if role == KVConnectorRole.SCHEDULER:
-            self.planner = SchedulerPlanner(self.namespace, self.block_size, self.client, self.settings.timeout_s)
+            self.planner = SchedulerPlanner(self.namespace, self.block_size, self.store,
+                                            self.settings.lookup_timeout_s)
 
     # ------------------------------------------------------------ worker side
 
@@ -87,7 +90,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             rank = group.rank_in_group
             gather = _tp_head_gather(group, layout.num_kv_heads, tp_size, rank)
         self.worker = WorkerTransfers(
-            self.client, names, kv_caches, kv_layout, layout, tp_heads(layout.num_kv_heads, tp_size, rank),
+            self.store, names, kv_caches, kv_layout, layout, tp_heads(layout.num_kv_heads, tp_size, rank),
             is_first_rank=rank == 0, gather_heads=gather, timeout_s=self.settings.timeout_s,
             load_timeout_s=self.settings.load_timeout_s)
 
@@ -118,6 +121,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self.worker is not None:
             self.worker.flush(self.settings.timeout_s)
+        self.store.close()
         self.client.close()
 
     # ------------------------------------------------------------ scheduler side

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvstore.common.errors import KVStoreError
+from kvstore.common.errors import KVStoreError, StoreUnavailable
 from kvstore.common.keys import Namespace
 
 from engine_adapter import store_io
@@ -51,8 +51,9 @@ class SchedulerPlanner:
     Args:
         namespace: store namespace (its scheme decides how keys are derived).
         block_size: vLLM's block size in tokens (the store's ``block_tokens``).
-        client: the daemon's client (used for Lookup only).
-        timeout_s: Lookup deadline, seconds.
+        client: the daemon's client behind its breaker (:class:`engine_adapter.store_io.GuardedStore`;
+            used for Lookup only).
+        timeout_s: Lookup deadline, seconds (tens of milliseconds: the scheduler waits on it).
 
     A request's ``num_publishable_block_hashes`` (where a vLLM release has it) caps how
     many of its leading block hashes are used for keys; vLLM 0.32 and 0.33 have none.
@@ -100,12 +101,16 @@ class SchedulerPlanner:
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` that the store can supply (a multiple
-        of the block size; 0 when the daemon cannot be reached, with one warning)."""
+        of the block size). 0 when the store fails or misses the lookup deadline, and at
+        once while its breaker is open (the breaker logs the outage); another store error
+        is logged once until a lookup succeeds."""
         st = self._track(request)
         st.local_computed = num_computed_tokens
         usable = self.request_keys(st)[:max(0, (request.num_tokens - 1) // self.block_size)]
         try:
             hit = store_io.lookup_prefix(self.client, usable, self.timeout_s)
+        except StoreUnavailable:
+            return 0
         except KVStoreError as e:
             if not self._lookup_failing:
                 log.warning("kvstore lookup failed (%s); computing prefixes without the store", e)

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from kvstore.common.keys import Namespace
 
+from engine_adapter.breaker import BreakerSettings
 from engine_adapter.engine_keys import engine_namespace
 from engine_adapter.vllm.kv_views import KV_LAYOUTS
 
@@ -21,8 +22,14 @@ class ConnectorSettings:
     Attributes:
         target: the daemon's gRPC target, e.g. ``"unix:/run/kvstore/kvstore.sock"``.
         auth_token: bearer token when the daemon requires one.
-        timeout_s: deadline of each store call (Lookup, Get, Put), seconds.
+        timeout_s: deadline of each load and save call (Get, Put), seconds.
+        lookup_timeout_s: deadline of the scheduler's Lookup, seconds (the most a store
+            that is slow or gone adds to a request's TTFT, once per outage).
         load_timeout_s: longest wait for one layer's blocks before recomputing them.
+        backoff_s, max_backoff_s: after a store call failed, the store is not called
+            (lookups miss, loads are recomputed, saves are dropped) until it answers a
+            probe; probes wait ``backoff_s``, doubling up to ``max_backoff_s`` seconds
+            (:class:`engine_adapter.breaker.BreakerSettings`).
         model_id: model id in the namespace (default: vLLM's model name or path).
         tenant: tenant salt of the namespace.
         key_scheme: ``auto`` (vLLM's block hashes when they are reproducible
@@ -34,7 +41,10 @@ class ConnectorSettings:
     target: str
     auth_token: str = ""
     timeout_s: float = 10.0
+    lookup_timeout_s: float = 0.05
     load_timeout_s: float = 30.0
+    backoff_s: float = 0.1
+    max_backoff_s: float = 1.0
     model_id: str = ""
     tenant: str = ""
     key_scheme: str = "auto"
@@ -51,10 +61,13 @@ class ConnectorSettings:
             raise ValueError("kv_connector_extra_config needs 'target', the kvstore daemon address "
                              "(e.g. 'unix:/run/kvstore/kvstore.sock')")
         s = cls(**dict(extra))
-        for name in ("timeout_s", "load_timeout_s"):
+        for name in ("timeout_s", "lookup_timeout_s", "load_timeout_s", "backoff_s", "max_backoff_s"):
             value = getattr(s, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"kv_connector_extra_config {name!r} must be a positive number, got {value!r}")
+        if s.max_backoff_s < s.backoff_s:
+            raise ValueError(f"kv_connector_extra_config 'max_backoff_s' ({s.max_backoff_s}) is below "
+                             f"'backoff_s' ({s.backoff_s})")
         if s.key_scheme not in ("auto", "block_hash", "tokens"):
             raise ValueError(f"kv_connector_extra_config 'key_scheme' must be auto, block_hash or tokens, "
                              f"got {s.key_scheme!r}")
@@ -62,6 +75,10 @@ class ConnectorSettings:
             raise ValueError(f"kv_connector_extra_config 'kv_layout' must be auto or one of {KV_LAYOUTS}, "
                              f"got {s.kv_layout!r}")
         return s
+
+    def breaker(self) -> BreakerSettings:
+        """The circuit breaker's settings."""
+        return BreakerSettings(backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s)
 
 
 def key_scheme(vllm_config, settings: ConnectorSettings) -> str:

@@ -16,6 +16,10 @@ One instance per TP rank, driven by the hooks vLLM calls in every step:
 - ``end_step()``: when every layer was copied, TP rank 0 gathers the other ranks' heads
   (``gather_heads``) and a background thread stores the full-head payloads
   (``store_io.save_blocks``); a save missing a layer is dropped, never stored partly.
+
+The client is a :class:`engine_adapter.store_io.GuardedStore`: while the store is failing
+its breaker is open, loads are not attempted (their blocks are recomputed) and saves are
+dropped, counted and summarised by the breaker in one log line when the store is back.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 
 from kernels import gather_blocks, scatter_blocks
-from kvstore.common.errors import KVStoreError
+from kvstore.common.errors import KVStoreError, StoreUnavailable
 
 from engine_adapter import store_io
 from engine_adapter.background import BackgroundJobs
@@ -62,16 +66,20 @@ class _LayerLoads:
         threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True).start()
 
     def _run(self) -> None:
+        failed = False
         for layer in range(self.layout.num_layers):
             if self._cancel.is_set():
                 break
-            try:
-                ok = store_io.load_blocks(self._client, self.keys, self.staging[layer],
-                                          ranges=self.layout.layer_ranges(layer, self.heads),
-                                          timeout_s=self.timeout_s)
-            except Exception as e:  # store down or a bug: the blocks are recomputed, never used
-                self.problem = f"layer {layer}: {e}"
+            if failed:                      # a failed layer fails its blocks: no later layer is asked for
                 ok = [False] * len(self.keys)
+            else:
+                try:
+                    ok = store_io.load_blocks(self._client, self.keys, self.staging[layer],
+                                              ranges=self.layout.layer_ranges(layer, self.heads),
+                                              timeout_s=self.timeout_s)
+                except Exception as e:  # store down or a bug: the blocks are recomputed, never used
+                    self.problem = f"layer {layer}: {e}"
+                    ok, failed = [False] * len(self.keys), True
             self.ok[layer] = ok
             self.ready[layer].set()
 
@@ -92,7 +100,7 @@ class WorkerTransfers:
     """Loads and saves of one TP rank.
 
     Args:
-        client: the daemon's client.
+        client: the daemon's client behind its breaker (:class:`engine_adapter.store_io.GuardedStore`).
         layer_names: vLLM's attention layer names in layer order.
         kv_caches: ``layer name -> cache tensor`` as vLLM registers it.
         kv_layout: ``"token"``, ``"cpu"`` or ``"kv_first"`` (:mod:`engine_adapter.vllm.kv_views`).
@@ -138,6 +146,7 @@ class WorkerTransfers:
         self._errors: set[int] = set()
         self._save: _Save | None = None
         self.blocks_loaded = self.blocks_saved = self.save_failures = self.saves_dropped = 0
+        self._behind = self._put_failing = False        # logged once until the writer catches up / a put works
         self._writes = BackgroundJobs(self._write, "kvstore-vllm-save", max_pending_saves)
 
     # ------------------------------------------------------------ loads
@@ -243,19 +252,33 @@ class WorkerTransfers:
             return
         if not self._writes.submit(save.keys, full.contiguous(), block=False):
             self.saves_dropped += 1
-            log.warning("kvstore writer is %d steps behind; not storing %d blocks", self._writes.max_pending,
-                        len(save.keys))
+            if not self._behind:
+                log.warning("kvstore writer is %d steps behind; not storing the blocks of the steps that find "
+                            "it full (counted in saves_dropped) until it catches up", self._writes.max_pending)
+            self._behind = True
+        else:
+            self._behind = False
 
     def _write(self, keys, full) -> None:
         try:
             store_io.save_blocks(self.client, keys, full, timeout_s=self.timeout_s)
-            self.blocks_saved += len(keys)
+        except StoreUnavailable:            # failing or skipped: the breaker logs and counts it
+            self.save_failures += 1
+            return
         except KVStoreError as e:
             self.save_failures += 1
-            log.warning("kvstore put of %d blocks failed (%s); they will be recomputed when needed", len(keys), e)
+            if not self._put_failing:
+                log.warning("kvstore put of %d blocks failed (%s); they will be recomputed when needed. "
+                            "Further failures are logged at debug level until a put succeeds.", len(keys), e)
+            else:
+                log.debug("kvstore put of %d blocks failed: %s", len(keys), e)
+            self._put_failing = True
+            return
         except Exception:
             self.save_failures += 1
             raise
+        self.blocks_saved += len(keys)
+        self._put_failing = False
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued puts are done; False when ``timeout_s`` passed first."""

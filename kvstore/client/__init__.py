@@ -3,8 +3,9 @@ leases, agent hints), composed of parts that own their state: the connection to 
 daemon (channel, calls, message limits, the daemon's info; ``connection``), the raw-frame
 gRPC path (``raw``), the same-node path through the daemon's shared host arena
 (``arena``: the arena's mapping, reservations, leases, over ``arena_mapping``) with its
-background lease release (``lease_releaser``), CUDA IPC opening of HBM leases (``ipc``)
-and the buffer conversions (numpy, torch, any buffer; ``buffers``). Imports only
+background lease release (``lease_releaser``), the agent-hint calls (``hints``), CUDA IPC
+opening of HBM leases (``ipc``), the buffer conversions (numpy, torch, any buffer;
+``buffers``) and the checks of keys before they are sent (``checks``). Imports only
 :mod:`kvstore.common` and the generated stubs, never the daemon.
 """
 

@@ -13,6 +13,8 @@ the raw path.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 
 import grpc
@@ -23,7 +25,6 @@ from kvstore.client.connection import Connection
 from kvstore.client.lease_releaser import LeaseReleaser
 from kvstore.client.raw import RawPath, block_meta_message
 from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
-from kvstore.common.status import error_for
 from kvstore.common.types import PutResult, ReserveStatus
 
 log = logging.getLogger("kvstore.client")
@@ -33,6 +34,17 @@ SAFE_FRACTION = 0.5
 its request was sent (the daemon's TTL starts later): a copy out of a lease that finished
 later is thrown away and the blocks go by gRPC; a block whose reservation is that old is
 not written (aborted, then put by gRPC). Never reads or writes space that may be reused."""
+
+RECHECK_S = 30.0
+"""A client without a mapping asks the daemon's offer again after this long (seconds)."""
+
+RECHECK_AFTER_FAILURE_S = 1.0
+"""... or after this long once a call found the daemon unavailable (it restarts, or
+starts after its client; seconds)."""
+
+MAP_RETRY_S = 5.0
+"""A mapping that failed (the daemon's hand-out did not answer in time, refused) is tried
+again after this long (seconds); blocks go by gRPC meanwhile."""
 
 _clock = time.monotonic
 
@@ -51,6 +63,11 @@ class ArenaPath:
         shared_memory: None: map the arena when the daemon offers one; False: never;
             True: raise FeatureDisabled (on first use) when it cannot be mapped.
         lease_ttl_s: TTL of the leases and reservations this path asks for (seconds).
+
+    The daemon's offer is asked for on first use and asked again when there is no mapping
+    and either a call found the daemon unavailable since (it may have restarted, or only
+    now started: at most every :data:`RECHECK_AFTER_FAILURE_S`) or :data:`RECHECK_S`
+    passed; a daemon that was not answering yet is asked again on the next call.
     """
 
     def __init__(self, connection: Connection, raw: RawPath, shared_memory: bool | None, lease_ttl_s: float):
@@ -62,6 +79,10 @@ class ArenaPath:
         self._want = shared_memory
         self._arena = None
         self._checked = False
+        self._next_check = 0.0              # _clock() time to ask the offer again anyway
+        self._next_after_failure = 0.0      # ... or after a call found the daemon unavailable
+        self._unavailable_seen = 0
+        self._map_lock = threading.Lock()
         self.releaser = LeaseReleaser(connection)
 
     @property
@@ -69,30 +90,52 @@ class ArenaPath:
         """The arena mapped now, or None (never maps it: see :meth:`mapping`)."""
         return self._arena
 
-    def mapping(self):
+    def _due(self) -> bool:
+        """Whether to ask the daemon's offer again (see the class docstring)."""
+        if not self._checked:
+            return True
+        now = _clock()
+        return now >= self._next_check or (self._conn.unavailable != self._unavailable_seen
+                                           and now >= self._next_after_failure)
+
+    def mapping(self, timeout: float | None = None):
         """The mapped arena (:class:`~kvstore.client.arena_mapping.ArenaMapping`), mapped on
         first use; None when there is none to map (TCP, none offered, cannot map). Raises
-        FeatureDisabled when ``shared_memory=True`` and it cannot be mapped."""
-        if self._checked:
+        FeatureDisabled when ``shared_memory=True`` and it cannot be mapped, and
+        StoreUnavailable when the daemon does not answer its Info within ``timeout``
+        seconds (the next call asks again)."""
+        if self._arena is not None or not self._due():
             return self._arena
-        self._checked = True
+        with self._map_lock:                # one thread maps; the others then see its mapping
+            if self._arena is not None or not self._due():
+                return self._arena
+            return self._check(timeout)
+
+    def _check(self, timeout: float | None):
         c = self._conn
         if self._want is False or not c.target.startswith("unix:"):
+            self._checked, self._next_check, self._next_after_failure = True, math.inf, math.inf
             if self._want:
                 raise errors.FeatureDisabled("shared memory needs the daemon's unix socket")
             return None
-        info = c.info()
+        seen = c.unavailable
+        info = c.info(timeout, fresh=self._checked)
+        now = _clock()
+        self._checked, self._unavailable_seen = True, seen
+        self._next_check, self._next_after_failure = now + RECHECK_S, now + RECHECK_AFTER_FAILURE_S
         if not info.shm_socket:
             if self._want:
                 raise errors.FeatureDisabled(f"the daemon offers no shared arena: {info.shm_refused}")
             return None
         from kvstore.client.arena_mapping import ArenaMapping
         try:
-            self._arena = ArenaMapping(info.shm_socket, c.auth_token, timeout=c.timeout)
+            self._arena = ArenaMapping(info.shm_socket, c.auth_token, timeout=timeout or c.timeout)
         except OSError as e:
             if self._want:
                 raise errors.FeatureDisabled(f"cannot map the shared arena: {e}") from None
-            log.info("shared arena unavailable (%s); using gRPC for block data", e)
+            log.info("shared arena unavailable (%s); using gRPC for block data, mapping it again in %.0f s",
+                     e, MAP_RETRY_S)
+            self._next_check = _clock() + MAP_RETRY_S
         return self._arena
 
     def call(self, method, request, timeout: float | None, arena):
@@ -105,7 +148,7 @@ class ArenaPath:
             return method(request, timeout=timeout or c.timeout,
                           metadata=c.metadata + ((ARENA_HEADER, arena.identity),))
         except grpc.RpcError as e:
-            error = error_for(e)
+            error = c.error(e)
             if isinstance(error, errors.FeatureDisabled) and ARENA_CHANGED in (e.details() or ""):
                 if self._arena is arena:
                     self._arena, self._checked = None, False
@@ -114,9 +157,10 @@ class ArenaPath:
                 raise ArenaChanged(e.details()) from None
             raise error from None
 
-    def close(self) -> None:
-        """Send the releases still waiting and unmap the arena."""
-        self.releaser.close()
+    def close(self, wait: bool = True) -> None:
+        """Send the releases still waiting (without ``wait``: only stop the release
+        thread, see :meth:`LeaseReleaser.close`) and unmap the arena."""
+        self.releaser.close(wait)
         if self._arena is not None:
             self._arena.close()
             self._arena = None

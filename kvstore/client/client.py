@@ -13,18 +13,25 @@ multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
 
 The client is composed of parts that own their state, each given what it shares through
 its constructor: the :class:`~kvstore.client.connection.Connection` (channel, call,
-limits, the daemon's info), the :class:`~kvstore.client.raw.RawPath` (raw frames) and the
+limits, the daemon's info), the :class:`~kvstore.client.raw.RawPath` (raw frames), the
 :class:`~kvstore.client.arena.ArenaPath` (the mapping, reservations, leases and their
-background release). This class holds the public verbs and delegates the data movement.
+background release) and the :class:`~kvstore.client.hints.HintCalls`. This class holds
+the public verbs and delegates the data movement.
 
 Errors: gRPC status codes become :mod:`kvstore.common.errors` exceptions (:mod:`kvstore.common.status`);
 a message over the size limit is :class:`~kvstore.common.errors.MessageTooLarge`, never a full
-store. The client imports only :mod:`kvstore.common` and the generated stubs.
+store. Every call that carries keys refuses a key that is not 32 bytes with
+InvalidRequest before anything is sent (:mod:`kvstore.client.checks`). The client
+imports only :mod:`kvstore.common` and the generated stubs.
+
+A client that is dropped without :meth:`KVStoreClient.close` cleans up when it is
+collected (a finalizer that holds its parts, not the client): its channel is closed,
+its lease-release thread stops and the shared arena is unmapped.
 """
 
 from __future__ import annotations
 
-import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -32,7 +39,9 @@ from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.arena import ArenaChanged, ArenaPath
 from kvstore.client.buffers import BlockBuffers, host_view
+from kvstore.client.checks import check_keys
 from kvstore.client.connection import Connection, NodeInfo
+from kvstore.client.hints import HintCalls
 from kvstore.client.raw import RawPath
 from kvstore.common.transport import (
     DEFAULT_CHUNK_BYTES,
@@ -91,6 +100,8 @@ class KVStoreClient:
         self._per_request = self._connection.per_request
         self._raw_path = RawPath(self._connection)
         self._arena_path = ArenaPath(self._connection, self._raw_path, shared_memory, lease_ttl_s)
+        self._hints = HintCalls(self._connection)
+        self._finalizer = weakref.finalize(self, _drop_parts, self._arena_path, self._connection)
 
     # -------------------------------------------------------------- settings (kept by the parts)
 
@@ -142,6 +153,8 @@ class KVStoreClient:
     # -------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
+        """Send the lease releases still waiting, unmap the shared arena, close the channel."""
+        self._finalizer.detach()
         self._arena_path.close()
         self._connection.close()
 
@@ -160,6 +173,13 @@ class KVStoreClient:
     def info(self, timeout: float | None = None) -> NodeInfo:
         """The node's block size, key hash and data-path offer (cached)."""
         return self._connection.info(timeout)
+
+    def ping(self, timeout: float = 1.0) -> NodeInfo:
+        """Ask the daemon's Info now (not the cached one), waiting up to ``timeout``
+        seconds for the channel to connect: a health probe (e.g. of a circuit breaker)
+        that succeeds as soon as a daemon that was gone answers again. Raises
+        StoreUnavailable when it does not answer in time."""
+        return self._connection.info(timeout, fresh=True, wait_for_ready=True)
 
     def check_block_tokens(self, block_tokens: int) -> None:
         """Raise InvalidRequest when the node's ``[blocks] block_tokens`` is set and is not
@@ -180,7 +200,7 @@ class KVStoreClient:
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         """Longest stored prefix of ``keys`` and the tier of each hit block."""
         hit, codes = 0, b""
-        for part in parts(list(keys), self._per_request()) or [[]]:
+        for part in parts(check_keys(keys), self._per_request()) or [[]]:
             reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout)
             hit += reply.hit_blocks
             codes += reply.tier_codes
@@ -191,7 +211,7 @@ class KVStoreClient:
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
         """Delete blocks from every tier; returns how many were stored."""
         return sum(self._call(self._stub.Delete, pb.DeleteRequest(keys=part), timeout).deleted
-                   for part in parts(list(keys), self._per_request()))
+                   for part in parts(check_keys(keys), self._per_request()))
 
     def stats(self, timeout: float | None = None) -> dict:
         """Tier usage, counters and health: ``{"tiers", "counters", "serving", "problems"}``."""
@@ -221,14 +241,14 @@ class KVStoreClient:
         Same node: Reserve, one copy into the shared arena, Commit; blocks the arena
         cannot take now go by gRPC. ``meta`` as in :meth:`put`. Raises as :meth:`put`.
         """
-        keys = list(keys)
+        keys = check_keys(keys)
         if not keys:
             return PutResult(0, 0, 0)
         if meta is not None and len(meta) != len(keys):
             raise errors.InvalidRequest(f"{len(meta)} block metas for {len(keys)} keys")
         bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
         lengths = bufs.block_sizes()
-        arena = self._arena_path.mapping()
+        arena = self._arena_path.mapping(timeout)
         if arena is None:
             return self._raw_path.put([(k, bufs.slot(i, n)) for i, (k, n) in enumerate(zip(keys, lengths))],
                                       timeout, meta=meta)
@@ -245,6 +265,8 @@ class KVStoreClient:
         size; the others are stored: ``.result``), TierFull, MessageTooLarge,
         StoreUnavailable.
         """
+        blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
+        check_keys([k for k, _ in blocks])
         return self._raw_path.put(blocks, timeout, meta=meta)
 
     # -------------------------------------------------------------- get
@@ -263,10 +285,10 @@ class KVStoreClient:
         released in the background. Raises InvalidRequest (a buffer too small, bad
         ranges), StoreUnavailable.
         """
-        keys = list(keys)
+        keys = check_keys(keys)
         bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)
         arena_path = self._arena_path
-        arena = arena_path.mapping()
+        arena = arena_path.mapping(timeout)
         sizes = [0] * len(keys)
         codes = bytearray(len(keys))
         start = 0
@@ -280,7 +302,7 @@ class KVStoreClient:
                 sizes[:] = [0] * len(keys)
                 codes[:] = bytes(len(keys))
                 start = 0
-                arena = arena_path.mapping()
+                arena = arena_path.mapping(timeout)
         if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
             self._raw_path.copy_into(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
         found = 0
@@ -296,7 +318,7 @@ class KVStoreClient:
 
         Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
         """
-        return self._raw_path.get(keys, ranges, stop_at_miss, timeout)
+        return self._raw_path.get(check_keys(keys), ranges, stop_at_miss, timeout)
 
     # -------------------------------------------------------------- leases (low level)
 
@@ -308,7 +330,8 @@ class KVStoreClient:
         :meth:`release` with its ``lease_id`` when done. Raises :class:`ArenaChanged` (a
         FeatureDisabled) when the daemon restarted since :meth:`arena` was mapped: take
         the new mapping from :meth:`arena` and lease again."""
-        request = pb.LeaseRequest(keys=list(keys), ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
+        keys = check_keys(keys, limit=self._connection.max_keys_per_request)
+        request = pb.LeaseRequest(keys=keys, ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
                                   device=device, max_bytes=max_bytes)
         arena = self._arena_path.current
         if arena is not None:
@@ -332,9 +355,7 @@ class KVStoreClient:
         ``start_time`` is unix seconds (default: now). Returns the predicted resume time
         (unix seconds).
         """
-        req = pb.ToolCallStartRequest(trajectory_id=trajectory_id, tool=tool, keys=list(keys),
-                                      start_time=start_time if start_time is not None else time.time())
-        return self._call(self._stub.ToolCallStart, req, timeout).predicted_resume_time
+        return self._hints.tool_call_start(trajectory_id, tool, keys, start_time, timeout)
 
     def session_hint(self, session_id: str, state: str = "continues", keys: Sequence[bytes] = (), *,
                      expected_back_s: float | None = None, ttl_s: float | None = None, at: float | None = None,
@@ -351,30 +372,26 @@ class KVStoreClient:
         Returns the expected-back time (unix seconds; ``inf`` once finished or abandoned).
         Raises InvalidRequest, FeatureDisabled.
         """
-        states = {"continues": pb.SessionHintRequest.CONTINUES, "finished": pb.SessionHintRequest.FINISHED,
-                  "abandoned": pb.SessionHintRequest.ABANDONED}
-        if state not in states:
-            raise errors.InvalidRequest(f"state must be one of {sorted(states)}, got {state!r}")
-        import json
-        req = pb.SessionHintRequest(session_id=session_id, state=states[state], keys=list(keys),
-                                    expected_back_s=expected_back_s or 0.0, ttl_s=ttl_s or 0.0,
-                                    time=at if at is not None else time.time(),
-                                    kv_hints_json=json.dumps(kv_hints) if kv_hints is not None else "")
-        return self._call(self._stub.SessionHint, req, timeout).expected_back_time
+        return self._hints.session_hint(session_id, state, keys, expected_back_s, ttl_s, at, kv_hints, timeout)
 
     def explain(self, keys: Sequence[bytes], timeout: float | None = None) -> pb.ExplainReply:
         """Why the prompt with these block keys misses: the first block not stored and
         what happened to it (``kind``, ``block``, ``text``; ``tier``/``policy``/``reason``/
         ``time`` for an eviction)."""
-        return self._call(self._stub.Explain, pb.ExplainRequest(keys=list(keys)), timeout)
+        return self._hints.explain(keys, timeout)
 
     def resume(self, trajectory_id: str, at: float | None = None,
                timeout: float | None = None) -> tuple[bool, float]:
         """Tell the daemon the trajectory resumed (``at``: unix seconds, default now).
         Returns ``(known, observed_seconds)``."""
-        req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
-        reply = self._call(self._stub.Resume, req, timeout)
-        return reply.known, reply.observed_seconds
+        return self._hints.resume(trajectory_id, at, timeout)
+
+
+def _drop_parts(arena_path: ArenaPath, connection: Connection) -> None:
+    """The finalizer of a client dropped unclosed: stop its release thread (without
+    waiting), unmap its arena, close its channel. Holds the parts, never the client."""
+    arena_path.close(wait=False)
+    connection.close()
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_MESSAGE_BYTES", "GetIntoResult", "KVStoreClient", "NodeInfo",

@@ -6,7 +6,8 @@ parts (the arena path, the raw path, the lease releaser) through their construct
 they make their calls with :meth:`Connection.call` (or the raw-frame callables), split
 requests with :meth:`Connection.per_request`, and read the daemon's offer from
 :meth:`Connection.info`. A failed call raises the :mod:`kvstore.common.errors` exception
-of its status code (:func:`kvstore.common.status.error_for`).
+of its status code (:meth:`Connection.error`, which also counts the calls that found the
+daemon unavailable: the arena path re-checks the daemon's offer after one).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.common.status import error_for
-from kvstore.common.transport import FRAMING_BYTES, KEY_FIELD_BYTES, channel_options, keys_per_request
+from kvstore.common.transport import (FRAMING_BYTES, KEY_FIELD_BYTES, MAX_KEYS_PER_REQUEST, client_channel_options,
+                                      keys_per_request)
 
 _DATA = "/kvstore.v1.KVStoreData/"
 
@@ -51,7 +53,9 @@ class Connection:
     :data:`~kvstore.common.transport.FRAMING_BYTES` of a message for framing.
 
     Attributes: ``target``, ``timeout``, ``auth_token``, ``chunk_bytes``,
-    ``max_message_bytes`` as given; ``metadata`` (sent with every call), ``channel``,
+    ``max_message_bytes`` as given; ``max_keys_per_request`` (the daemon's cap,
+    :data:`~kvstore.common.transport.MAX_KEYS_PER_REQUEST`); ``unavailable`` (calls that
+    failed with StoreUnavailable so far); ``metadata`` (sent with every call), ``channel``,
     ``stub`` (:class:`~kvstore._proto.kvstore_pb2_grpc.KVStoreStub`), and ``get_raw`` /
     ``put_raw``, the raw-frame methods of ``KVStoreData`` (serialized ``GetRequest`` in,
     frames out; frames in, a ``PutReply`` out).
@@ -66,8 +70,10 @@ class Connection:
         self.auth_token = auth_token
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
+        self.max_keys_per_request = MAX_KEYS_PER_REQUEST
+        self.unavailable = 0
         self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        opts = channel_options(max_message_bytes)
+        opts = client_channel_options(max_message_bytes)
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self.channel = grpc.secure_channel(target, creds, options=opts)
@@ -78,25 +84,37 @@ class Connection:
         self.put_raw = self.channel.stream_unary(_DATA + "PutRaw", response_deserializer=pb.PutReply.FromString)
         self._info: NodeInfo | None = None
 
-    def call(self, method, request, timeout: float | None = None):
+    def error(self, e: grpc.RpcError) -> errors.KVStoreError:
+        """The store error of a failed call (:func:`~kvstore.common.status.error_for`);
+        counts it in :attr:`unavailable` when it is StoreUnavailable."""
+        error = error_for(e)
+        if isinstance(error, errors.StoreUnavailable):
+            self.unavailable += 1
+        return error
+
+    def call(self, method, request, timeout: float | None = None, *, wait_for_ready: bool = False):
         """``method(request)`` with the deadline (``timeout`` s, else :attr:`timeout`) and
-        the metadata. Raises the store error of a failed call's status code."""
+        the metadata; with ``wait_for_ready`` the call waits (within its deadline) for the
+        channel to connect instead of failing at once while it cannot. Raises the store
+        error of a failed call's status code."""
         try:
-            return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
+            return method(request, timeout=timeout or self.timeout, metadata=self.metadata,
+                          wait_for_ready=wait_for_ready or None)
         except grpc.RpcError as e:
-            raise error_for(e) from None
+            raise self.error(e) from None
 
     def per_request(self, per_key: int = KEY_FIELD_BYTES, extra: int = 0) -> int:
         """Most keys one request may list (``per_key`` wire bytes each, ``extra`` bytes of
-        other fields) under the message limit
+        other fields) under the message limit and the daemon's key cap
         (:func:`kvstore.common.transport.keys_per_request`)."""
-        return keys_per_request(self.max_message_bytes, per_key, extra)
+        return keys_per_request(self.max_message_bytes, per_key, extra, self.max_keys_per_request)
 
-    def info(self, timeout: float | None = None) -> NodeInfo:
+    def info(self, timeout: float | None = None, *, fresh: bool = False, wait_for_ready: bool = False) -> NodeInfo:
         """The node's block size, key hash and data-path offer (asked once, then cached
-        until :meth:`forget_info`). Raises StoreUnavailable when the daemon does not answer."""
-        if self._info is None:
-            r = self.call(self.stub.Info, pb.InfoRequest(), timeout)
+        until :meth:`forget_info`; ``fresh`` asks again). Raises StoreUnavailable when the
+        daemon does not answer within ``timeout`` seconds."""
+        if self._info is None or fresh:
+            r = self.call(self.stub.Info, pb.InfoRequest(), timeout, wait_for_ready=wait_for_ready)
             self._info = NodeInfo(r.version, r.block_tokens, r.key_hash, r.max_message_bytes, r.shm_socket,
                                   r.shm_arena_bytes, r.shm_refused)
         return self._info

@@ -73,10 +73,14 @@ class LeaseReleaser:
             time.sleep(self.delay_s)        # a Lease call coming right after carries them
             self._send()
 
-    def close(self) -> None:
-        """Stop the thread (waiting at most the call timeout) and send what still waits."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread. With ``wait``, wait for it (at most the call timeout) and send
+        the ids still waiting; without (the finalizer of a client dropped unclosed), only
+        tell it to stop: it exits at once, and the leases left end by their TTL."""
         self._stop = True
         self._wake.set()
+        if not wait:
+            return
         if self._thread is not None:
             self._thread.join(timeout=self.connection.timeout)
         self._send()

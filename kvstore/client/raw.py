@@ -19,7 +19,6 @@ import numpy as np
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.connection import Connection
-from kvstore.common.status import error_for
 from kvstore.common.transport import FRAMING_BYTES, parts
 from kvstore.common.types import BlockMeta, GetResult, PutResult, TierKind
 from kvstore.common.wire import FOUND, META, decode, frames
@@ -53,7 +52,7 @@ class RawPath:
         try:
             reply = c.put_raw(frames(items, limit, c.chunk_bytes), timeout=timeout or c.timeout, metadata=c.metadata)
         except grpc.RpcError as e:
-            error = error_for(e)
+            error = c.error(e)
             refused = _refused_put_reply(e) if isinstance(error, errors.SizeConflict) else None
             if refused is None:
                 raise error from None
@@ -96,7 +95,7 @@ class RawPath:
                         missed = missed or rec.failed or not rec.found
                         yield rec
             except grpc.RpcError as e:
-                raise error_for(e) from None
+                raise c.error(e) from None
             if stop_at_miss and missed:
                 return
 

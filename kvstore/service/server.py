@@ -43,7 +43,7 @@ from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
 from kvstore.common.transport import FRAMING_BYTES
 from kvstore.common.types import PutResult
 from kvstore.service.hints import HintHandlers
-from kvstore.service.validate import (check_keys, check_meta, check_number, check_ranges, check_size,
+from kvstore.service.validate import (check_chunk_keys, check_keys, check_meta, check_number, check_ranges, check_size,
                                       check_ttl, decode_meta)
 from kvstore.common.wire import META, FrameError, decode
 
@@ -143,7 +143,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         space = self._space(context)
         with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
             for batch in touch(request_iterator):
-                for c in well_formed(batch).chunks:
+                for c in check_chunk_keys(well_formed(batch).chunks):
                     if c.HasField("meta"):
                         asm.meta(c.key, check_meta(c.meta))
                     asm.chunk(c.key, c.total_size, c.offset, c.data)
@@ -153,7 +153,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
         space = self._space(context)
         with PutAssembler(self.manager, space.internal) as asm:
-            for c in request.chunks:
+            for c in check_chunk_keys(request.chunks):
                 if c.HasField("meta"):
                     asm.meta(c.key, check_meta(c.meta))
                 asm.chunk(c.key, c.total_size, c.offset, c.data)

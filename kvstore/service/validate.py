@@ -14,10 +14,11 @@ from typing import Iterable, Sequence
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.common.errors import InvalidRequest
+from kvstore.common.transport import MAX_KEYS_PER_REQUEST
 from kvstore.common.types import KEY_BYTES, BlockMeta
 
-MAX_KEYS = 1 << 20
-"""Most keys one request may carry."""
+MAX_KEYS = MAX_KEYS_PER_REQUEST
+"""Most keys one request may carry (the client splits longer lists: :mod:`kvstore.common.transport`)."""
 
 MAX_BLOCK_BYTES = 1 << 40
 """Largest block a client may announce (bytes); tiers refuse what they cannot hold."""
@@ -39,6 +40,16 @@ def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
             if len(k) != KEY_BYTES:
                 raise InvalidRequest(f"{field}[{i}] has {len(k)} bytes; block keys are {KEY_BYTES} bytes")
     return out
+
+
+def check_chunk_keys(chunks: Sequence[pb.PutChunk]) -> Sequence[pb.PutChunk]:
+    """Every chunk of one Put message names a 32-byte key, checked before any chunk of the
+    message is stored (a block complete in an earlier message of the stream is stored)."""
+    if chunks and set(len(c.key) for c in chunks) != {KEY_BYTES}:
+        for i, c in enumerate(chunks):
+            if len(c.key) != KEY_BYTES:
+                raise InvalidRequest(f"chunks[{i}].key has {len(c.key)} bytes; block keys are {KEY_BYTES} bytes")
+    return chunks
 
 
 def check_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]] | None:

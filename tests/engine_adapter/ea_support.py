@@ -32,7 +32,7 @@ def engine(tenant: str = "", **kw) -> EngineConfig:
     """Engine settings of the tests: 16-token blocks, timeouts generous enough for a saturated
     machine (a test that wants a timeout sets a short one and makes the store hang)."""
     base = dict(model_id="tiny-llama-test", block_tokens=16, num_cache_blocks=64, tenant=tenant,
-                load_timeout_s=60.0, store_timeout_s=60.0)
+                load_timeout_s=60.0, store_timeout_s=60.0, lookup_timeout_s=60.0)
     base.update(kw)
     return EngineConfig(**base)
 
@@ -56,6 +56,9 @@ class MemoryStore:
     def check_block_tokens(self, block_tokens: int) -> None:
         if self.block_tokens and self.block_tokens != block_tokens:
             raise InvalidRequest(f"the node is configured for {self.block_tokens}-token blocks")
+
+    def ping(self, timeout: float = 1.0) -> None:
+        """Always answers (the breaker's probe)."""
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         self.calls.append("lookup")
@@ -165,6 +168,11 @@ class FaultyStore:
 
     def check_block_tokens(self, block_tokens: int) -> None:
         self.inner.check_block_tokens(block_tokens)
+
+    def ping(self, timeout: float = 1.0) -> None:
+        if self.mode == "down":
+            raise StoreUnavailable("UNAVAILABLE: injected")
+        self.inner.ping(timeout)
 
     def lookup(self, keys, timeout=None):
         if self.mode == "down" and self.gets_since_armed >= self.after_gets:

@@ -3,6 +3,7 @@
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -115,13 +116,12 @@ def test_block_missing_or_corrupt_mid_load_recomputes_from_it(baseline, caplog, 
     assert "recomputing 96 tokens" in caplog.text
 
 
-def test_store_down_mid_load_recomputes_everything(baseline, caplog):
+def test_store_down_mid_load_recomputes_everything(baseline):
     store = FaultyStore(MemoryStore())
-    with caplog.at_level(logging.WARNING, logger="engine_adapter"):
-        out = two_turns(store, baseline, arm=lambda keys: store.arm("down", after_gets=1))
+    out = two_turns(store, baseline, arm=lambda keys: store.arm("down", after_gets=1))
     assert (out.stats.restarts, out.stats.paged_tokens) == (1, 0)
     assert "store error in layers 1-3" in out.stats.problems[0]
-    assert "storing" in caplog.text  # puts failed too, with a warning
+    assert len(store.inner.blocks) == 150 // BT        # turn 2's new blocks were not stored (down)
 
 
 def test_hanging_store_times_out_and_recomputes(baseline):
@@ -142,15 +142,28 @@ def test_hanging_store_times_out_and_recomputes(baseline):
     assert hung_at_return == [True]           # the prefill did not wait for the hanging Get
 
 
-def test_unreachable_store_recomputes_with_warning(baseline, caplog, tmp_path):
+def test_unreachable_store_recomputes_with_one_warning(baseline, caplog, tmp_path):
     client = KVStoreClient(f"unix:{tmp_path}/nobody.sock", timeout=2.0)
     p1, g1, _, _ = baseline
     runner = Runner(TINY, engine(store_timeout_s=2.0), TPGroup.single(), store=client)
+    caplog.clear()                                  # the start-up warning (cannot check the block size)
     with caplog.at_level(logging.WARNING, logger="engine_adapter"):
         out = runner.generate(p1, 4)
         runner.flush()
+        breaker = runner.adapter.store.breaker
+        deadline = time.monotonic() + 60
+        while breaker.outages == 0 and time.monotonic() < deadline:   # its probe fails too: an outage
+            time.sleep(0.02)
+        out2 = runner.generate(p1, 4)               # while the breaker is open: no call, no log
+        runner.flush()
     assert_same(out, g1)
-    assert "prefix lookup failed" in caplog.text and "storing" in caplog.text
+    assert_same(out2, g1)
+    assert "lookup failed" in out.stats.problems[0]
+    outage = [r for r in caplog.records if "is unavailable" in r.getMessage()]
+    assert len(outage) == 1 and outage[0].levelno == logging.WARNING
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1     # nothing else
+    counts = breaker.counts()
+    assert counts["lookup"][0] == 2 and counts["save"][1] == 2 * (150 // BT)
     runner.close()
 
 

@@ -49,7 +49,8 @@ def backend(target: str, pool: HostPool, tp_rank=0, tp_size=1, **extra):
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny",
         extra_config={"backend_name": "kvstore", "module_path": "engine_adapter.sglang.backend",
-                      "class_name": "KVStoreHiCacheStorage", "target": target, "interface_v1": 1, **extra})
+                      "class_name": "KVStoreHiCacheStorage", "target": target, "interface_v1": 1,
+                      "lookup_timeout_s": 60.0, **extra})     # generous: hits must not miss on a loaded machine
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)
     return b

@@ -53,7 +53,8 @@ def main() -> int:
               kv_transfer_config={"kv_connector": "KVStoreConnector",
                                   "kv_connector_module_path": "engine_adapter.vllm.connector",
                                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"target": target}})
+                                  # a generous lookup deadline: hits are asserted, on a loaded machine
+                                  "kv_connector_extra_config": {"target": target, "lookup_timeout_s": 60.0}})
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

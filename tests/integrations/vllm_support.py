@@ -25,8 +25,11 @@ def tiny_llama_dir(path: pathlib.Path, *, layers: int = 2, kv_heads: int = 2, he
 
 
 def kv_transfer_config(target: str, **extra):
+    """The connector's transfer config. The lookup deadline is generous (60 s, not the
+    50 ms default) unless given: a test that asserts hits must not miss on a loaded machine."""
     from vllm.config import KVTransferConfig
 
+    extra = {"lookup_timeout_s": 60.0, **extra}
     return KVTransferConfig(kv_connector="KVStoreConnector",
                             kv_connector_module_path="engine_adapter.vllm.connector",
                             kv_role="kv_both", kv_connector_extra_config={"target": target, **extra})

@@ -1,0 +1,37 @@
+"""What the client checks before it sends a request: the keys it lists.
+
+A block key is exactly :data:`~kvstore.common.types.KEY_BYTES` (32) bytes. The raw
+frames of ``PutRaw`` have a fixed 32-byte key field (:mod:`kvstore.common.wire`), so a
+shorter key would be padded with NULs and a longer one cut: stored under another key,
+and two long keys sharing their first 32 bytes would collide. The client therefore
+refuses such a key before anything is sent, on every call that carries keys; the daemon
+refuses them too (``kvstore.service.validate``), for clients that do not check.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvstore.common.errors import InvalidRequest
+from kvstore.common.types import KEY_BYTES
+
+
+def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int | None = None) -> list[bytes]:
+    """``keys`` as a list, each checked to be 32 bytes (one C-level pass over the lengths;
+    the loop that names the culprit runs only when one is wrong).
+
+    Args:
+        keys: block keys (bytes-like).
+        field: the argument's name in the error message.
+        limit: most keys allowed (for calls that cannot be split), or None.
+    Raises InvalidRequest naming the first key that is not 32 bytes, or the count over
+    ``limit``.
+    """
+    out = keys if type(keys) is list else list(keys)
+    if limit is not None and len(out) > limit:
+        raise InvalidRequest(f"{field}: {len(out)} keys; at most {limit} per request")
+    if out and set(map(len, out)) != {KEY_BYTES}:
+        for i, k in enumerate(out):
+            if len(k) != KEY_BYTES:
+                raise InvalidRequest(f"{field}[{i}] has {len(k)} bytes; block keys are {KEY_BYTES} bytes")
+    return out

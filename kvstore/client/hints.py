@@ -1,0 +1,61 @@
+"""The client's agent-hint calls: ToolCallStart, SessionHint, Explain, Resume.
+
+:class:`HintCalls` is a part of :class:`kvstore.client.KVStoreClient`, built on its
+:class:`~kvstore.client.connection.Connection`: it builds each request (unix times
+default to now, keys checked and within the daemon's per-request cap, since such a call
+cannot be split) and makes the call. The facade's methods document the verbs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Sequence
+
+from kvstore.common import errors
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.checks import check_keys
+from kvstore.client.connection import Connection
+
+_STATES = {"continues": pb.SessionHintRequest.CONTINUES, "finished": pb.SessionHintRequest.FINISHED,
+           "abandoned": pb.SessionHintRequest.ABANDONED}
+
+
+class HintCalls:
+    """Agent hints to one daemon (see :meth:`kvstore.client.KVStoreClient.session_hint` and
+    its neighbours for what each means). Raises InvalidRequest before sending for a key
+    that is not 32 bytes or more keys than one request may list."""
+
+    def __init__(self, connection: Connection):
+        self.connection = connection
+
+    def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        return check_keys(keys, limit=self.connection.max_keys_per_request)
+
+    def tool_call_start(self, trajectory_id: str, tool: str, keys: Sequence[bytes], start_time: float | None,
+                        timeout: float | None) -> float:
+        req = pb.ToolCallStartRequest(trajectory_id=trajectory_id, tool=tool, keys=self._keys(keys),
+                                      start_time=start_time if start_time is not None else time.time())
+        c = self.connection
+        return c.call(c.stub.ToolCallStart, req, timeout).predicted_resume_time
+
+    def session_hint(self, session_id: str, state: str, keys: Sequence[bytes], expected_back_s: float | None,
+                     ttl_s: float | None, at: float | None, kv_hints: dict | None, timeout: float | None) -> float:
+        if state not in _STATES:
+            raise errors.InvalidRequest(f"state must be one of {sorted(_STATES)}, got {state!r}")
+        req = pb.SessionHintRequest(session_id=session_id, state=_STATES[state], keys=self._keys(keys),
+                                    expected_back_s=expected_back_s or 0.0, ttl_s=ttl_s or 0.0,
+                                    time=at if at is not None else time.time(),
+                                    kv_hints_json=json.dumps(kv_hints) if kv_hints is not None else "")
+        c = self.connection
+        return c.call(c.stub.SessionHint, req, timeout).expected_back_time
+
+    def explain(self, keys: Sequence[bytes], timeout: float | None) -> pb.ExplainReply:
+        c = self.connection
+        return c.call(c.stub.Explain, pb.ExplainRequest(keys=self._keys(keys)), timeout)
+
+    def resume(self, trajectory_id: str, at: float | None, timeout: float | None) -> tuple[bool, float]:
+        c = self.connection
+        req = pb.ResumeRequest(trajectory_id=trajectory_id, time=at if at is not None else time.time())
+        reply = c.call(c.stub.Resume, req, timeout)
+        return reply.known, reply.observed_seconds
