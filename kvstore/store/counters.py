@@ -53,7 +53,8 @@ COUNTERS: dict[str, str] = {
     "transfers_timed_out": "tier-to-tier copies abandoned after the transfer timeout",
     # integrity and life cycle
     "corrupt_blocks": "stored copies that failed their checksum (dropped, never served)",
-    "read_errors": "reads that failed on the medium (the copy was dropped)",
+    "read_errors": "reads of a block's copy that failed on its medium (EMFILE, EIO, a timeout; once per block, call and tier): another copy or a miss, the copy is kept",
+    "copies_missing": "stored copies their tier no longer held when read (dropped from the catalogue)",
     "blocks_deleted": "blocks deleted by Delete calls",
     "blocks_recovered": "blocks found on persistent tiers at start",
     "blocks_persisted": "blocks copied from memory to NVMe on a graceful stop",
