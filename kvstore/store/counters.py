@@ -35,6 +35,7 @@ COUNTERS: dict[str, str] = {
     "puts_size_conflict": "blocks refused: the key is stored with another size",
     "puts_not_admitted": "blocks no tier's admission policy wanted (not stored)",
     "puts_rejected_full": "blocks refused: no tier could make room",
+    "puts_too_large": "blocks refused: larger than the largest block any tier can hold",
     "puts_aborted": "puts abandoned before their last byte (stream ended, client gone)",
     "reservations_expired": "zero-copy reservations reclaimed after their TTL",
     # movement between tiers
