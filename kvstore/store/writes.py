@@ -161,6 +161,13 @@ class Writes:
             except BaseException:
                 cat.end_claim(claim)
                 raise
+            if cat.claim(key) is not claim:
+                # A zero-copy reservation whose TTL passed while room was made (the lock is
+                # dropped while a demotion runs): its expiry found nothing reserved to free,
+                # so the room reserved since is this call's to give back.
+                self.tiers[claim.tier].abort(key)
+                raise TierFull(f"the reservation of block {key.hex()[:16]} expired (its TTL of {ttl_s} s "
+                               "passed) while room was made for it")
             return PutOutcome(key, already_present=False, pending=claim)
 
     def _size_conflict(self, key: bytes, stored: int, asked: int) -> None:
