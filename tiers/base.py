@@ -148,9 +148,11 @@ class Tier(abc.ABC):
         Raises:
             BlockNotStored: not committed here.
             InvalidAccess: a range outside the block, or ``out`` too small or read-only.
-            BlockCorrupt: checksum mismatch or truncated data (``out`` may then hold
-                garbage, never reported as the block).
-            MediaIOError: the medium failed.
+            BlockCorrupt: only on proof that the stored bytes are bad: a checksum
+                mismatch, a malformed header, truncated data (``out`` may then hold
+                garbage, never reported as the block). The caller drops the copy.
+            MediaIOError: the medium failed for this call (EMFILE, ENFILE, EIO, ENOSPC,
+                EAGAIN, a timeout): no proof against the block, which stays stored.
         """
 
     @abc.abstractmethod

@@ -176,7 +176,7 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int, file_of
         ValueError: ``nbytes`` larger than the buffer; TypeError: not a device buffer.
         FileNotFoundError: no such file.
         BlockCorrupt: the file ends before ``file_offset + nbytes``.
-        MediaIOError: the read failed.
+        MediaIOError: the read failed or returned fewer bytes than the file holds.
     """
     kvikio = _kvikio()
     n = _payload_bytes(buf, nbytes)
@@ -198,8 +198,8 @@ def read_block_file(path: str | os.PathLike[str], buf: Any, nbytes: int, file_of
             f.close()
     except (OSError, RuntimeError) as e:
         raise MediaIOError(f"GDS read of {n} bytes from {os.fspath(path)!r} failed: {e}") from e
-    if got != n:
-        raise BlockCorrupt(f"short GDS read from {os.fspath(path)!r}: {got} of {n} bytes")
+    if got != n:                       # the file is long enough (above): the read, not the block, failed
+        raise MediaIOError(f"short GDS read from {os.fspath(path)!r}: {got} of {n} bytes")
 
 
 def _remove_quietly(path: str | os.PathLike[str]) -> None:

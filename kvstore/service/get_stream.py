@@ -7,7 +7,8 @@ Pieces are packed into messages that never exceed ``limit`` bytes, counting fram
 the records of misses: :func:`proto_batches` for ``Get`` (protobuf), :func:`raw_frames`
 for ``GetRaw`` (:mod:`kvstore.common.wire`).
 
-A block that fails while it is being sent (every copy corrupt) gets a ``FAILED`` record
+A block that fails while it is being sent (every copy corrupt, or every copy's medium
+failing for this call: EMFILE, EIO) gets a ``FAILED`` record
 at the offset reached; the client drops what it received of it. Blocks held only in the
 cluster are paged into the host arena in one batch before the first piece is read, and
 reported with tier ``REMOTE``.
@@ -28,7 +29,7 @@ import numpy as np
 from tiers.base import TierKind
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.common.errors import CorruptBlock, InvalidRequest
+from kvstore.common.errors import CorruptBlock, InvalidRequest, TierIOError
 from kvstore.store.manager import TierManager
 from kvstore.store.reads import BlockReader
 from kvstore.common.wire import FAILED, FOUND, FrameBuilder
@@ -202,7 +203,7 @@ def pieces(plan: GetPlan) -> Iterator[Piece]:
             else:
                 try:
                     tier = u.future.result()
-                except CorruptBlock:
+                except (CorruptBlock, TierIOError):     # no good copy, or none readable now
                     tier = -1
                 if id(u.reader) in failed or tier < 0:
                     if tier < 0 and id(u.reader) not in failed:

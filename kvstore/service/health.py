@@ -10,6 +10,13 @@ failure is less than ``window_s`` seconds old; or while every tier reports a pro
 A tier with a problem while another still takes puts is reported (Stats ``problems``)
 but the daemon keeps serving.
 
+Only failures that say something about the tiers count as failing puts: a medium that
+fails, no room even after evicting (every block pinned or leased). A put refused for
+itself, such as a block larger than the largest block any tier can hold, a size
+conflict or a bad request, leaves :attr:`TierManager.put_failure` alone
+(:meth:`kvstore.store.writes.Writes._reserve_somewhere`), so one bad call never takes
+the daemon out of service.
+
 The standard gRPC health service then says NOT_SERVING for ``""``, ``kvstore.v1.KVStore``
 and ``kvstore.v1.KVStoreData``, and SERVING again once a put succeeds, or once every
 tier is healthy and the failure is ``window_s`` old.

@@ -100,7 +100,8 @@ class BlockEvent:
         tier: tier name; ``medium`` its kind.
         size: payload bytes.
         reason: stored: ``put``, ``promoted``, ``demoted``, ``write_through``,
-            ``recovered``; removed: ``evicted``, ``deleted``, ``corrupt``, ``failed``.
+            ``recovered``; removed: ``evicted``, ``deleted``, ``corrupt`` (failed its checksum),
+            ``missing`` (its tier no longer held it).
         policy: the eviction policy that chose the victim (evictions only).
         last_copy: removed: the block is gone from the whole store.
         meta: what routers index the block by (:class:`kvstore.common.types.BlockMeta`), when known;

@@ -35,6 +35,7 @@ COUNTERS: dict[str, str] = {
     "puts_size_conflict": "blocks refused: the key is stored with another size",
     "puts_not_admitted": "blocks no tier's admission policy wanted (not stored)",
     "puts_rejected_full": "blocks refused: no tier could make room",
+    "puts_too_large": "blocks refused: larger than the largest block any tier can hold",
     "puts_aborted": "puts abandoned before their last byte (stream ended, client gone)",
     "reservations_expired": "zero-copy reservations reclaimed after their TTL",
     # movement between tiers
@@ -53,7 +54,8 @@ COUNTERS: dict[str, str] = {
     "transfers_timed_out": "tier-to-tier copies abandoned after the transfer timeout",
     # integrity and life cycle
     "corrupt_blocks": "stored copies that failed their checksum (dropped, never served)",
-    "read_errors": "reads that failed on the medium (the copy was dropped)",
+    "read_errors": "reads of a block's copy that failed on its medium (EMFILE, EIO, a timeout; once per block, call and tier): another copy or a miss, the copy is kept",
+    "copies_missing": "stored copies their tier no longer held when read (dropped from the catalogue)",
     "blocks_deleted": "blocks deleted by Delete calls",
     "blocks_recovered": "blocks found on persistent tiers at start",
     "blocks_persisted": "blocks copied from memory to NVMe on a graceful stop",

@@ -12,10 +12,13 @@ media error         store error         where it shows
 ==================  ==================  ==================================================
 NoRoom, DiskFull    TierFull            no room in a tier (the store evicts and retries)
 InvalidAccess       InvalidRequest      a byte range outside the block, a buffer too small
-BlockCorrupt        CorruptBlock        a copy failed its checksum (it is dropped)
+BlockCorrupt        CorruptBlock        proof that a copy is bad: a failed checksum, a
+                                        malformed header, truncated data (it is dropped)
 BlockNotStored      BlockNotFound       the tier does not hold (or has not reserved) it
 BlockExists         WriteConflict       the tier holds or is writing the key already
-MediaIOError, ...   TierIOError         the medium failed; a retry may succeed
+MediaIOError, ...   TierIOError         the medium failed for this call (EMFILE, EIO, a
+                                        timeout): no proof, the copy is kept; a retry
+                                        may succeed
 ==================  ==================  ==================================================
 
 The message of the store error is the medium's, prefixed with the tier's name where a
@@ -214,11 +217,14 @@ class TierAdapter:
 
     def read_into(self, key: bytes, out: Any, ranges: ByteRanges | None = None) -> int:
         """Read the block (or ``ranges`` of it) into ``out``; returns bytes read. Raises
-        InvalidRequest, CorruptBlock, BlockNotFound, TierIOError."""
+        InvalidRequest, CorruptBlock (proof the copy is bad), BlockNotFound, TierIOError
+        (the medium failed for this call; also for an OSError a medium let through)."""
         try:
             return self.tier.read_into(key, out, ranges)
         except terr.MediaError as e:
             raise store_error(e) from None
+        except OSError as e:                  # never proof against the block
+            raise TierIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from None
 
     def size_of(self, key: bytes) -> int:
         try:

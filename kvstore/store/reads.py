@@ -2,17 +2,19 @@
 
 :meth:`Reads.reader` pins a block for a read in several pieces (a large block streamed
 in chunks, :mod:`kvstore.service.get_stream`); :meth:`Reads.read_into` is one read. Each read
-goes to the fastest tier holding a good copy; a copy that fails its checksum or its
-medium is dropped and counted (``corrupt_blocks``, ``read_errors``) and the next copy is
-tried, so a block is served whole and right, or is a miss. A read from a lower tier asks
-for a promotion (:meth:`kvstore.store.moves.Moves.promote`) when it ends. With a
-cluster, a block held only there is paged into the host arena first
-(:meth:`kvstore.cluster.cluster.Cluster.pull`).
+goes to the fastest tier holding a good copy. Only proof drops a copy: one that fails
+its checksum or has a malformed header is dropped (counted in ``corrupt_blocks``); one
+whose medium fails for this call (EMFILE, EIO, ENOSPC, a timeout) is kept, counted in
+``read_errors``, and the next copy is tried. A block is served whole and right, or is a
+miss. A read from a lower tier asks for a promotion
+(:meth:`kvstore.store.moves.Moves.promote`) when it ends. With a cluster, a block held
+only there is paged into the host arena first (:meth:`kvstore.cluster.cluster.Cluster.pull`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -30,6 +32,29 @@ from kvstore.store.placement import Placement
 from kvstore.store.writes import check_key
 
 log = logging.getLogger("kvstore.store.reads")
+
+
+class _RateLimitedLog:
+    """A WARNING for the first medium failure, then at most one per ``period_s`` seconds
+    with the count since (an exhausted open-file limit fails every read)."""
+
+    def __init__(self, logger: logging.Logger, period_s: float = 10.0):
+        self._log, self._period = logger, period_s
+        self._next = 0.0
+        self._quiet = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._quiet += 1
+            return
+        quiet, self._quiet, self._next = self._quiet, 0, now + self._period
+        if quiet:
+            msg += f" (and {quiet} more read failures in the last {self._period:.0f} s)"
+        self._log.warning(msg, *args)
+
+
+_IO_LOG = _RateLimitedLog(log)
 
 
 class Reads:
@@ -100,7 +125,8 @@ class Reads:
 
         Returns the tier it was read from, or None on a miss (also when every stored
         copy failed its checksum: those copies are dropped and counted in
-        ``corrupt_blocks``). Raises InvalidRequest for a bad key length, ranges outside
+        ``corrupt_blocks``; and when every copy's medium failed for this call, e.g. the
+        daemon's open-file limit: those copies are kept, counted in ``read_errors``). Raises InvalidRequest for a bad key length, ranges outside
         the block, or an ``out`` that is too small.
         """
         r = self.reader(key)
@@ -108,7 +134,7 @@ class Reads:
             return None
         try:
             return r.read_into(out, ranges)
-        except CorruptBlock:
+        except (CorruptBlock, TierIOError):      # no good copy, or none readable now: a miss
             self.counters.inc("get_misses")
             return None
         finally:
@@ -146,9 +172,9 @@ class BlockReader:
     """A pinned block being read, possibly in several pieces (:meth:`Reads.reader`).
 
     Each :meth:`read_into` reads from the fastest tier holding a good copy; a copy that
-    fails its checksum or its medium is dropped (counted) and the next one is tried, so
-    pieces of one block may come from different tiers (the copies are identical). A
-    lower-tier read asks for a promotion when the reader closes.
+    fails its checksum is dropped (counted), one whose medium fails is kept (counted), and
+    the next one is tried, so pieces of one block may come from different tiers (the
+    copies are identical). A lower-tier read asks for a promotion when the reader closes.
     """
 
     def __init__(self, reads: Reads, entry: Entry):
@@ -158,6 +184,7 @@ class BlockReader:
         self._promote_from: int | None = None
         self._closed = False
         self._counted = False
+        self._failed_in: set[int] | None = None    # tiers whose medium failed a read of this block
 
     def span(self, ranges: ByteRanges | None) -> int:
         """Bytes that ``ranges`` (``(offset, length)`` pairs) select from this block (its
@@ -167,29 +194,54 @@ class BlockReader:
     def read_into(self, out: Any, ranges: ByteRanges | None = None) -> TierKind:
         """Copy the block (or ``ranges``) into ``out``; returns the tier read from.
 
+        A copy that fails its checksum (CorruptBlock) or that its tier no longer holds is
+        dropped; a copy whose medium fails (TierIOError: EMFILE, EIO, ENOSPC, a timeout) is
+        kept, counted in ``read_errors``, and the next copy is tried.
+
         Raises InvalidRequest (bad ranges, ``out`` too small), CorruptBlock when no good
-        copy is left (the block is gone from the store).
+        copy is left (the block is gone from the store), TierIOError when the copies left
+        all failed on their media for this call (they stay: a later read may succeed).
         """
         m, entry = self._m, self.entry
         total = check_ranges(ranges, entry.size)
-        while entry.tiers:
-            i = entry.tiers[0]
+        failed: list[int] | None = None          # tiers whose medium failed for this call
+        tiers = entry.tiers
+        while tiers:
+            if failed is None:
+                i = tiers[0]
+            else:
+                i = next((j for j in tiers if j not in failed), -1)
+                if i < 0:
+                    break
             tier = m.tiers[i]
             try:
                 tier.read_into(entry.key, out, ranges)
-            except (CorruptBlock, TierIOError, BlockNotFound) as e:
+            except TierIOError as e:             # EMFILE, EIO, a timeout: not proof; the copy stays
+                if self._failed_in is None:
+                    self._failed_in = set()
+                if i not in self._failed_in:         # once per block and tier, like ``reads``
+                    self._failed_in.add(i)
+                    m.counters.inc("read_errors")
+                _IO_LOG.warning("reading block %s from %s failed (the copy is kept): %s",
+                                entry.key.hex()[:16], tier.name, e)
+                failed = (failed or []) + [i]
+                continue
+            except (CorruptBlock, BlockNotFound) as e:
                 corrupt = isinstance(e, CorruptBlock)
                 log.warning("dropping %s copy of block %s: %s", tier.name, entry.key.hex()[:16], e)
-                m.counters.inc("corrupt_blocks" if corrupt else "read_errors")
+                m.counters.inc("corrupt_blocks" if corrupt else "copies_missing")
                 with m.catalogue.lock:
                     if i in entry.tiers:
-                        m.placement.drop_copy(entry, i, "corrupt" if corrupt else "failed")
+                        m.placement.drop_copy(entry, i, "corrupt" if corrupt else "missing")
                 continue
             m.placement.count_read(tier, total, block=not self._counted)   # one read per block, bytes per piece
             self._counted = True
             if i > 0 and m.promote_on_get:
                 self._promote_from = i
             return tier.kind
+        if failed:
+            raise TierIOError(f"block {entry.key.hex()[:16]}: every copy failed to read "
+                              f"({', '.join(m.tiers[j].name for j in failed)}); the copies are kept")
         raise CorruptBlock(f"block {entry.key.hex()[:16]}: no readable copy is left")
 
     def close(self) -> None:

@@ -79,7 +79,8 @@ class Writes:
 
     Attributes:
         put_failure: ``(monotonic time, why)`` of the last put that found no room or
-            whose medium failed, cleared by the next successful commit (health).
+            whose medium failed, cleared by the next successful commit (health). A block
+            too large for every tier is refused without it (:meth:`_reserve_somewhere`).
         on_refused: called with the key of a put no tier admitted (explain-miss), or None.
     Raises ValueError for an unknown ``write_policy``.
     """
@@ -120,7 +121,8 @@ class Writes:
         Raises:
             InvalidRequest: bad key length or size.
             SizeConflict: the key is stored with another size (first writer wins).
-            TierFull: no tier has or can make room.
+            TierFull: no tier has or can make room, or the block is larger than the
+                largest block any tier can hold.
             WriteConflict: another client's write of the key did not finish in time.
         """
         check_key(key)
@@ -159,6 +161,13 @@ class Writes:
             except BaseException:
                 cat.end_claim(claim)
                 raise
+            if cat.claim(key) is not claim:
+                # A zero-copy reservation whose TTL passed while room was made (the lock is
+                # dropped while a demotion runs): its expiry found nothing reserved to free,
+                # so the room reserved since is this call's to give back.
+                self.tiers[claim.tier].abort(key)
+                raise TierFull(f"the reservation of block {key.hex()[:16]} expired (its TTL of {ttl_s} s "
+                               "passed) while room was made for it")
             return PutOutcome(key, already_present=False, pending=claim)
 
     def _size_conflict(self, key: bytes, stored: int, asked: int) -> None:
@@ -173,10 +182,16 @@ class Writes:
                            "under the same key is refused (first writer wins)")
 
     def _reserve_somewhere(self, key: bytes, nbytes: int, only: int | None) -> int:
-        """Reserve ``nbytes`` in the fastest tier that admits the block (lock held). A
-        failure marks :attr:`put_failure` (health) unless the put was limited to ``only``
-        one tier (a zero-copy reservation, which falls back to a normal put)."""
+        """Reserve ``nbytes`` in the fastest tier that admits the block (lock held).
+
+        A failure that says something about the tiers (a medium failing, no room even
+        after evicting: pinned or leased blocks fill them) marks :attr:`put_failure`
+        (health). A block larger than the largest block any admitting tier can hold says
+        nothing about them: only that put is refused (TierFull naming the size and each
+        tier's largest block, counted in ``puts_too_large``). A put limited to ``only``
+        one tier (a zero-copy reservation, which falls back to a normal put) never marks it."""
         errors: list[str] = []
+        tried: list[TierAdapter] = []
         now = self.clock()
         admitted = False
         for i, tier in enumerate(self.tiers):
@@ -196,8 +211,15 @@ class Writes:
                 raise
             except (TierFull, NoVictim) as err:
                 errors.append(f"{tier.name}: {err}")
+                tried.append(tier)
         if not admitted:
             raise _NotAdmitted()
+        largest = [(t.name, t.max_block_bytes) for t in tried]
+        if all(nbytes > most for _, most in largest):
+            if only is None:
+                self.counters.inc("puts_too_large")
+            raise TierFull(f"a {nbytes}-byte block is larger than the largest block a tier can hold ("
+                           + ", ".join(f"{name}: {most} bytes" for name, most in largest) + ")")
         if only is None:
             self.counters.inc("puts_rejected_full")
         message = f"no tier can hold a {nbytes}-byte block: " + "; ".join(errors[-3:])

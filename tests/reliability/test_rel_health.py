@@ -121,3 +121,54 @@ def test_a_second_daemon_on_the_same_tcp_port_is_refused(tmp_path):
             assert c.get([key(1)])[0].data == b"one"
     finally:
         first.stop(0)
+
+
+# ------------------------------------------------------------------ issue 19, item 15: one oversized put
+
+def test_an_oversized_put_is_refused_alone_and_health_stays_serving(tmp_path):
+    """A block too big for every tier says nothing about the tiers: only that put is
+    refused (RESOURCE_EXHAUSTED naming its size and each tier's largest block), health
+    stays SERVING for every service and Stats has no problem, and normal puts go on."""
+    d = start_server(daemon_config(tmp_path, host="4MiB", nvme="8MiB"))
+    big = 12 << 20
+    try:
+        nvme_most = d.manager.tiers[1].max_block_bytes
+        for shared in (False, True):                          # gRPC, and the same-node arena first
+            with KVStoreClient(d.address, shared_memory=shared, timeout=30) as c:
+                with pytest.raises(errors.TierFull) as e:
+                    c.put([(key(1, f"big{shared}"), b"x" * big)])
+                assert (f"a {big}-byte block is larger than the largest block a tier can hold "
+                        f"(host: {4 << 20} bytes, nvme: {nvme_most} bytes)") in str(e.value)
+                for _ in range(3):
+                    assert d.monitor.check() is True          # the health verdict, taken now
+                assert health(d.address) == {SERVING}
+                stats = c.stats()
+                assert stats["serving"] is True and stats["problems"] == []
+                assert c.put([(key(2, f"small{shared}"), b"s" * BLOCK)]).stored == 1
+                assert c.get([key(2, f"small{shared}")])[0].data == b"s" * BLOCK
+        counters = d.manager.counters
+        assert counters["puts_too_large"] == 2 and counters.get("puts_rejected_full") == 0
+    finally:
+        d.stop(0)
+
+
+def test_tiers_full_of_leased_blocks_still_turn_health_not_serving(tmp_path):
+    """A tier-wide condition still counts: with every block of the only tier leased, a
+    put that fits a tier finds no room; health says NOT_SERVING until a put succeeds."""
+    d = start_server(daemon_config(tmp_path, host="4MiB", nvme=None))
+    try:
+        keys = [key(i, "pinned") for i in range(4)]
+        with KVStoreClient(d.address, shared_memory=False, timeout=30) as c:
+            c.put([(k, bytes([i]) * (1 << 20)) for i, k in enumerate(keys)])
+            grant = d.manager.lease(keys, 60.0, max_bytes=1 << 30)
+            assert sum(b.found for b in grant.blocks) == 4
+            with pytest.raises(errors.TierFull, match="no tier can hold"):
+                c.put([(key(9, "pinned"), b"n" * (1 << 20))])
+            assert d.monitor.check() is False
+            wait_for(lambda: health(d.address) == {NOT_SERVING}, "NOT_SERVING")
+            assert any(p.startswith("puts are failing") for p in c.stats()["problems"])
+            assert d.manager.release(grant.lease_id)
+            assert c.put([(key(9, "pinned"), b"n" * (1 << 20))]).stored == 1
+            wait_for(lambda: health(d.address) == {SERVING}, "SERVING again")
+    finally:
+        d.stop(0)

@@ -131,7 +131,8 @@ class DeviceFiles:
 
     def read(self, path: str, key: bytes, entry: IndexEntry, device_buf: Any, what: str) -> None:
         """Read a block into the start of ``device_buf`` and verify its header and chunks.
-        Raises BlockCorrupt, FileNotFoundError, MediaIOError, OSError."""
+        Raises BlockCorrupt (only on proof: a bad header or chunk, a short file),
+        FileNotFoundError, MediaIOError, OSError (EMFILE, EIO: no proof)."""
         if os.path.islink(path):
             raise BlockCorrupt(f"{what}: {path} is a symbolic link")
         if not os.path.exists(path):

@@ -221,18 +221,16 @@ def decode_header(buf: memoryview, expect_key: bytes | None = None) -> BlockHead
 def read_header(path: str, key: bytes) -> BlockHeader:
     """Read and verify the header of the block file at ``path`` (not following a symbolic
     link): one page-sized ``pread``, a second only for a header longer than a page.
-    Raises HeaderError (also for an unreadable file)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as e:
-        raise HeaderError(f"cannot open: {e.strerror}") from None
+
+    Raises HeaderError when the bytes prove the header bad (bad magic, checksum, key,
+    geometry; a file shorter than its header), OSError when the file cannot be opened or
+    read (ENOENT, ELOOP for a symbolic link, EMFILE, EIO, ...): no proof about the block."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         first = os.pread(fd, PAGE, 0)
         h = header_length(memoryview(first))
         buf = first if h <= len(first) else first + os.pread(fd, h - len(first), len(first))
         return decode_header(memoryview(buf), key)
-    except OSError as e:
-        raise HeaderError(f"cannot read: {e.strerror}") from None
     finally:
         os.close(fd)
 

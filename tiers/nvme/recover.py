@@ -14,6 +14,9 @@ file not indexed, or of another length, whose   indexed from its header (a crash
 header is valid and names this key              rename and index update, a lost index)
 file with a bad header, a short file, a         moved to ``quarantine/`` (never deleted)
 symbolic link, a key file in the wrong folder
+file that cannot be opened or read (EMFILE,     left in place: its index entry kept when
+EIO: no proof about the block)                  its length could not be checked, else not
+                                                indexed until a start can read its header
 index entry without a file                      dropped
 any other name                                  left alone, with a warning
 ==============================================  =========================================
@@ -46,6 +49,8 @@ class RecoveryReport:
         dropped: index entries without a usable file.
         quarantined: files moved to ``quarantine/`` (bad header, short, misplaced);
             ``quarantined_bytes`` their bytes (on disk, outside the tier's capacity).
+        unreadable: block files that could not be opened or read (EMFILE, EIO): left
+            in place, neither quarantined nor deleted.
         temps_removed: temp files of unfinished writes deleted.
         trimmed: oldest blocks deleted because they exceeded the capacity.
         index_damage: why the old index could not be used (None when it could).
@@ -60,6 +65,7 @@ class RecoveryReport:
     dropped: int = 0
     quarantined: int = 0
     quarantined_bytes: int = 0
+    unreadable: int = 0
     temps_removed: int = 0
     trimmed: int = 0
     index_damage: str | None = None
@@ -78,6 +84,7 @@ class RecoveryReport:
         for label, n in (("indexed from their headers", self.adopted), ("index entries corrected", self.corrected),
                          ("index entries without a file dropped", self.dropped),
                          ("temp files removed", self.temps_removed),
+                         ("block files that could not be read, left in place", self.unreadable),
                          ("oldest blocks deleted to fit the capacity", self.trimmed)):
             if n:
                 parts.append(f"{n} {label}")
@@ -167,15 +174,19 @@ def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, update
     if not f.is_file(follow_symlinks=False):
         quarantine.move(f.path, "not a regular file")
         return
-    size = f.stat(follow_symlinks=False).st_size
     entry = index.entries.get(key)
-    if entry is not None and size == entry.file_bytes:
-        kept[key] = entry
-        return
+    size = None
     try:
+        size = f.stat(follow_symlinks=False).st_size
+        if entry is not None and size == entry.file_bytes:
+            kept[key] = entry
+            return
         header = read_header(f.path, key)
     except HeaderError as e:
         quarantine.move(f.path, f"bad block header ({e})")
+        return
+    except OSError as e:          # EMFILE, EIO, ...: no proof; the file stays, the next start looks again
+        _unreadable(f.path, key, entry if size is None else None, e, kept, report)
         return
     if size < header.header_bytes + header.size:
         quarantine.move(f.path, f"truncated: {size} of {header.file_bytes} bytes")
@@ -188,6 +199,20 @@ def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, update
     elif entry != found:
         report.corrected += 1
         updates.append((key, found))
+
+
+def _unreadable(path: str, key: bytes, entry: IndexEntry | None, e: OSError, kept: dict,
+                report: RecoveryReport) -> None:
+    """A block file that could not be looked at for a reason that proves nothing about
+    it (too many open files, an I/O error). It is neither deleted nor quarantined:
+    ``entry`` (an index entry the file's length could not be checked against) is kept,
+    as every read verifies the bytes it serves; any other file is left out of the index
+    for this run and indexed from its header at the next start."""
+    report.unreadable += 1
+    if entry is not None and not isinstance(e, FileNotFoundError):
+        kept[key] = entry
+    log.warning("cannot read %s (%s); left in place%s", path, e.strerror or e,
+                "" if key in kept else ", not served until the next start indexes it")
 
 
 def trim_to_capacity(index: BlockIndex, space, remove_file, name: str) -> int:

@@ -30,7 +30,9 @@ flushed before a block is visible (power-loss safety), at a large cost in put la
 
 Reads verify every byte they serve: the header (magic, checksum, key, size) and the
 xxh3_64 of every chunk read; a missing, truncated, misplaced or altered file raises
-:class:`~tiers.errors.BlockCorrupt`, never wrong bytes.
+:class:`~tiers.errors.BlockCorrupt`, never wrong bytes. A file that cannot be opened or
+read now (EMFILE, ENFILE, EIO, ...) raises :class:`~tiers.errors.MediaIOError`: that
+proves nothing about the block, which stays stored and readable once the fault is gone.
 
 Disk full (ENOSPC/EDQUOT while writing, e.g. a capacity larger than the free space): the
 write raises :class:`~tiers.errors.DiskFull`; from then on :attr:`NVMeTier.capacity_bytes`
@@ -241,7 +243,8 @@ class NVMeTier(Tier):
 
         Raises BlockNotStored, InvalidAccess (a range outside the block, ``out`` too small
         or read-only), BlockCorrupt (missing, truncated, misplaced or altered file: the
-        caller frees the block), MediaIOError."""
+        caller frees the block), MediaIOError (the open or a read failed: EMFILE, EIO, ...;
+        the block stays)."""
         entry = self._entry(key)
         total = check_ranges(ranges, entry.size)
         view = output_view(out, total)
