@@ -24,6 +24,7 @@ import threading
 
 from kvstore.common.arena import HELLO, MAX_HELLO_LINE, arena_identity
 from kvstore.service.auth import Authenticator
+from kvstore.service.listen import check_socket_free
 
 log = logging.getLogger("kvstore.service.arena_server")
 
@@ -32,7 +33,8 @@ class ArenaServer:
     """Hands the arena memfd to clients that connect to ``path``.
 
     Args:
-        path: the socket path (created mode 0600; replaced if a stale socket is there).
+        path: the socket path (created mode 0600; a stale socket there is replaced, one
+            another process serves is not: OSError).
         fd: the arena's memfd; size: its mapped size in bytes.
         auth: checks the bearer token a client sends (None: no token needed).
     Raises OSError when the socket cannot be bound.
@@ -47,6 +49,7 @@ class ArenaServer:
         self.handed_out = 0
         self.refused = 0
         if self.path.is_socket():
+            check_socket_free(self.path)     # OSError when another process serves it: never replaced
             self.path.unlink()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o077)

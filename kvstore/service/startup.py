@@ -29,7 +29,7 @@ from kvstore.config.node import Config
 from kvstore.common.errors import ConfigError
 from kvstore.service.health import HealthMonitor
 from kvstore.service.interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
-from kvstore.service.listen import UnixSocket, bind
+from kvstore.service.listen import UnixSocket, bind, check_port_free, check_socket_free
 from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
 from kvstore.agent.sessions import SessionTable
 from kvstore.service.server import KVStoreService, data_handler
@@ -147,6 +147,7 @@ def _start_metrics(cfg: Config, manager: TierManager, monitor: HealthMonitor, hi
     if not cfg.metrics.listen:
         return None
     from kvstore.service.metrics import Metrics
+    check_port_free(cfg.metrics.listen, "metrics.listen")     # every address its host stands for
     try:
         return Metrics(manager, cfg.blocks.block_tokens, cfg.metrics.listen,
                        serving=lambda: monitor.serving, prefetch=hints)
@@ -163,6 +164,14 @@ def _start_events(cfg: Config, manager: TierManager):
 
     from kvstore.store.catalogue import BlockEvent
     from kvstore.service.events import KVEventPublisher
+    for key, endpoint in (("endpoint", cfg.events.endpoint), ("replay_endpoint", cfg.events.replay_endpoint)):
+        if endpoint.startswith("tcp://") and not endpoint.startswith("tcp://*:"):
+            check_port_free(endpoint[len("tcp://"):], f"events.{key}")   # every address its host stands for
+        if endpoint.startswith("ipc://") and os.path.lexists(endpoint[len("ipc://"):]):
+            try:                 # ZMQ replaces the file at an ipc:// path, even one another process serves
+                check_socket_free(endpoint[len("ipc://"):])
+            except OSError as e:
+                raise ConfigError(f"events.{key}: {e}") from None
     try:
         pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters)
     except zmq.ZMQError as e:
