@@ -44,7 +44,7 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tenants: Mapping[str, str] = field(default_factory=dict)   # tenant name -> bearer token
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: float = 30.0             # the longest lease / reservation TTL granted
     stop_grace_s: float = 5.0             # calls in flight get this long when ``kvstore serve`` stops
     eviction_log_blocks: int = 100_000    # blocks whose last evictions ``kvstore explain`` can name
 

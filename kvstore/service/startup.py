@@ -30,7 +30,7 @@ from kvstore.common.errors import ConfigError
 from kvstore.service.health import HealthMonitor
 from kvstore.service.interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
 from kvstore.service.listen import UnixSocket, bind, check_port_free, check_socket_free
-from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
+from kvstore.store.manager import TierManager
 from kvstore.agent.sessions import SessionTable
 from kvstore.service.server import KVStoreService, data_handler
 from kvstore.common.transport import channel_options
@@ -196,10 +196,14 @@ def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, aut
         return None, "multi-tenant config ([server.tenants]): a mapped arena would show every tenant's blocks"
     if sock is None:
         return None, "the daemon listens on TCP: the shared arena is for clients on its unix socket"
+    from kvstore.service.liveness import ClientSessions
     seg = manager.tiers[shared].capabilities.shared.segment()
+    sessions = ClientSessions(manager.open_session, manager.end_session)    # a dead client's hold ends with it
     try:
-        arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth).start()
+        arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth, sessions=sessions,
+                            max_ttl_s=cfg.server.lease_ttl_s).start()
     except OSError as e:
+        sessions.stop()
         log.warning("shared arena socket unavailable (%s); same-node clients use gRPC", e)
         return None, f"cannot bind the arena socket: {e}"
     return arena, ""
@@ -243,11 +247,11 @@ def start_server(cfg: Config) -> Daemon:
         if events is not None:
             background.append(events)
         info = pb.InfoReply(version=__version__, block_tokens=cfg.blocks.block_tokens, key_hash=cfg.blocks.hash,
-                            max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=MAX_LEASE_TTL_S)
+                            max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=cfg.server.lease_ttl_s)
         service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes,
                                  max_message_bytes=cfg.server.max_message_bytes, hints=hints, auth=auth,
                                  stream_idle_timeout_s=cfg.server.stream_idle_timeout_s, health=monitor, info=info,
-                                 default_lease_ttl_s=cfg.server.lease_ttl_s,
+                                 lease_ttl_s=cfg.server.lease_ttl_s,
                                  observe=metrics.observe if metrics is not None else None,
                                  tally=metrics.tally if metrics is not None else None,
                                  sessions=apply_hint, explain=explain)
@@ -258,7 +262,7 @@ def start_server(cfg: Config) -> Daemon:
         try:
             arena, refused = _start_arena(cfg, manager, sock, auth)
             if arena is not None:
-                background.append(arena)
+                background += [arena, arena.sessions]
                 service.arena_id = arena.identity
                 info.shm_socket = str(arena.path.resolve())
                 info.shm_arena_bytes = arena.size
