@@ -59,6 +59,15 @@ def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
                        not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
 
 
+def writer_wait_left(context) -> float | None:
+    """How long a put of this call may still wait for another writer of a block (seconds;
+    None: the call has no deadline): until shortly before the call's deadline, so that it
+    ends with WriteConflict, not DEADLINE_EXCEEDED (a tenth of what is left, at least
+    0.5 s, is kept for the answer to travel)."""
+    left = context.time_remaining()
+    return None if left is None else max(0.0, left - max(0.5, 0.1 * left))
+
+
 PUT_REPLY_TRAILER = "kvstore-put-reply-bin"
 """Trailing metadata of a Put refused for a size conflict: the serialized PutReply (what
 the other blocks of the call did), so a client can tell which blocks were stored."""
@@ -97,13 +106,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sessions: applies a :class:`~kvstore.agent.sessions.SessionHint` (monotonic seconds),
             returning the expected-back time; None: SessionHint gets FAILED_PRECONDITION.
         explain: maps a prompt's keys to an :class:`~kvstore.service.explain.Explanation`.
+        stream_idle_timeout_s, stream_first_message_s: a Put stream that sends nothing for
+            this long, or no first message for that long, is cancelled (seconds).
         lease_ttl_s: the longest TTL a lease or reservation is granted (seconds): a longer
             one asked for is granted this long (the reply says so), and one asked as 0 too.
     """
 
     def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
-                 stream_idle_timeout_s: float = 30.0, health=None, info: pb.InfoReply | None = None,
+                 stream_idle_timeout_s: float = 30.0, stream_first_message_s: float = 5.0, health=None, info: pb.InfoReply | None = None,
                  observe: Callable[[str, float, str], None] | None = None, tally=None, sessions=None,
                  explain=None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
         self.manager = manager
@@ -113,7 +124,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.auth = auth
         self.health = health
         self.info = info or pb.InfoReply()
-        self.idle = StreamWatchdog(stream_idle_timeout_s)
+        self.idle = StreamWatchdog(stream_idle_timeout_s, stream_first_message_s)
         self.lease_ttl_s = lease_ttl_s
         self._observe = observe
         self.tally = tally
@@ -143,7 +154,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Put(self, request_iterator, context) -> pb.PutReply:
         space = self._space(context)
-        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
             for batch in touch(request_iterator):
                 for c in well_formed(batch).chunks:
                     if c.HasField("meta"):
@@ -154,7 +165,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
         space = self._space(context)
-        with PutAssembler(self.manager, space.internal) as asm:
+        with PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
             for c in request.chunks:
                 if c.HasField("meta"):
                     asm.meta(c.key, check_meta(c.meta))
@@ -166,12 +177,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         t0 = time.perf_counter()
         try:
             space = self._space(context)
-            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
                 for frame in touch(frames):
                     try:
                         records = decode(frame)
                     except FrameError as e:
-                        raise errors.InvalidRequest(f"PutRaw: {e}") from None
+                        raise errors.InvalidRequest(str(e)) from None   # abort_call names the method
                     for r in records:
                         if r.flags & META:
                             asm.meta(r.key, check_meta(decode_meta(r.data)))
@@ -208,7 +219,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             try:
                 request = pb.GetRequest.FromString(request_bytes)
             except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
-                raise errors.InvalidRequest(f"GetRaw: request does not decode: {e}") from None
+                raise errors.InvalidRequest(f"request does not decode: {e}") from None
             yield from raw_frames(self._plan(request, context))
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "GetRaw")

@@ -239,6 +239,7 @@ def start_server(cfg: Config) -> Daemon:
         health_servicer = health.HealthServicer()
         folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
         monitor = HealthMonitor(manager, health_servicer, folders=folders, period_s=cfg.health.period_s,
+                                capacities={"nvme": cfg.tiers.nvme.capacity} if folders else None,
                                 window_s=cfg.health.window_s)
         metrics = _start_metrics(cfg, manager, monitor, hints)
         if metrics is not None:
@@ -250,7 +251,8 @@ def start_server(cfg: Config) -> Daemon:
                             max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=cfg.server.lease_ttl_s)
         service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes,
                                  max_message_bytes=cfg.server.max_message_bytes, hints=hints, auth=auth,
-                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s, health=monitor, info=info,
+                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s,
+                                 stream_first_message_s=cfg.server.stream_first_message_s, health=monitor, info=info,
                                  lease_ttl_s=cfg.server.lease_ttl_s,
                                  observe=metrics.observe if metrics is not None else None,
                                  tally=metrics.tally if metrics is not None else None,

@@ -317,7 +317,8 @@ class Leases:
             if self.catalogue.claim(key) is not None:
                 return 0, ReserveStatus.BUSY, "another client is writing it"
         try:
-            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared, meta=meta)
+            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared, meta=meta,
+                                      wait_s=0.0)     # a block a reader still holds: BUSY at once too
         except SizeConflict as e:
             return 0, ReserveStatus.SIZE_CONFLICT, str(e)
         except (TierFull, TierIOError) as e:

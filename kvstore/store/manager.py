@@ -202,14 +202,14 @@ class TierManager:
     # ------------------------------------------------------------------ put
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
-                  tier: int | None = None, meta=None) -> PutOutcome:
+                  tier: int | None = None, meta=None, wait_s: float | None = None) -> PutOutcome:
         """Phase one of a put: claim the 32-byte ``key`` and reserve ``nbytes`` (> 0) bytes
         in the fastest tier that admits it (``tier``: only there). ``owner``/``ttl_s``
         (seconds): a zero-copy reservation's tenant and lifetime; ``meta``: its
-        :class:`~kvstore.common.types.BlockMeta`. Returns a :class:`PutOutcome` (stored
-        already, not admitted, or ``pending``). Raises InvalidRequest, SizeConflict,
+        :class:`~kvstore.common.types.BlockMeta`; ``wait_s``: the longest wait for another
+        writer. Returns a :class:`PutOutcome`. Raises InvalidRequest, SizeConflict,
         TierFull, TierIOError, WriteConflict (:meth:`kvstore.store.writes.Writes.begin_put`)."""
-        return self.writes.begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=tier, meta=meta)
+        return self.writes.begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=tier, meta=meta, wait_s=wait_s)
 
     def write_chunk(self, pending: Claim, offset: int, data: Any) -> None:
         """Copy one in-order chunk (any buffer) at byte ``offset`` of an open put, without
