@@ -62,10 +62,10 @@ def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
 def writer_wait_left(context) -> float | None:
     """How long a put of this call may still wait for another writer of a block (seconds;
     None: the call has no deadline): until shortly before the call's deadline, so that it
-    ends with WriteConflict, not DEADLINE_EXCEEDED (a tenth of what is left, at least
-    0.5 s, is kept for the answer to travel)."""
+    ends with WriteConflict, not DEADLINE_EXCEEDED (a quarter of what is left, at least
+    1 s, is kept for the answer to travel, also on a loaded machine)."""
     left = context.time_remaining()
-    return None if left is None else max(0.0, left - max(0.5, 0.1 * left))
+    return None if left is None else max(0.0, left - max(1.0, 0.25 * left))
 
 
 PUT_REPLY_TRAILER = "kvstore-put-reply-bin"

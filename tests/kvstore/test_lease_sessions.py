@@ -29,7 +29,7 @@ from support.daemon import ROOT, daemon_config
 from tiers.base import TierKind
 
 BLOCK = 256 << 10
-RECLAIM_DEADLINE_S = 10.0      # far below the 600 s TTL the killed client asked for
+RECLAIM_DEADLINE_S = 30.0      # far below the 600 s TTL the killed client asked for
 
 
 def key(i: int, tag: str = "s") -> bytes:

@@ -67,14 +67,14 @@ def test_a_put_waiting_on_a_leased_block_fails_write_conflict_with_the_defaults(
 
 
 def test_a_put_gives_up_waiting_before_its_own_deadline(leased_and_deleted):
-    with KVStoreClient(leased_and_deleted.address, timeout=3.0) as c:     # shorter than writer_wait_s
+    with KVStoreClient(leased_and_deleted.address, timeout=6.0) as c:     # shorter than writer_wait_s
         with pytest.raises(errors.WriteConflict):
             c.put([(K, b"new" * 100)])
     with grpc.insecure_channel(leased_and_deleted.address) as ch:          # the streamed Put too
         stub = pb_grpc.KVStoreStub(ch)
         batch = pb.PutBatch(chunks=[pb.PutChunk(key=K, total_size=3, offset=0, data=b"new")])
         with pytest.raises(grpc.RpcError) as e:
-            stub.Put(iter([batch]), timeout=3.0)
+            stub.Put(iter([batch]), timeout=6.0)
         assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
 
 
