@@ -24,7 +24,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.connection import Connection
 from kvstore.client.lease_releaser import LeaseReleaser
 from kvstore.client.raw import RawPath, block_meta_message
-from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
+from kvstore.common.arena import ARENA_CHANGED
 from kvstore.common.types import PutResult, ReserveStatus
 
 log = logging.getLogger("kvstore.client")
@@ -146,7 +146,7 @@ class ArenaPath:
         c = self._conn
         try:
             return method(request, timeout=timeout or c.timeout,
-                          metadata=c.metadata + ((ARENA_HEADER, arena.identity),))
+                          metadata=c.metadata + arena.metadata)     # the arena and the session
         except grpc.RpcError as e:
             error = c.error(e)
             if isinstance(error, errors.FeatureDisabled) and ARENA_CHANGED in (e.details() or ""):
@@ -191,7 +191,7 @@ class ArenaPath:
                 written, late = [], []
                 for j, status, offset in zip(batch, reply.status, reply.offsets):
                     if status == ReserveStatus.RESERVED:
-                        if _clock() - sent > self.lease_ttl_s * SAFE_FRACTION:
+                        if _clock() - sent > min(self.lease_ttl_s, arena.max_ttl_s) * SAFE_FRACTION:
                             late.append(j)      # too close to its expiry: never write it
                             continue
                         arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
@@ -271,7 +271,7 @@ class ArenaPath:
                         bufs.slot(i, size)[:] = src[off:off + size]
                         sizes[i] = size
                     codes[i] = code
-                if _clock() - sent > self.lease_ttl_s * SAFE_FRACTION:
+                if _clock() - sent > min(self.lease_ttl_s, arena.max_ttl_s) * SAFE_FRACTION:
                     # the copies may have outlived the lease: the space may hold other blocks now
                     log.warning("a lease of the shared arena was too old when its copy finished (the client "
                                 "stalled); reading those blocks again by gRPC")

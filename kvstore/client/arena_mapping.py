@@ -3,6 +3,12 @@
 The daemon hands out the arena's memfd (:mod:`kvstore.common.arena`); this maps it once,
 with every page populated, and offers it as a uint8 array for copies straight between
 the arena and the client's own buffers.
+
+The hand-out connection stays open for as long as the arena is mapped: it is the
+client's *session* with the daemon (hello version 2). Lease, Reserve and Commit name the
+session (:attr:`ArenaMapping.metadata`), and when this process ends, however it ends, the
+kernel closes the connection and the daemon releases at once what the session held
+(:mod:`kvstore.service.liveness`), instead of waiting for the TTLs.
 """
 
 from __future__ import annotations
@@ -13,12 +19,18 @@ import socket
 
 import numpy as np
 
-from kvstore.common.arena import HELLO, arena_identity
+from kvstore.common.arena import ARENA_HEADER, HELLO, HELLO_SESSION, SESSION_HEADER, arena_identity
+
+MAX_LEASE_TTL_S = 600.0
+"""The longest TTL assumed when a daemon does not say (hello version 1)."""
 
 
 class ArenaMapping:
     """A client's mapping of the daemon's arena: ``array`` is a writable uint8 view;
-    ``identity`` names the arena (:func:`arena_identity`).
+    ``identity`` names the arena (:func:`arena_identity`); ``session`` the daemon's session
+    id for this client ("" when it gave none); ``max_ttl_s`` the longest lease or
+    reservation TTL the daemon grants (seconds): it grants no more than this, whatever is
+    asked, so the client's safety margins are counted from it.
 
     Args:
         path: the arena socket (``InfoReply.shm_socket``).
@@ -28,30 +40,67 @@ class ArenaMapping:
     """
 
     def __init__(self, path: str, token: str = "", timeout: float = 5.0):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(path)
-            s.sendall(HELLO + (token or "-").encode("ascii") + b"\n")
-            msg, fds, _, _ = socket.recv_fds(s, 256, 1)
+        self._conn = self._hello(path, token, timeout, HELLO_SESSION)
+        try:
+            msg, fds, _, _ = socket.recv_fds(self._conn, 256, 1)
+        except OSError:
+            self._conn.close()
+            raise
+        if msg.startswith(b"ERR bad request"):          # a daemon that knows only version 1
+            self._conn.close()
+            self._conn = self._hello(path, token, timeout, HELLO)
+            try:
+                msg, fds, _, _ = socket.recv_fds(self._conn, 256, 1)
+            finally:
+                self._conn.close()
         if not msg.startswith(b"OK ") or not fds:
             for fd in fds:
                 os.close(fd)
+            self._conn.close()
             raise OSError(f"the daemon refused the shared arena: {msg.decode('ascii', 'replace').strip()}")
         fd = fds[0]
         try:
+            fields = msg[3:].split()
+            size = int(fields[0])
+            self.session = fields[1].decode("ascii") if len(fields) > 1 and fields[1] != b"-" else ""
+            self.max_ttl_s = float(fields[2]) if len(fields) > 2 else MAX_LEASE_TTL_S
             self.identity = arena_identity(fd)
-            size = int(msg[3:].strip())
             # MAP_POPULATE maps every page now: a first touch per page later costs a fault
             # on the data path (16k faults per 64 MiB, measured as a third of a put's time)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            self._conn.close()
+            raise OSError(f"the daemon's arena reply does not parse: {msg[:80]!r} ({e})") from None
+        except BaseException:
+            self._conn.close()
+            raise
         finally:
             os.close(fd)
+        if not self.session:
+            self._conn.close()       # nothing to keep alive
         self.size = size
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.view = memoryview(self._map)
+        self.metadata = ((ARENA_HEADER, self.identity),) + (((SESSION_HEADER, self.session),)
+                                                            if self.session else ())
+        """gRPC metadata of Lease, Reserve and Commit: the arena and the session."""
+
+    @staticmethod
+    def _hello(path: str, token: str, timeout: float, hello: bytes) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect(path)
+            s.sendall(hello + (token or "-").encode("ascii") + b"\n")
+        except BaseException:
+            s.close()
+            raise
+        return s
 
     def close(self) -> None:
+        """Unmap the arena and end the session (the daemon releases what it held)."""
+        self._conn.close()
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self.view.release()

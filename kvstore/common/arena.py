@@ -5,6 +5,14 @@ The daemon serves the host arena's memfd on a second unix socket, ``<grpc socket
 maps what it receives (:class:`kvstore.client.arena_mapping.ArenaMapping`). Both sides
 name an arena by :func:`arena_identity`, and gRPC calls of a mapped client carry it in
 :data:`ARENA_HEADER`.
+
+Hello version 1 (:data:`HELLO`): the daemon answers ``OK <bytes>`` with the memfd and
+closes the connection. Version 2 (:data:`HELLO_SESSION`): it answers
+``OK <bytes> <session id or -> <longest lease TTL, s>`` and keeps the connection open as
+the client's *session*: the client holds it for as long as it maps the arena and names the
+session in :data:`SESSION_HEADER`; when the connection closes (the client unmapped, or its
+process died) the daemon ends what the session holds at once
+(:mod:`kvstore.service.liveness`).
 """
 
 from __future__ import annotations
@@ -12,7 +20,12 @@ from __future__ import annotations
 import os
 
 HELLO = b"KVSTORE-ARENA 1 "
+HELLO_SESSION = b"KVSTORE-ARENA 2 "
 MAX_HELLO_LINE = 4096
+
+SESSION_HEADER = "kvstore-session"
+"""gRPC metadata a mapped client sends on Lease, Reserve and Commit beside
+:data:`ARENA_HEADER`: the session id of its hand-out connection (absent: no session)."""
 
 ARENA_HEADER = "kvstore-arena"
 """gRPC metadata a mapped client sends on Lease, Reserve and Commit: the

@@ -39,12 +39,13 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     max_chunk_bytes: int = 1 << 20
     workers: int = 32
-    stream_idle_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 30.0   # a Put stream that sends nothing for this long is cancelled
+    stream_first_message_s: float = 5.0   # ... and one that has sent no message yet, after this long
     auth_token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tenants: Mapping[str, str] = field(default_factory=dict)   # tenant name -> bearer token
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: float = 30.0             # the longest lease / reservation TTL granted
     stop_grace_s: float = 5.0             # calls in flight get this long when ``kvstore serve`` stops
     eviction_log_blocks: int = 100_000    # blocks whose last evictions ``kvstore explain`` can name
 
@@ -150,7 +151,7 @@ class TiersConfig:
 class StoreConfig:
     """``[store]``: the tier manager's deadlines (seconds)."""
 
-    writer_wait_s: float = 30.0           # a put of a key another client is writing waits this long
+    writer_wait_s: float = 10.0           # a put of a key another client is writing waits this long
     transfer_timeout_s: float = 30.0      # a tier-to-tier copy waited on longer is abandoned
     stop_persist_s: float = 60.0          # on stop, blocks only in memory are copied to NVMe (0: skip)
 

@@ -5,10 +5,14 @@
 every table including ``[tiers.remote]``: ranges (workers, TTLs, message and chunk sizes,
 watermarks, deadlines, the prefetch scheduler's and the session table's bounds), choices
 (eviction and write policies, NVMe I/O, pinned memory, the cluster's kind, protocol and
-publish rule), at least one enabled tier with a capacity, readable TLS files, well-formed
-listen addresses and endpoints, and access rules (printable tokens, one token per tenant,
-no unauthenticated TCP beyond the loopback interface). Each failure is a
-:class:`kvstore.common.errors.ConfigError` naming the key.
+publish rule), at least one enabled tier, each tier's capacity at least
+:data:`MIN_TIER_BYTES`, every eviction policy's ``params`` (the policy is built once here,
+before any tier is opened), readable TLS files, well-formed listen addresses and
+endpoints, deadlines in the order that makes the right error win (a put's wait for another
+writer ends before its stream counts as idle), and access rules (printable tokens of at
+least :data:`MIN_TOKEN_CHARS` characters, one token per tenant, no unauthenticated TCP
+beyond the loopback interface). Each failure is a :class:`kvstore.common.errors.ConfigError`
+naming the key.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import math
 import os
 
 from kvstore.common.errors import ConfigError
+from kvstore.common.units import format_size
 from kvstore.config.node import (EVICTION_CHOICES, HOP_TIERS, IO_CHOICES, PINNED_CHOICES, PROTOCOL_CHOICES,
                                  PUBLISH_CHOICES, REMOTE_KINDS, WRITE_CHOICES, Config, PolicyConfig,
                                  PrefetchConfig, RemoteConfig, ServerConfig, TierPolicyConfig)
@@ -24,6 +29,12 @@ from kvstore.config.node import (EVICTION_CHOICES, HOP_TIERS, IO_CHOICES, PINNED
 _LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 MIN_SEGMENT_BYTES = 16 << 20
 """Smallest memory segment Mooncake accepts (``[tiers.remote] segment``, bytes)."""
+MIN_TIER_BYTES = 1 << 20
+"""Smallest capacity of any tier (``[tiers.X] capacity``, bytes): less holds no useful
+block and is a unit slip (``capacity = 5`` is 5 bytes)."""
+MIN_TOKEN_CHARS = 16
+"""Shortest bearer token (``[server] auth_token``, each ``[server.tenants]`` token): a shorter
+one could be guessed."""
 _HOUR_S = 3600.0
 _DAY_S = 24 * _HOUR_S
 _WEEK_S = 7 * _DAY_S
@@ -53,6 +64,9 @@ def _check_token(key: str, token: str) -> None:
     # could never be sent, so every call would be refused.
     if not token or not all("!" <= c <= "~" for c in token):
         raise ConfigError(f"{key}: a token must be non-empty printable ASCII without spaces")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(f"{key}: the token has {len(token)} characters; at least {MIN_TOKEN_CHARS} are "
+                          "needed (e.g. `openssl rand -hex 16`)")
 
 
 def _validate_access(s: ServerConfig) -> None:
@@ -102,6 +116,7 @@ def _validate_server(s: ServerConfig) -> None:
         raise ConfigError(f"server.lease_ttl_s: must be in [1, 600] seconds, got {s.lease_ttl_s}")
     if not 0 < s.stream_idle_timeout_s < float("inf"):
         raise ConfigError(f"server.stream_idle_timeout_s: must be > 0 seconds, got {s.stream_idle_timeout_s}")
+    _within("server.stream_first_message_s", s.stream_first_message_s, 0, _HOUR_S, open_low=True, unit=" seconds")
     if s.max_message_bytes < 64 << 10:
         raise ConfigError(f"server.max_message_bytes: must be >= 64KiB, got {s.max_message_bytes}")
     if not 0 < s.max_chunk_bytes <= s.max_message_bytes - (16 << 10):
@@ -135,8 +150,8 @@ def _validate_remote(r: RemoteConfig) -> None:
     for key in ("metadata_server", "local_hostname", "prefix"):
         if not getattr(r, key):
             _fail_remote(key, "must not be empty")
-    if r.capacity <= 0:
-        _fail_remote("capacity", f"must be > 0, got {r.capacity}")
+    if r.capacity < MIN_TIER_BYTES:
+        _fail_remote("capacity", f"must be at least {format_size(MIN_TIER_BYTES)}, got {r.capacity} bytes")
     segment = r.capacity if r.segment is None else r.segment
     if segment != 0 and segment < MIN_SEGMENT_BYTES:
         _fail_remote("segment", f"must be 0 (a pure client) or at least 16MiB (Mooncake refuses less), got "
@@ -173,14 +188,32 @@ def _validate_tiers(cfg: Config) -> None:
     if not enabled:
         raise ConfigError("tiers: at least one tier must be enabled")
     for n in enabled:
-        if getattr(t, n).capacity <= 0:
-            raise ConfigError(f"tiers.{n}.capacity: must be > 0 for an enabled tier")
+        if getattr(t, n).capacity < MIN_TIER_BYTES:
+            raise ConfigError(f"tiers.{n}.capacity: must be at least {format_size(MIN_TIER_BYTES)}, got "
+                              f"{getattr(t, n).capacity} bytes (sizes take units: \"64GiB\")")
     _validate_policy(cfg.policy, "policy")
     _validate_remote(t.remote)
     for n in ("hbm", "host", "nvme", "remote"):
         override = getattr(t, n).policy
         if override is not None:
             _validate_policy(override, f"tiers.{n}.policy")
+    for n in ("hbm", "host", "nvme", "remote"):
+        tier = getattr(t, n)
+        if tier.enabled:
+            _validate_params(cfg.tier_policy(n), "policy" if tier.policy is None else f"tiers.{n}.policy",
+                             n, tier.capacity)
+
+
+def _validate_params(p: TierPolicyConfig, path: str, tier: str, capacity: int) -> None:
+    """Build the eviction policy once, as :mod:`kvstore.service.build` will (no tier is
+    opened): a parameter it refuses is a ConfigError naming ``path.params``."""
+    from kvstore.policy import make_policy
+    try:
+        make_policy(p.eviction, capacity, p.params, tier_name=tier)
+    except ConfigError as e:
+        raise ConfigError(f"{path}.params: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}.params: {p.eviction}: {e}") from None
 
 
 def _validate_prefetch(p: PrefetchConfig) -> None:
@@ -245,6 +278,10 @@ def validate(cfg: Config) -> Config:
     st = cfg.store
     for name in ("writer_wait_s", "transfer_timeout_s"):
         _within(f"store.{name}", getattr(st, name), 0, _DAY_S, open_low=True, unit=" seconds")
+    if st.writer_wait_s >= cfg.server.stream_idle_timeout_s:
+        raise ConfigError(f"store.writer_wait_s: must be below server.stream_idle_timeout_s "
+                          f"({_show(cfg.server.stream_idle_timeout_s)} s), got {_show(st.writer_wait_s)}: a put "
+                          "waiting for another writer would be cancelled as idle instead of told WriteConflict")
     _within("store.stop_persist_s", st.stop_persist_s, 0, _DAY_S, unit=" seconds")
     _validate_services(cfg)
     _validate_prefetch(cfg.prefetch)
@@ -256,4 +293,4 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-__all__ = ["MIN_SEGMENT_BYTES", "validate"]
+__all__ = ["MIN_SEGMENT_BYTES", "MIN_TIER_BYTES", "MIN_TOKEN_CHARS", "validate"]

@@ -6,7 +6,10 @@ connects, sends one line (``KVSTORE-ARENA 1 <bearer token or ->``), and receives
 ``OK <bytes>`` with the memfd attached (SCM_RIGHTS). It maps the arena once and from
 then on copies blocks straight between the arena and its own buffers, while gRPC
 carries only control (Lease/Release for reads, Reserve/Commit for writes;
-:mod:`kvstore.client`).
+:mod:`kvstore.client`). A client that says hello version 2 (``KVSTORE-ARENA 2``) gets
+``OK <bytes> <session> <longest lease TTL>`` and keeps the connection open: it is the
+client's session (:mod:`kvstore.service.liveness`), and what the session holds is
+reclaimed when it closes.
 
 Security: only processes that can open the 0600 socket (the daemon's user) get the
 descriptor, and a configured bearer token is checked (constant time). A mapped client
@@ -22,8 +25,10 @@ import pathlib
 import socket
 import threading
 
-from kvstore.common.arena import HELLO, MAX_HELLO_LINE, arena_identity
+from kvstore.common.arena import HELLO, HELLO_SESSION, MAX_HELLO_LINE, arena_identity
 from kvstore.service.auth import Authenticator
+from kvstore.service.listen import check_socket_free
+from kvstore.service.liveness import ClientSessions
 
 log = logging.getLogger("kvstore.service.arena_server")
 
@@ -32,21 +37,29 @@ class ArenaServer:
     """Hands the arena memfd to clients that connect to ``path``.
 
     Args:
-        path: the socket path (created mode 0600; replaced if a stale socket is there).
+        path: the socket path (created mode 0600; a stale socket there is replaced, one
+            another process serves is not: OSError).
         fd: the arena's memfd; size: its mapped size in bytes.
         auth: checks the bearer token a client sends (None: no token needed).
+        sessions: opens a session per version-2 client (None: none are opened).
+        max_ttl_s: the longest lease or reservation TTL the daemon grants (seconds), told
+            to version-2 clients.
     Raises OSError when the socket cannot be bound.
     """
 
-    def __init__(self, path: str | os.PathLike, fd: int, size: int, auth: Authenticator | None = None):
+    def __init__(self, path: str | os.PathLike, fd: int, size: int, auth: Authenticator | None = None,
+                 sessions: ClientSessions | None = None, max_ttl_s: float = 600.0):
         self.path = pathlib.Path(path)
         self.fd = fd
         self.size = size
         self.auth = auth
+        self.sessions = sessions
+        self.max_ttl_s = max_ttl_s
         self.identity = arena_identity(fd)
         self.handed_out = 0
         self.refused = 0
         if self.path.is_socket():
+            check_socket_free(self.path)     # OSError when another process serves it: never replaced
             self.path.unlink()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o077)
@@ -85,7 +98,7 @@ class ArenaServer:
             if not part:
                 return
             line += part
-        if not line.startswith(HELLO):
+        if not line.startswith((HELLO, HELLO_SESSION)):
             self.refused += 1
             conn.sendall(b"ERR bad request\n")
             return
@@ -96,7 +109,11 @@ class ArenaServer:
                 self.refused += 1
                 conn.sendall(b"ERR missing or wrong bearer token\n")
                 return
-        socket.send_fds(conn, [b"OK %d\n" % self.size], [self.fd])
+        reply = b"OK %d\n" % self.size
+        if line.startswith(HELLO_SESSION):
+            session = self.sessions.open(conn) if self.sessions is not None else None
+            reply = b"OK %d %s %g\n" % (self.size, (session or "-").encode("ascii"), self.max_ttl_s)
+        socket.send_fds(conn, [reply], [self.fd])
         self.handed_out += 1
 
     def stop(self) -> None:

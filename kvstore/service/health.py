@@ -8,7 +8,9 @@ manager's last put failure. The daemon is **not serving** while puts fail: the l
 put failed and none succeeded since, and either a tier still reports a problem or the
 failure is less than ``window_s`` seconds old; or while every tier reports a problem.
 A tier with a problem while another still takes puts is reported (Stats ``problems``)
-but the daemon keeps serving.
+but the daemon keeps serving. A tier that holds less than its configured capacity (the
+NVMe tier after its disk filled up first: it evicts to make room) is reported too, and
+does not count as a problem for serving.
 
 Only failures that say something about the tiers count as failing puts: a medium that
 fails, no room even after evicting (every block pinned or leased). A put refused for
@@ -49,10 +51,11 @@ class HealthMonitor:
     """
 
     def __init__(self, manager: TierManager, servicer, *, folders: Mapping[str, str] | None = None,
-                 period_s: float = 1.0, window_s: float = 10.0):
+                 capacities: Mapping[str, int] | None = None, period_s: float = 1.0, window_s: float = 10.0):
         self.manager = manager
         self.servicer = servicer
         self.folders = dict(folders or {})       # tier name -> the folder it stores in
+        self.capacities = dict(capacities or {})   # tier name -> its configured capacity (bytes)
         self.period_s = period_s
         self.window_s = window_s
         self.serving = True
@@ -77,6 +80,10 @@ class HealthMonitor:
             if p:
                 broken += 1
                 problems.append(f"{tier.name}: {p}")
+            configured = self.capacities.get(tier.name)
+            if not p and configured and tier.capacity_bytes < configured:
+                problems.append(f"{tier.name}: holds at most {tier.capacity_bytes} of its configured {configured} "
+                                "bytes: its disk is full (blocks are evicted to make room)")
         failure = self.manager.put_failure
         failing = failure is not None and (broken > 0 or time.monotonic() - failure[0] < self.window_s)
         if failing:

@@ -62,7 +62,8 @@ def abort_call(context: grpc.ServicerContext, exc: BaseException, method: str) -
         log.exception("%s failed", method)
         context.abort(code, f"{method}: internal error: {type(exc).__name__}: {exc}")
     log.info("%s -> %s: %s", method, code.name, exc)
-    context.abort(code, f"{method}: {exc}")
+    message = str(exc)       # the method's name is put in front here, once
+    context.abort(code, message if message.startswith(f"{method}: ") else f"{method}: {message}")
 
 
 def unary_handler(method: Callable) -> Callable:
@@ -110,24 +111,27 @@ def _denial_handlers(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcM
 
 
 class StreamWatchdog:
-    """Cancels client streams that send nothing for ``idle_s`` seconds.
+    """Cancels client streams that send nothing for ``idle_s`` seconds, or no first message
+    within ``first_message_s`` seconds (default ``idle_s``).
 
     A Put stream holds one server thread while it waits for its client; a client that
     stops mid-stream (a paused worker) would otherwise hold that thread forever, and a
-    few such clients would starve every other caller. Cancelling the call ends the
-    handler's wait; the open block is aborted (never made visible).
+    few such clients would starve every other caller. A client sends its first message
+    as soon as it opens a stream, so one that has sent nothing is given less time. Cancelling
+    the call ends the handler's wait; the open block is aborted (never made visible).
     """
 
-    def __init__(self, idle_s: float):
+    def __init__(self, idle_s: float, first_message_s: float | None = None):
         self.idle_s = idle_s
-        self._active: dict[int, list] = {}   # id -> [context, last activity (monotonic)]
+        self.first_message_s = idle_s if first_message_s is None else min(first_message_s, idle_s)
+        self._active: dict[int, list] = {}   # id -> [context, last activity (monotonic), messages seen]
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.cancelled = 0
 
     @contextlib.contextmanager
     def watch(self, context):
-        rec = [context, time.monotonic()]
+        rec = [context, time.monotonic(), False]
         with self._lock:
             self._active[id(rec)] = rec
             if self._thread is None:
@@ -136,7 +140,7 @@ class StreamWatchdog:
 
         def touch(iterator):
             for item in iterator:
-                rec[1] = time.monotonic()
+                rec[1], rec[2] = time.monotonic(), True
                 yield item
         try:
             yield touch
@@ -146,12 +150,16 @@ class StreamWatchdog:
 
     def _run(self) -> None:
         while True:
-            time.sleep(min(1.0, self.idle_s / 4))
+            time.sleep(min(1.0, self.first_message_s / 4))
             now = time.monotonic()
             with self._lock:
-                stale = [r for r in self._active.values() if now - r[1] > self.idle_s]
-            for context, _ in stale:
-                log.warning("cancelling a Put stream idle for more than %.0f s", self.idle_s)
+                stale = [r for r in self._active.values()
+                         if now - r[1] > (self.idle_s if r[2] else self.first_message_s)]
+            for context, _, started in stale:
+                if started:
+                    log.warning("cancelling a Put stream idle for more than %.0f s", self.idle_s)
+                else:
+                    log.warning("cancelling a Put stream that sent nothing in %.0f s", self.first_message_s)
                 self.cancelled += 1
                 context.cancel()
 

@@ -34,11 +34,15 @@ class PutAssembler:
     Args:
         manager: the store.
         internal: maps a client key to the store's key (the caller's tenant key space).
+        wait_s: returns how long a block may wait for another writer of its key now
+            (seconds, None: the store's ``writer_wait_s``): what the call's deadline leaves.
     """
 
-    def __init__(self, manager: TierManager, internal: Callable[[bytes], bytes]):
+    def __init__(self, manager: TierManager, internal: Callable[[bytes], bytes],
+                 wait_s: Callable[[], float | None] = lambda: None):
         self.m = manager
         self.internal = internal
+        self.wait_s = wait_s
         self.stored = self.present = self.refused = self.conflicts = self.nbytes = 0
         self.detail = ""
         self._batch = manager.put_batch()      # one put call: the cluster's write-through at its end
@@ -87,7 +91,7 @@ class PutAssembler:
             meta = self._meta[1] if self._meta is not None and self._meta[0] == client_key else None
             self._meta = None
             try:
-                outcome = self.m.begin_put(key, total, meta=meta)
+                outcome = self.m.begin_put(key, total, meta=meta, wait_s=self.wait_s())
             except SizeConflict as e:
                 self.conflicts += 1
                 self.detail = self.detail or f"block {name}: {e}"

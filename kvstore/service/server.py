@@ -39,7 +39,7 @@ from kvstore.service.interceptors import streaming_handler as _streaming
 from kvstore.service.interceptors import unary_handler as _unary
 from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
 from kvstore.service.put_assembly import PutAssembler
-from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
+from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER, SESSION_HEADER
 from kvstore.common.transport import FRAMING_BYTES
 from kvstore.common.types import PutResult
 from kvstore.service.hints import HintHandlers
@@ -51,11 +51,21 @@ log = logging.getLogger("kvstore.service.server")
 
 DATA_SERVICE = "kvstore.v1.KVStoreData"
 DEFAULT_LEASE_TTL_S = 30.0
+"""``[server] lease_ttl_s``'s default: the longest lease or reservation granted (seconds)."""
 
 
 def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
     return pb.PutReply(stored=r.stored, already_present=r.already_present, bytes_stored=r.bytes_stored,
                        not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
+
+
+def writer_wait_left(context) -> float | None:
+    """How long a put of this call may still wait for another writer of a block (seconds;
+    None: the call has no deadline): until shortly before the call's deadline, so that it
+    ends with WriteConflict, not DEADLINE_EXCEEDED (a quarter of what is left, at least
+    1 s, is kept for the answer to travel, also on a loaded machine)."""
+    left = context.time_remaining()
+    return None if left is None else max(0.0, left - max(1.0, 0.25 * left))
 
 
 PUT_REPLY_TRAILER = "kvstore-put-reply-bin"
@@ -96,14 +106,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sessions: applies a :class:`~kvstore.agent.sessions.SessionHint` (monotonic seconds),
             returning the expected-back time; None: SessionHint gets FAILED_PRECONDITION.
         explain: maps a prompt's keys to an :class:`~kvstore.service.explain.Explanation`.
+        stream_idle_timeout_s, stream_first_message_s: a Put stream that sends nothing for
+            this long, or no first message for that long, is cancelled (seconds).
+        lease_ttl_s: the longest TTL a lease or reservation is granted (seconds): a longer
+            one asked for is granted this long (the reply says so), and one asked as 0 too.
     """
 
     def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
-                 stream_idle_timeout_s: float = 30.0, health=None, info: pb.InfoReply | None = None,
+                 stream_idle_timeout_s: float = 30.0, stream_first_message_s: float = 5.0, health=None, info: pb.InfoReply | None = None,
                  observe: Callable[[str, float, str], None] | None = None, tally=None, sessions=None,
-                 explain=None,
-                 default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
+                 explain=None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -111,8 +124,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.auth = auth
         self.health = health
         self.info = info or pb.InfoReply()
-        self.idle = StreamWatchdog(stream_idle_timeout_s)
-        self.default_lease_ttl_s = default_lease_ttl_s
+        self.idle = StreamWatchdog(stream_idle_timeout_s, stream_first_message_s)
+        self.lease_ttl_s = lease_ttl_s
         self._observe = observe
         self.tally = tally
         self.hint_handlers = HintHandlers(hints, sessions, explain)
@@ -141,7 +154,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Put(self, request_iterator, context) -> pb.PutReply:
         space = self._space(context)
-        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
             for batch in touch(request_iterator):
                 for c in check_chunk_keys(well_formed(batch).chunks):
                     if c.HasField("meta"):
@@ -152,7 +165,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
         space = self._space(context)
-        with PutAssembler(self.manager, space.internal) as asm:
+        with PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
             for c in check_chunk_keys(request.chunks):
                 if c.HasField("meta"):
                     asm.meta(c.key, check_meta(c.meta))
@@ -164,12 +177,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         t0 = time.perf_counter()
         try:
             space = self._space(context)
-            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
+            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
                 for frame in touch(frames):
                     try:
                         records = decode(frame)
                     except FrameError as e:
-                        raise errors.InvalidRequest(f"PutRaw: {e}") from None
+                        raise errors.InvalidRequest(str(e)) from None   # abort_call names the method
                     for r in records:
                         if r.flags & META:
                             asm.meta(r.key, check_meta(decode_meta(r.data)))
@@ -206,7 +219,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             try:
                 request = pb.GetRequest.FromString(request_bytes)
             except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
-                raise errors.InvalidRequest(f"GetRaw: request does not decode: {e}") from None
+                raise errors.InvalidRequest(f"request does not decode: {e}") from None
             yield from raw_frames(self._plan(request, context))
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "GetRaw")
@@ -280,17 +293,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise errors.FeatureDisabled(f"{ARENA_CHANGED}: the client maps arena {v}, the daemon serves "
                                              f"{self.arena_id or 'none'} (it restarted?); map it again")
 
+    def _ttl(self, asked: float) -> float:
+        """The TTL granted for ``asked`` seconds (0: not said): at most :attr:`lease_ttl_s`.
+        Raises InvalidRequest outside ``[MIN_TTL_S, MAX_LEASE_TTL_S]``."""
+        return min(check_ttl(asked, "ttl_seconds", self.lease_ttl_s, MAX_LEASE_TTL_S), self.lease_ttl_s)
+
+    @staticmethod
+    def _session(context) -> str:
+        """The same-node client session a call names (:data:`SESSION_HEADER`; "": none)."""
+        return next((v for k, v in context.invocation_metadata() if k == SESSION_HEADER), "")
+
     @_unary
     def Lease(self, request: pb.LeaseRequest, context) -> pb.LeaseReply:
         space = self._space(context)
         self._check_arena(context)
-        ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
+        ttl = self._ttl(request.ttl_seconds)
         keys = check_keys(request.keys)
         internal = space.internal_many(keys)
         for lease_id in request.release:    # after the checks: a refused call changes nothing
             self.manager.release(lease_id, space.tenant)
         grant = self.manager.lease(internal, ttl, space.tenant, prefix=request.prefix, device=request.device,
-                                   max_bytes=request.max_bytes or None)
+                                   max_bytes=request.max_bytes or None, session=self._session(context))
         reply = pb.LeaseReply(lease_id=grant.lease_id, ttl_seconds=grant.ttl_s,
                               resume_at=grant.resume_at or 0, complete=grant.resume_at is None)
         reply.offsets.extend(b.offset for b in grant.blocks)
@@ -322,10 +345,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.meta)} block metas")
         metas = [check_meta(m) for m in request.meta] if request.meta else [None] * len(keys)
         sizes = [check_size(s, f"sizes[{i}]") for i, s in enumerate(request.sizes)]
-        ttl = check_ttl(request.ttl_seconds, "ttl_seconds", self.default_lease_ttl_s, MAX_LEASE_TTL_S)
+        ttl = self._ttl(request.ttl_seconds)
         reply = pb.ReserveReply()
+        session = self._session(context)
         for key, size, meta in zip(keys, sizes, metas):
-            offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl, meta)
+            offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl, meta, session)
             reply.offsets.append(offset)
             reply.status.append(status)
             if detail and not reply.detail:

@@ -29,8 +29,8 @@ from kvstore.config.node import Config
 from kvstore.common.errors import ConfigError
 from kvstore.service.health import HealthMonitor
 from kvstore.service.interceptors import BearerTokenInterceptor, RequestDecodeInterceptor
-from kvstore.service.listen import UnixSocket, bind
-from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
+from kvstore.service.listen import UnixSocket, bind, check_port_free, check_socket_free
+from kvstore.store.manager import TierManager
 from kvstore.agent.sessions import SessionTable
 from kvstore.service.server import KVStoreService, data_handler
 from kvstore.common.transport import channel_options
@@ -147,6 +147,7 @@ def _start_metrics(cfg: Config, manager: TierManager, monitor: HealthMonitor, hi
     if not cfg.metrics.listen:
         return None
     from kvstore.service.metrics import Metrics
+    check_port_free(cfg.metrics.listen, "metrics.listen")     # every address its host stands for
     try:
         return Metrics(manager, cfg.blocks.block_tokens, cfg.metrics.listen,
                        serving=lambda: monitor.serving, prefetch=hints)
@@ -163,6 +164,14 @@ def _start_events(cfg: Config, manager: TierManager):
 
     from kvstore.store.catalogue import BlockEvent
     from kvstore.service.events import KVEventPublisher
+    for key, endpoint in (("endpoint", cfg.events.endpoint), ("replay_endpoint", cfg.events.replay_endpoint)):
+        if endpoint.startswith("tcp://") and not endpoint.startswith("tcp://*:"):
+            check_port_free(endpoint[len("tcp://"):], f"events.{key}")   # every address its host stands for
+        if endpoint.startswith("ipc://") and os.path.lexists(endpoint[len("ipc://"):]):
+            try:                 # ZMQ replaces the file at an ipc:// path, even one another process serves
+                check_socket_free(endpoint[len("ipc://"):])
+            except OSError as e:
+                raise ConfigError(f"events.{key}: {e}") from None
     try:
         pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters)
     except zmq.ZMQError as e:
@@ -187,10 +196,14 @@ def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, aut
         return None, "multi-tenant config ([server.tenants]): a mapped arena would show every tenant's blocks"
     if sock is None:
         return None, "the daemon listens on TCP: the shared arena is for clients on its unix socket"
+    from kvstore.service.liveness import ClientSessions
     seg = manager.tiers[shared].capabilities.shared.segment()
+    sessions = ClientSessions(manager.open_session, manager.end_session)    # a dead client's hold ends with it
     try:
-        arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth).start()
+        arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth, sessions=sessions,
+                            max_ttl_s=cfg.server.lease_ttl_s).start()
     except OSError as e:
+        sessions.stop()
         log.warning("shared arena socket unavailable (%s); same-node clients use gRPC", e)
         return None, f"cannot bind the arena socket: {e}"
     return arena, ""
@@ -226,6 +239,7 @@ def start_server(cfg: Config) -> Daemon:
         health_servicer = health.HealthServicer()
         folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
         monitor = HealthMonitor(manager, health_servicer, folders=folders, period_s=cfg.health.period_s,
+                                capacities={"nvme": cfg.tiers.nvme.capacity} if folders else None,
                                 window_s=cfg.health.window_s)
         metrics = _start_metrics(cfg, manager, monitor, hints)
         if metrics is not None:
@@ -234,11 +248,12 @@ def start_server(cfg: Config) -> Daemon:
         if events is not None:
             background.append(events)
         info = pb.InfoReply(version=__version__, block_tokens=cfg.blocks.block_tokens, key_hash=cfg.blocks.hash,
-                            max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=MAX_LEASE_TTL_S)
+                            max_message_bytes=cfg.server.max_message_bytes, max_lease_seconds=cfg.server.lease_ttl_s)
         service = KVStoreService(manager, max_chunk_bytes=cfg.server.max_chunk_bytes,
                                  max_message_bytes=cfg.server.max_message_bytes, hints=hints, auth=auth,
-                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s, health=monitor, info=info,
-                                 default_lease_ttl_s=cfg.server.lease_ttl_s,
+                                 stream_idle_timeout_s=cfg.server.stream_idle_timeout_s,
+                                 stream_first_message_s=cfg.server.stream_first_message_s, health=monitor, info=info,
+                                 lease_ttl_s=cfg.server.lease_ttl_s,
                                  observe=metrics.observe if metrics is not None else None,
                                  tally=metrics.tally if metrics is not None else None,
                                  sessions=apply_hint, explain=explain)
@@ -249,7 +264,7 @@ def start_server(cfg: Config) -> Daemon:
         try:
             arena, refused = _start_arena(cfg, manager, sock, auth)
             if arena is not None:
-                background.append(arena)
+                background += [arena, arena.sessions]
                 service.arena_id = arena.identity
                 info.shm_socket = str(arena.path.resolve())
                 info.shm_arena_bytes = arena.size

@@ -121,7 +121,7 @@ def decode_meta(data) -> pb.BlockMeta:
     try:
         return pb.BlockMeta.FromString(bytes(data))
     except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
-        raise InvalidRequest(f"PutRaw: a BlockMeta record does not decode: {e}") from None
+        raise InvalidRequest(f"a BlockMeta record does not decode: {e}") from None
 
 
 def to_monotonic(unix_s: float, field: str, now_unix: float | None = None,

@@ -9,7 +9,8 @@ the one pin mechanism of the store:
   always unpins in a ``finally``);
 - a **lease** is a set of pins with a TTL and an owner (a tenant), granted to a client
   that reads blocks in place (the shared host arena, or HBM through CUDA IPC). It ends
-  by :meth:`Catalogue.release` or when its TTL passes (:meth:`Catalogue.expire`).
+  by :meth:`Catalogue.release`, when its TTL passes (:meth:`Catalogue.expire`), or when
+  the same-node client session it was granted to ends (:meth:`Catalogue.end_session`).
 
 A pinned block is never evicted; a delete of a pinned block hides it at once and its
 copies are freed (through the ``on_unpinned`` callback the manager passes in) when the
@@ -68,7 +69,8 @@ class Claim:
     """A put in progress: room reserved in tier ``tier`` (-1 while room is being made).
 
     ``deadline`` (monotonic seconds, or None) reclaims a zero-copy reservation that its
-    client abandoned; ``owner`` is the tenant that may commit it.
+    client abandoned; ``owner`` is the tenant that may commit it; ``session`` the same-node
+    client session that made it ("": none), which aborts it when the client is gone.
     """
 
     key: bytes
@@ -78,16 +80,19 @@ class Claim:
     owner: str = ""
     deadline: float | None = None
     meta: Any = None
+    session: str = ""
 
 
 @dataclass(eq=False)
 class Lease:
-    """Pins with a TTL granted to ``owner``. ``entries`` may be fewer than asked (misses)."""
+    """Pins with a TTL granted to ``owner`` (for same-node client ``session``; "": none).
+    ``entries`` may be fewer than asked (misses)."""
 
     lease_id: str
     owner: str
     entries: list[Entry]
     deadline: float
+    session: str = ""
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,7 @@ class Catalogue:
         self._claims: dict[bytes, Claim] = {}
         self._leases: dict[str, Lease] = {}
         self._deadlines: list[tuple[float, str]] = []   # heap of (deadline, lease id)
+        self._sessions: dict[str, set[str]] = {}        # open client session -> its lease ids
 
     # ------------------------------------------------------------------ entries
 
@@ -283,11 +289,14 @@ class Catalogue:
 
     # ------------------------------------------------------------------ leases
 
-    def lease(self, entries: Sequence[Entry], ttl_s: float, owner: str) -> Lease:
+    def lease(self, entries: Sequence[Entry], ttl_s: float, owner: str, session: str = "") -> Lease:
         """Pin ``entries`` (already pinned once by the caller: the lease takes those pins
-        over) for ``ttl_s`` seconds on behalf of ``owner``. Lock held."""
-        lease = Lease(secrets.token_hex(16), owner, list(entries), self.clock() + ttl_s)
+        over) for ``ttl_s`` seconds on behalf of ``owner``, in the open client ``session``
+        ("": none; see :meth:`session_open`). Lock held."""
+        lease = Lease(secrets.token_hex(16), owner, list(entries), self.clock() + ttl_s, session)
         self._leases[lease.lease_id] = lease
+        if session:
+            self._sessions[session].add(lease.lease_id)
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
         if len(self._deadlines) > 2 * len(self._leases) + 1024:   # released leases, dropped lazily
             self._deadlines = [d for d in self._deadlines if d[1] in self._leases]
@@ -304,6 +313,28 @@ class Catalogue:
             self._unpin_all(lease)
             return True
 
+    # ------------------------------------------------------------------ client sessions
+
+    def open_session(self, session: str) -> None:
+        """Accept leases and reservations of same-node client ``session`` until it ends."""
+        with self.lock:
+            self._sessions.setdefault(session, set())
+
+    def session_open(self, session: str) -> bool:
+        return session in self._sessions
+
+    def end_session(self, session: str) -> tuple[int, list[Claim]]:
+        """The client of ``session`` is gone: its leases end now. Returns how many, and
+        its open reservations (the caller aborts them). Lock held or not."""
+        with self.lock:
+            ended = 0
+            for lease_id in self._sessions.pop(session, ()):
+                lease = self._leases.pop(lease_id, None)
+                if lease is not None:
+                    self._unpin_all(lease)
+                    ended += 1
+            return ended, [c for c in self._claims.values() if c.session == session]
+
     def expire(self) -> int:
         """End the leases whose TTL passed; returns how many."""
         now = self.clock()
@@ -318,6 +349,8 @@ class Catalogue:
         return ended
 
     def _unpin_all(self, lease: Lease) -> None:
+        if lease.session in self._sessions:
+            self._sessions[lease.session].discard(lease.lease_id)
         for e in lease.entries:
             self.unpin(e)
         lease.entries = []

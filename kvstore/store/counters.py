@@ -38,6 +38,7 @@ COUNTERS: dict[str, str] = {
     "puts_too_large": "blocks refused: larger than the largest block any tier can hold",
     "puts_aborted": "puts abandoned before their last byte (stream ended, client gone)",
     "reservations_expired": "zero-copy reservations reclaimed after their TTL",
+    "reservations_reclaimed": "zero-copy reservations aborted because their client's session ended",
     # movement between tiers
     "evictions_{tier}": "blocks removed from this tier to make room",
     "stored_bytes_{tier}": "payload bytes written into this tier (puts, demotions, promotions)",
@@ -64,6 +65,7 @@ COUNTERS: dict[str, str] = {
     "leased_blocks": "blocks pinned by leases (clients read them in place)",
     "leased_bytes": "payload bytes of the blocks pinned by leases",
     "leases_expired": "leases that ended by their TTL (not released)",
+    "leases_reclaimed": "leases released because their client's session ended (its process is gone)",
     "leases_refused": "Lease calls that granted nothing: MAX_LEASES leases were alive",
     # KV events for routers
     "events_published": "KV events sent to subscribers ([events])",
@@ -87,7 +89,7 @@ COUNTERS: dict[str, str] = {
     "remote_peer_errors": "reads a peer did not serve (a miss)",
 }
 
-EVENTS = {"lookups", "puts_aborted", "reservations_expired", "demotions_failed", "promotions_deduplicated",
+EVENTS = {"lookups", "puts_aborted", "reservations_expired", "reservations_reclaimed", "leases_reclaimed", "demotions_failed", "promotions_deduplicated",
           "promotions_skipped", "write_through_failed", "transfers_failed", "transfers_timed_out", "read_errors",
           "leases_granted", "leases_expired", "leases_refused", "events_published", "events_dropped",
           "remote_lookups", "remote_lookup_failures", "remote_pull_failures", "remote_calls",

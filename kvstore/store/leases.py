@@ -6,7 +6,10 @@ through CUDA IPC. A block only in a lower tier is promoted into the arena first.
 **reservation** is a put whose room is in the shared arena: the client writes the bytes
 there itself and commits. Both belong to the tenant that made them and end by their TTL
 when the client goes away (:meth:`Leases.maintain`: an expired lease is released, an
-expired reservation aborted), so a killed client costs nothing but the time until then.
+expired reservation aborted). Those of a same-node client *session* (the client keeps
+its arena hand-out connection open: :mod:`kvstore.service.liveness`) end as soon as that
+connection closes (:meth:`Leases.end_session`), so a killed client's hold on the arena
+does not outlive it; a lease or reservation naming a session that ended is refused.
 
 A lease is released here (:meth:`Leases.release`, which ends its pins in
 :meth:`kvstore.store.catalogue.Catalogue.release`); a reservation is never released, it
@@ -31,6 +34,7 @@ from kvstore.common.errors import (
     TierIOError,
     WriteConflict,
 )
+from kvstore.common.arena import ARENA_CHANGED
 from kvstore.common.types import ReserveStatus
 from kvstore.store.catalogue import Catalogue, Claim, Entry
 from kvstore.store.counters import Counters
@@ -49,6 +53,11 @@ MAX_LEASES = 65536
 reads by gRPC instead), counted in ``leases_refused``. Never ends a lease early."""
 
 _NO_ROOM = object()
+
+
+def _session_ended(session: str) -> FeatureDisabled:
+    return FeatureDisabled(f"{ARENA_CHANGED}: client session {session[:8]} is not open (its arena "
+                           "connection closed); map the arena again")
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ class Leases:
         self._device = next((i for i, t in enumerate(self.tiers) if t.on_device), None)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
-              device: bool = False, max_bytes: int | None = None) -> LeaseGrant:
+              device: bool = False, max_bytes: int | None = None, session: str = "") -> LeaseGrant:
         """Pin blocks for a client that reads them in place, for ``ttl_s`` seconds.
 
         A block in HBM is located by its IPC handle when ``device`` (the client is on the
@@ -121,8 +130,9 @@ class Leases:
         ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
         room: the client releases, then asks for the rest. A grant that holds no block creates
         no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
-        (``resume_at`` 0). Raises InvalidRequest (bad key, TTL), FeatureDisabled when no
-        tier can be mapped by clients.
+        (``resume_at`` 0). ``session``: the client's open session (:meth:`end_session`
+        ends the lease with it; "": the TTL only). Raises InvalidRequest (bad key, TTL),
+        FeatureDisabled when no tier can be mapped by clients or ``session`` is not open.
         """
         if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN
             raise InvalidRequest(f"lease ttl must be in (0, {MAX_LEASE_TTL_S}] seconds, got {ttl_s}")
@@ -163,7 +173,9 @@ class Leases:
             if not held:                 # misses only (or no room yet): nothing to hold
                 return LeaseGrant("", tuple(blocks), ttl_s, state["resume_at"])
             with cat.lock:
-                lease = cat.lease(held, ttl_s, owner)
+                if session and not cat.session_open(session):
+                    raise _session_ended(session)
+                lease = cat.lease(held, ttl_s, owner, session)
         except BaseException:
             for e in held:
                 cat.unpin(e)
@@ -266,14 +278,38 @@ class Leases:
                              claim.key.hex()[:16])
 
 
+    def open_session(self, session: str) -> None:
+        """Accept leases and reservations naming same-node client ``session``."""
+        self.catalogue.open_session(session)
+
+    def end_session(self, session: str) -> tuple[int, int]:
+        """The client of ``session`` is gone: release its leases and abort its reservations
+        now. Returns ``(leases released, reservations aborted)``."""
+        cat = self.catalogue
+        aborted = 0
+        with cat.lock:
+            released, claims = cat.end_session(session)
+            for claim in claims:
+                if cat.end_claim(claim):
+                    if claim.tier >= 0:
+                        self.tiers[claim.tier].abort(claim.key)
+                    aborted += 1
+        self.counters.inc("leases_reclaimed", released)
+        self.counters.inc("reservations_reclaimed", aborted)
+        if released or aborted:
+            log.info("client session %s ended: released %d leases and aborted %d reservations",
+                     session[:8], released, aborted)
+        return released, aborted
+
     def reserve_shared(self, key: bytes, nbytes: int, owner: str, ttl_s: float,
-                       meta=None) -> tuple[int, ReserveStatus, str]:
+                       meta=None, session: str = "") -> tuple[int, ReserveStatus, str]:
         """A zero-copy put's reservation in the shared arena: ``(offset, status, detail)``.
 
         The client writes ``nbytes`` at ``offset`` of its mapping, then commits
         (:meth:`find_claim` + :meth:`commit_put` with ``in_place``). Refusals are
         statuses, not errors, so one batch can mix them; a key another client is writing
-        is BUSY at once (no wait).
+        is BUSY at once (no wait). ``session``: as for :meth:`lease` (FeatureDisabled when
+        it is not open).
         """
         if self._shared is None:
             return 0, ReserveStatus.NO_ROOM, "no shared arena"
@@ -281,7 +317,8 @@ class Leases:
             if self.catalogue.claim(key) is not None:
                 return 0, ReserveStatus.BUSY, "another client is writing it"
         try:
-            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared, meta=meta)
+            outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared, meta=meta,
+                                      wait_s=0.0)     # a block a reader still holds: BUSY at once too
         except SizeConflict as e:
             return 0, ReserveStatus.SIZE_CONFLICT, str(e)
         except (TierFull, TierIOError) as e:
@@ -292,6 +329,13 @@ class Leases:
             return 0, ReserveStatus.ALREADY_PRESENT, ""
         if outcome.not_admitted:
             return 0, ReserveStatus.NOT_ADMITTED, ""
+        if session:
+            with self.catalogue.lock:
+                if not self.catalogue.session_open(session):    # it ended while room was made
+                    if self.catalogue.end_claim(outcome.pending) and outcome.pending.tier >= 0:
+                        self.tiers[outcome.pending.tier].abort(key)
+                    raise _session_ended(session)
+                outcome.pending.session = session
         offset, _ = self.tiers[self._shared].extent(key)
         return offset, ReserveStatus.RESERVED, ""
 

@@ -202,14 +202,14 @@ class TierManager:
     # ------------------------------------------------------------------ put
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
-                  tier: int | None = None, meta=None) -> PutOutcome:
+                  tier: int | None = None, meta=None, wait_s: float | None = None) -> PutOutcome:
         """Phase one of a put: claim the 32-byte ``key`` and reserve ``nbytes`` (> 0) bytes
         in the fastest tier that admits it (``tier``: only there). ``owner``/``ttl_s``
         (seconds): a zero-copy reservation's tenant and lifetime; ``meta``: its
-        :class:`~kvstore.common.types.BlockMeta`. Returns a :class:`PutOutcome` (stored
-        already, not admitted, or ``pending``). Raises InvalidRequest, SizeConflict,
+        :class:`~kvstore.common.types.BlockMeta`; ``wait_s``: the longest wait for another
+        writer. Returns a :class:`PutOutcome`. Raises InvalidRequest, SizeConflict,
         TierFull, TierIOError, WriteConflict (:meth:`kvstore.store.writes.Writes.begin_put`)."""
-        return self.writes.begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=tier, meta=meta)
+        return self.writes.begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=tier, meta=meta, wait_s=wait_s)
 
     def write_chunk(self, pending: Claim, offset: int, data: Any) -> None:
         """Copy one in-order chunk (any buffer) at byte ``offset`` of an open put, without
@@ -277,12 +277,21 @@ class TierManager:
     # ------------------------------------------------------------------ same-node path
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
-              device: bool = False, max_bytes: int | None = None) -> LeaseGrant:
+              device: bool = False, max_bytes: int | None = None, session: str = "") -> LeaseGrant:
         """Pin ``keys`` for ``ttl_s`` seconds for a client of tenant ``owner`` that reads
         them in place (the shared arena, or HBM by CUDA IPC with ``device``); at most
-        ``max_bytes`` per grant. Returns a :class:`LeaseGrant`. Raises InvalidRequest
-        (key, TTL), FeatureDisabled (no tier clients can map)."""
-        return self.leases.lease(keys, ttl_s, owner, prefix=prefix, device=device, max_bytes=max_bytes)
+        ``max_bytes`` per grant; ended early with the client's open ``session``. Returns a
+        :class:`LeaseGrant`. Raises InvalidRequest, FeatureDisabled (no tier clients can map)."""
+        return self.leases.lease(keys, ttl_s, owner, prefix=prefix, device=device, max_bytes=max_bytes,
+                                 session=session)
+
+    def open_session(self, session: str) -> None:
+        """Accept leases and reservations of same-node client ``session`` until it ends."""
+        self.leases.open_session(session)
+
+    def end_session(self, session: str) -> tuple[int, int]:
+        """Release the leases and abort the reservations of ``session`` now; returns how many."""
+        return self.leases.end_session(session)
 
     def release(self, lease_id: str, owner: str = "") -> bool:
         """Release lease ``lease_id`` of tenant ``owner`` (its blocks are unpinned).
@@ -295,11 +304,11 @@ class TierManager:
         self.leases.maintain()
 
     def reserve_shared(self, key: bytes, nbytes: int, owner: str, ttl_s: float,
-                       meta=None) -> tuple[int, ReserveStatus, str]:
+                       meta=None, session: str = "") -> tuple[int, ReserveStatus, str]:
         """Reserve ``nbytes`` for ``key`` in the shared arena for a zero-copy put of tenant
-        ``owner``, for ``ttl_s`` seconds: ``(arena offset in bytes, status, detail)``.
-        Refusals are statuses, never errors."""
-        return self.leases.reserve_shared(key, nbytes, owner, ttl_s, meta)
+        ``owner``, for ``ttl_s`` seconds or until ``session`` ends: ``(arena offset in bytes,
+        status, detail)``; refusals are statuses (FeatureDisabled: ``session`` not open)."""
+        return self.leases.reserve_shared(key, nbytes, owner, ttl_s, meta, session)
 
     def find_claim(self, key: bytes, owner: str) -> Claim:
         """The open zero-copy reservation of ``key`` by ``owner`` (to commit or abort).

@@ -105,7 +105,7 @@ class Writes:
         self._size_conflicts_logged: OrderedDict[bytes, None] = OrderedDict()
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
-                  tier: int | None = None, meta=None) -> PutOutcome:
+                  tier: int | None = None, meta=None, wait_s: float | None = None) -> PutOutcome:
         """Phase one of a put: claim ``key`` and reserve room for ``nbytes`` bytes.
 
         Args:
@@ -116,6 +116,8 @@ class Writes:
             tier: reserve in this tier only (the shared arena for zero-copy puts).
             meta: what routers index the block by (:class:`kvstore.common.types.BlockMeta`),
                 published with its KV events.
+            wait_s: the longest wait for another writer (seconds; None: ``writer_wait_s``,
+                never more): a call's deadline, so that WriteConflict, not the deadline, ends it.
         Returns already_present (and touches the block) when it is stored with the same
         size; waits for another client's in-flight write of the same key.
         Raises:
@@ -129,7 +131,7 @@ class Writes:
         if nbytes <= 0:
             raise InvalidRequest(f"block size must be > 0 bytes, got {nbytes}")
         cat = self.catalogue
-        deadline = time.monotonic() + self.writer_wait_s
+        deadline = time.monotonic() + (self.writer_wait_s if wait_s is None else min(wait_s, self.writer_wait_s))
         with cat.lock:
             while True:
                 e = cat.get(key)

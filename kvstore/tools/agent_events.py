@@ -24,7 +24,7 @@ import math
 import pathlib
 from dataclasses import dataclass
 
-from kvstore.tools.trace import TraceError
+from kvstore.tools.trace import TraceError, not_json
 
 EVENT_KINDS = ("tool_call_start", "resume", "session_end")
 END_STATES = ("finished", "abandoned")
@@ -104,7 +104,8 @@ def read_tool_events(path: str | pathlib.Path) -> list[ToolEvent]:
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+                raise TraceError(not_json(where, line, e, 'one JSON object per line, e.g. {"time": 12.3, '
+                                                          '"event": "resume", "trajectory": "a3-e1"}')) from None
             out.append(parse_event(d, where))
     out.sort(key=lambda e: e.time_s)
     return out

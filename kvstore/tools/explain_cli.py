@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from kvstore.common.errors import KVStoreError
 from kvstore.service.explain import Explanation, Prompt, explain_pair
 from kvstore.common.keys import Namespace
+from kvstore.tools.trace import not_json
 
 
 class PromptError(ValueError):
@@ -40,11 +41,13 @@ def _namespace(obj: Any, where: str) -> Namespace:
 def load_prompt(path: str, default_ns: Namespace | None) -> Prompt:
     """Read one prompt file (see the module docstring). Raises PromptError."""
     try:
-        obj = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+        obj = json.loads(text)
     except (OSError, UnicodeDecodeError) as e:
         raise PromptError(f"cannot read {path}: {e}") from None
     except json.JSONDecodeError as e:
-        raise PromptError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        raise PromptError(not_json(f"{path}:{e.lineno}", text.splitlines()[e.lineno - 1] if text.strip() else text, e,
+                                   'a JSON list of token ids, or an object with "tokens" or "keys"')) from None
     if isinstance(obj, list):
         obj = {"tokens": obj}
     if not isinstance(obj, dict):

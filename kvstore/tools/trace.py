@@ -32,6 +32,21 @@ class TraceError(ValueError):
     """A trace file is unreadable or a line is malformed; the message names the line."""
 
 
+TRACE_LINE_EXAMPLE = '{"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]}'
+"""One line of a Mooncake-format trace, as the messages show it."""
+
+
+def not_json(where: str, text: str, error: json.JSONDecodeError, expected: str) -> str:
+    """The message for ``text`` (one line or one file, at ``where``) that is not JSON: what was
+    found, what is expected, and a hint when it looks like CSV."""
+    found = text.strip().splitlines()[0] if text.strip() else text
+    hint = ""
+    if "," in found and not found.lstrip().startswith(("{", "[", '"')):
+        hint = "; this looks like CSV, which is not read: convert each row to one JSON object"
+    return (f"{where}: not valid JSON ({error.msg}, column {error.colno}): found {found[:80]!r}; "
+            f"expected {expected}{hint}")
+
+
 @dataclass(frozen=True)
 class Request:
     """One request of a trace.
@@ -98,9 +113,10 @@ def parse_request(line: str, where: str = "line",
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise TraceError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+        raise TraceError(not_json(where, line, e, f"one JSON object per line (Mooncake JSONL), e.g. "
+                                                  f"{TRACE_LINE_EXAMPLE}")) from None
     if not isinstance(obj, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise TraceError(f"{where}: expected a JSON object like {TRACE_LINE_EXAMPLE}, got {type(obj).__name__}")
     ts = _field(obj, "timestamp", (int, float), where)
     if not math.isfinite(ts) or ts < 0:
         raise TraceError(f"{where}: timestamp must be a finite number >= 0, got {ts!r}")

@@ -18,11 +18,11 @@ def R(input_length, ids):
 TRACE = [R(1000, [1, 2]), R(1536, [1, 2, 3]), R(600, [1, 4])]
 
 
-def run(tmp_path, **caps):
+def run(tmp_path, bytes_per_token=1, **caps):
     d = start_server(daemon_config(tmp_path, **caps))
     try:
         with KVStoreClient(d.address) as c:
-            return replay(TRACE, c, bytes_per_token=1, progress=False)
+            return replay(TRACE, c, bytes_per_token=bytes_per_token, progress=False)
     finally:
         d.stop(0)
 
@@ -47,15 +47,15 @@ def test_unbounded_cache_hand_computed(tmp_path):
 
 
 def test_two_block_host_tier_without_nvme(tmp_path):
-    # host holds 2 blocks of 512 B; after r2 puts block 3, LRU block 1 is dropped, so r3 misses
-    rep = run(tmp_path, host=1024, nvme=None)
+    # host holds 2 blocks of 512 KiB; after r2 puts block 3, LRU block 1 is dropped, so r3 misses
+    rep = run(tmp_path, bytes_per_token=1024, host="1MiB", nvme=None)
     assert rep.hit_tokens == 1024
     assert rep.blocks_put == 5
 
 
 def test_two_block_host_tier_with_nvme(tmp_path):
     # the same, but block 1 is demoted to NVMe, so r3 hits it there
-    rep = run(tmp_path, host=1024, nvme="1MiB")
+    rep = run(tmp_path, bytes_per_token=1024, host="1MiB", nvme="2MiB")
     assert rep.hit_tokens == 1536
     assert rep.hits_by_tier == {"host": 1024, "nvme": 512}
 

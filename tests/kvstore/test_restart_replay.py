@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason=f"trace not found: {CONVERSATION_TRACE}")]
 
 N_REQUESTS = 150
-BPT = 2   # 1 KiB blocks
+BPT = 16  # 8 KiB blocks (a host tier of 200 blocks: 1.6 MiB, above the 1 MiB minimum)
 
 
 def start_daemon(cfg: pathlib.Path, sock: str) -> subprocess.Popen:

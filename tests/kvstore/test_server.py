@@ -121,7 +121,7 @@ def test_unix_socket_is_private(daemon):
 
 
 def test_bearer_token(tmp_path):
-    d = start_server(daemon_config(tmp_path, extra={"server": {"auth_token": "s3cret"}}))
+    d = start_server(daemon_config(tmp_path, extra={"server": {"auth_token": "s3cret-of-16-chars"}}))
     try:
         with KVStoreClient(d.address) as c, pytest.raises(errors.Unauthenticated):
             c.lookup([K(1)])
@@ -129,7 +129,7 @@ def test_bearer_token(tmp_path):
             c.put([(K(1), b"x")])
         with KVStoreClient(d.address, auth_token="wrong") as c, pytest.raises(errors.Unauthenticated):
             c.get([K(1)])
-        with KVStoreClient(d.address, auth_token="s3cret") as c:
+        with KVStoreClient(d.address, auth_token="s3cret-of-16-chars") as c:
             assert c.put([(K(1), b"x")]).stored == 1
             assert c.get([K(1)])[0].data == b"x"
     finally:
@@ -137,8 +137,8 @@ def test_bearer_token(tmp_path):
 
 
 def test_restart_serves_nvme_blocks_and_corrupt_file_misses(tmp_path):
-    cfg = daemon_config(tmp_path, host="64KiB", nvme="16MiB")
-    blocks = [(K(i), os.urandom(8192)) for i in range(20)]
+    cfg = daemon_config(tmp_path, host="1MiB", nvme="16MiB")
+    blocks = [(K(i), os.urandom(128 << 10)) for i in range(20)]
     d = start_server(cfg)
     with KVStoreClient(d.address) as c:
         c.put(blocks)
@@ -218,7 +218,8 @@ def test_tcp_port_in_use_is_a_config_error(tmp_path):
 
 def test_stalled_put_streams_are_cancelled_and_do_not_starve_others(tmp_path):
     import threading
-    cfg = daemon_config(tmp_path, extra={"server": {"workers": 2, "stream_idle_timeout_s": 0.5}})
+    cfg = daemon_config(tmp_path, extra={"server": {"workers": 2, "stream_idle_timeout_s": 0.5},
+                                         "store": {"writer_wait_s": 0.25}})
     d = start_server(cfg)
     release = threading.Event()
     outcomes = []

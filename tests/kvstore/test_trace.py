@@ -54,3 +54,36 @@ def test_block_key_is_stable_and_matches_replay():
     assert len(block_key(5)) == 32
     assert block_key(5) == block_key(5) != block_key(6)
     assert block_key(12345) == trace_key(12345)
+
+
+CSV = "timestamp,input_length,output_length,hash_ids\n0,600,5,\"[1, 2]\"\n"
+
+
+def test_a_csv_trace_says_what_format_is_expected_and_what_was_found(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text(CSV)
+    with pytest.raises(TraceError) as e:
+        read_mooncake_trace(p)
+    message = str(e.value)
+    assert f"{p}:1: " in message                                          # which line
+    assert "found 'timestamp,input_length,output_length,hash_ids'" in message     # what was found
+    assert "expected one JSON object per line (Mooncake JSONL)" in message       # what is expected
+    assert '"hash_ids": [0, 1, 2]' in message and "looks like CSV" in message
+
+
+def test_kvstore_replay_of_a_csv_trace_explains_the_format(tmp_path, capsys):
+    from kvstore.tools.cli import main
+    p = tmp_path / "t.csv"
+    p.write_text(CSV)
+    assert main(["replay", str(p), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "expected one JSON object per line" in err and "looks like CSV" in err
+
+
+def test_an_events_file_that_is_not_json_lines_says_what_is_expected(tmp_path):
+    from kvstore.tools.agent_events import read_tool_events
+    p = tmp_path / "x.events.jsonl"
+    p.write_text("time,event,trajectory\n")
+    with pytest.raises(TraceError, match=r"x.events.jsonl:1: not valid JSON .*found 'time,event,trajectory'; "
+                                         r"expected one JSON object per line"):
+        read_tool_events(p)

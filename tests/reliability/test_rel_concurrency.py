@@ -255,13 +255,13 @@ def test_eviction_during_a_slow_read_skips_the_pinned_block(tmp_path):
 
 
 def test_put_demote_evict_delete_cycles_return_used_bytes_to_baseline(tmp_path):
-    d = start_server(daemon_config(tmp_path, host="256KiB", nvme="1MiB"))
+    d = start_server(daemon_config(tmp_path, host="1MiB", nvme="4MiB"))
     try:
         baseline = usage(d)
         nvme_dir = tmp_path / "nvme" / "blocks"
         with KVStoreClient(d.address, timeout=DEADLINE) as c:
             for cycle in range(25):
-                blocks = [(key(i, f"cyc{cycle}"), payload(key(i, f"cyc{cycle}"), 4096 + 9_973 * i))
+                blocks = [(key(i, f"cyc{cycle}"), payload(key(i, f"cyc{cycle}"), 4 * (4096 + 9_973 * i)))
                           for i in range(24)]
                 for b in blocks:
                     c.put([b])

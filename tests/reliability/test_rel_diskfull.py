@@ -148,3 +148,44 @@ def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, mon
     finally:
         monkeypatch.undo()
         d.stop(0)
+
+
+def test_a_disk_full_below_the_configured_capacity_is_reported_in_stats(tmp_path, monkeypatch):
+    """Issue 19, item 20: Stats ``problems`` was empty while the NVMe tier held less than its
+    configured capacity because its disk was full; the daemon keeps serving (it evicts)."""
+    d = start_server(daemon_config(tmp_path, host="1MiB", nvme="64MiB",
+                                   extra={"tiers": {"host": {"enabled": False}}}))
+    real_pwritev, real_statvfs = os.pwritev, os.statvfs
+    full = {"on": False}
+
+    def pwritev(fd, buffers, offset, *flags):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwritev(fd, buffers, offset, *flags)
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0) + tuple(st)[5:]) if full["on"] else st
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    try:
+        with KVStoreClient(d.address, timeout=20) as c:
+            assert put_many(c, "before", 4)[1] == []
+            d.monitor.check()
+            assert c.stats()["problems"] == []
+            full["on"] = True
+            assert len(put_many(c, "full", 1)[1]) == 1
+            d.monitor.check()
+            stats = c.stats()
+            held = 4 * (4096 + BLOCK)
+            assert f"nvme: holds at most {held} of its configured {64 << 20} bytes: its disk is full (blocks " \
+                   "are evicted to make room)" in stats["problems"]
+            full["on"] = False
+            assert put_many(c, "after", 1)[1] == []
+            d.monitor.check()
+            stats = c.stats()
+            assert stats["problems"] == [] and stats["serving"]
+    finally:
+        monkeypatch.undo()
+        d.stop(0)

@@ -73,7 +73,7 @@ def tables(draw):
 
 VALID = {
     "server": {"listen": "unix:/tmp/kvs/kvstore.sock", "max_message_bytes": "64MiB", "max_chunk_bytes": "4MiB",
-               "workers": 8, "auth_token": "", "tls_cert": "", "tls_key": "", "tenants": {"a": "tok-a"}},
+               "workers": 8, "auth_token": "", "tls_cert": "", "tls_key": "", "tenants": {"a": "token-of-tenant-a"}},
     "blocks": {"block_tokens": 16, "hash": "sha256"},
     "tiers": {"hbm": {"enabled": False, "capacity": "1GiB", "device": 0},
               "host": {"capacity": "1GiB", "pinned": "auto", "policy": {"eviction": "lru"}},
@@ -82,7 +82,7 @@ VALID = {
     "prefetch": {"enabled": False, "predictor": "quantile", "lead_time_s": 0.05, "quantile": 0.5, "window": 64,
                  "hop_bandwidth": {"nvme:hbm": "3GB"}, "poll_s": 0.05, "refresh_s": 2.0, "retry_s": 0.5,
                  "headroom_fraction": 0.0, "confidence": 0.7, "horizon_s": 30.0, "repromote": False},
-    "store": {"writer_wait_s": 30.0, "transfer_timeout_s": 30.0, "stop_persist_s": 60.0},
+    "store": {"writer_wait_s": 10.0, "transfer_timeout_s": 30.0, "stop_persist_s": 60.0},
     "sessions": {"calibrate": True, "default_gap_s": 60.0, "window": 256, "max_sessions": 100, "max_keys": 1000},
     "health": {"period_s": 1.0, "window_s": 10.0},
 }

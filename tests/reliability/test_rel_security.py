@@ -175,13 +175,13 @@ def test_every_method_refuses_a_missing_or_wrong_token(tmp_path, transport):
 
 
 def test_single_auth_token_guards_every_method(tmp_path):
-    d = start_server(daemon_config(tmp_path, extra={"server": {"auth_token": "only-token-8c21"}}))
+    d = start_server(daemon_config(tmp_path, extra={"server": {"auth_token": "only-token-8c21-4d"}}))
     try:
         for method in METHODS:
             assert raw_call(d.address, method, []) == grpc.StatusCode.UNAUTHENTICATED, method
-            assert raw_call(d.address, method, [("authorization", "Bearer only-token-8c2")]) == \
+            assert raw_call(d.address, method, [("authorization", "Bearer only-token-8c21-4")]) == \
                 grpc.StatusCode.UNAUTHENTICATED, method
-        with KVStoreClient(d.address, auth_token="only-token-8c21") as c:
+        with KVStoreClient(d.address, auth_token="only-token-8c21-4d") as c:
             k = key(1, "single")
             assert c.put([(k, b"v" * 10)]).stored == 1
         assert k in d.manager                                    # one shared space: keys as sent
@@ -208,8 +208,10 @@ def test_token_check_compares_every_token_over_fixed_length_digests(monkeypatch)
 
 
 @pytest.mark.parametrize("server,needle", [
-    ({"tenants": {"a": "tok-a"}, "auth_token": "tok"}, "cannot be combined"),
-    ({"tenants": {"a": "same-token", "b": "same-token"}}, "same token"),
+    ({"tenants": {"a": "token-of-tenant-a"}, "auth_token": "token-of-everyone"}, "cannot be combined"),
+    ({"tenants": {"a": "the-same-token-0001", "b": "the-same-token-0001"}}, "same token"),
+    ({"tenants": {"a": "short-token"}}, r"server.tenants.a: the token has 11 characters; at least 16"),
+    ({"auth_token": "short-token"}, r"server.auth_token: the token has 11 characters; at least 16"),
     ({"tenants": {"a": ""}}, "server.tenants.a"),
     ({"tenants": {"a": "has space"}}, "server.tenants.a"),
     ({"tenants": {"a": "nön-ascii"}}, "server.tenants.a"),
@@ -232,8 +234,9 @@ def test_loopback_and_unix_listen_need_no_token(listen):
 
 
 def test_network_listen_with_a_token_or_tenants_is_accepted():
-    assert config.from_dict({"server": {"listen": "0.0.0.0:1", "auth_token": "t0k"}}).server.auth_token
-    assert config.from_dict({"server": {"listen": "0.0.0.0:1", "tenants": {"a": "t0k"}}}).server.tenants == {"a": "t0k"}
+    token = "t0k-of-16-chars!"
+    assert config.from_dict({"server": {"listen": "0.0.0.0:1", "auth_token": token}}).server.auth_token
+    assert config.from_dict({"server": {"listen": "0.0.0.0:1", "tenants": {"a": token}}}).server.tenants == {"a": token}
 
 
 # ------------------------------------------------------------------------ TLS

@@ -18,7 +18,9 @@ A failure at any step is a damaged index: the index folder is moved aside to
 ``index.damaged-<UTC time>`` (kept, named in the log) and a fresh one is opened; the
 tier then rebuilds it from the block files' headers (:mod:`tiers.nvme.recover`). An
 index of the previous format (without :data:`~tiers.nvme.format.FORMAT_KEY`) is moved
-aside the same way.
+aside the same way. Of the folders moved aside, the newest :data:`MOVED_INDEXES_KEPT` of
+each kind (``damaged``, ``replaced``) are kept for inspection and older ones deleted each
+time the index opens (:func:`prune_moved_indexes`; the log says which).
 
 After loading, the index is only written (one transaction per commit or free, about
 4 us with ``sync=False``); lookups use the in-memory copy. LMDB's own lock file is not
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -43,6 +46,12 @@ log = logging.getLogger("kvstore.tiers.nvme")
 
 VERIFY_TIMEOUT_S = 600.0
 """Longest the child process may take to read and compact the index (seconds)."""
+
+MOVED_INDEXES_KEPT = 2
+"""Index folders moved aside kept per kind (``index.damaged-*``, ``index.replaced-*``),
+the newest; a tier whose index keeps getting damaged does not fill its disk with them."""
+
+_MOVED = re.compile(r"^index\.(damaged|replaced)-(\d{8}T\d{6}Z)(?:-(\d+))?$")
 
 _MDB_MAGIC = 0xBEEFC0DE
 _P_META = 0x08
@@ -153,12 +162,42 @@ def move_index_aside(folder: str, why: str) -> str:
     """Rename ``folder/index`` to ``folder/index.<why>-<UTC time>``; return the new path.
     Raises OSError."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target, n = os.path.join(folder, f"index.{why}-{stamp}"), 1
-    while os.path.exists(target):
-        n += 1
-        target = os.path.join(folder, f"index.{why}-{stamp}-{n}")
+    taken = [int(m.group(3) or 1) for m in map(_MOVED.match, os.listdir(folder))
+             if m and m.group(1) == why and m.group(2) == stamp]
+    n = max(taken, default=0) + 1        # after every one of this second: the newest sorts last
+    target = os.path.join(folder, f"index.{why}-{stamp}" + (f"-{n}" if n > 1 else ""))
     os.rename(os.path.join(folder, "index"), target)
     return target
+
+
+def prune_moved_indexes(folder: str, keep: int = MOVED_INDEXES_KEPT) -> tuple[list[str], list[str]]:
+    """Delete all but the newest ``keep`` index folders of each kind moved aside in
+    ``folder`` (:func:`move_index_aside`). Returns ``(kept, deleted)`` paths; a folder that
+    cannot be deleted is logged and kept."""
+    by_kind: dict[str, list[tuple[tuple[str, int], str]]] = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return [], []
+    for name in names:
+        m = _MOVED.match(name)
+        if m and os.path.isdir(os.path.join(folder, name)):
+            by_kind.setdefault(m.group(1), []).append(((m.group(2), int(m.group(3) or 1)), name))
+    kept, deleted = [], []
+    for moved in by_kind.values():
+        moved.sort(reverse=True)                    # newest first: by UTC time, then by its -N
+        for i, (_, name) in enumerate(moved):
+            path = os.path.join(folder, name)
+            if i < keep:
+                kept.append(path)
+                continue
+            try:
+                shutil.rmtree(path)
+                deleted.append(path)
+            except OSError as e:
+                log.warning("cannot delete the old index folder %s: %s", path, e.strerror or e)
+                kept.append(path)
+    return sorted(kept), sorted(deleted)
 
 
 class BlockIndex:
@@ -172,7 +211,9 @@ class BlockIndex:
     After construction ``damage`` is None, or the reason the old index could not be used
     and ``moved_to`` the folder it was moved to; ``entries`` is then empty and the caller
     rebuilds it from the block files. ``rebuild=True`` moves a sound index aside too
-    (``index.replaced-<UTC time>``). Raises OSError when no index can be opened at all.
+    (``index.replaced-<UTC time>``). Old folders moved aside are pruned to the newest
+    :data:`MOVED_INDEXES_KEPT` of each kind (``kept_aside``, ``deleted_aside``: their paths).
+    Raises OSError when no index can be opened at all.
     """
 
     def __init__(self, folder: str, *, fsync: bool = False, map_size: int = 1 << 30, name: str = "nvme",
@@ -187,6 +228,18 @@ class BlockIndex:
         self.moved_to: str | None = None
         self.absent = not os.path.exists(os.path.join(self.dir, "data.mdb"))
         self._env: lmdb.Environment | None = None
+        self._open(rebuild)
+        self.kept_aside, self.deleted_aside = prune_moved_indexes(folder)
+        if self.deleted_aside:
+            log.info("%s: deleted %d old index folders moved aside (%s); the newest %d of each kind are kept",
+                     name, len(self.deleted_aside), ", ".join(os.path.basename(p) for p in self.deleted_aside),
+                     MOVED_INDEXES_KEPT)
+        if self.kept_aside:
+            log.info("%s: index folders moved aside and kept for inspection (the newest %d of each kind): %s",
+                     name, MOVED_INDEXES_KEPT, ", ".join(os.path.basename(p) for p in self.kept_aside))
+
+    def _open(self, rebuild: bool) -> None:
+        name = self.name
         if self.absent:
             self._open_fresh()
             return
@@ -312,4 +365,5 @@ class BlockIndex:
             self._close_env()
 
 
-__all__ = ["BlockIndex", "IndexDamaged", "VERIFY_TIMEOUT_S", "check_data_file", "compact_copy", "move_index_aside"]
+__all__ = ["BlockIndex", "IndexDamaged", "MOVED_INDEXES_KEPT", "VERIFY_TIMEOUT_S", "check_data_file", "compact_copy",
+           "move_index_aside", "prune_moved_indexes"]

@@ -1,0 +1,193 @@
+"""What a same-node client holds ends with it, and every TTL is capped by the daemon (issue 19, item 18).
+
+A client that maps the shared arena keeps its hand-out connection open as its session; a
+client SIGKILLed while holding 600 s leases and reservations had left the host arena pinned
+for ten minutes (every put went to NVMe). Now the daemon releases the session's leases and
+aborts its reservations as soon as the connection closes. And ``[server] lease_ttl_s`` is
+the longest TTL granted, whatever a client asks: the standard client asks 30 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.client import arena as client_arena
+from kvstore.client.client import KVStoreClient
+from kvstore.common.arena import HELLO
+from kvstore.common.errors import FeatureDisabled
+from kvstore.service.startup import start_server
+from support.daemon import ROOT, daemon_config
+from tiers.base import TierKind
+
+BLOCK = 256 << 10
+RECLAIM_DEADLINE_S = 30.0      # far below the 600 s TTL the killed client asked for
+
+
+def key(i: int, tag: str = "s") -> bytes:
+    return (f"{tag}:{i}:".encode() * 32)[:32]
+
+
+def wait_for(condition, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.05)
+
+
+HOLDER = textwrap.dedent('''
+    import sys
+    from kvstore._proto import kvstore_pb2 as pb
+    from kvstore.client.client import KVStoreClient
+    address, n_leased, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    key = lambda i, tag: (f"{tag}:{i}:".encode() * 32)[:32]
+    c = KVStoreClient(address, shared_memory=True, lease_ttl_s=600.0, timeout=60)
+    arena = c.arena()
+    lease = c.lease([key(i, "s") for i in range(n_leased)], ttl_s=600.0, max_bytes=1 << 40)
+    assert sum(1 for t in lease.tier_codes if t) == n_leased, lease
+    reserved = 0
+    for i in range(64):                      # reserve until the arena has no room left
+        reply = c._stub.Reserve(pb.ReserveRequest(keys=[key(i, "r")], sizes=[block], ttl_seconds=600.0),
+                                metadata=arena.metadata, timeout=60)
+        if reply.status[0] != pb.RESERVED:
+            break
+        reserved += 1
+    print("HELD", lease.ttl_seconds, reserved, flush=True)
+    sys.stdin.read()                         # until killed
+''')
+
+
+@pytest.fixture
+def long_ttl_daemon(tmp_path):
+    d = start_server(daemon_config(tmp_path, host="4MiB", nvme="64MiB",
+                                   extra={"server": {"lease_ttl_s": 600.0}}))
+    yield d
+    d.stop(0)
+
+
+def test_a_killed_clients_leases_and_reservations_are_reclaimed_at_once(long_ttl_daemon, tmp_path):
+    d = long_ttl_daemon
+    n_leased = 6
+    with KVStoreClient(d.address, shared_memory=False, timeout=60) as c:
+        c.put([(key(i), os.urandom(BLOCK)) for i in range(n_leased)])
+        assert all(d.manager.tier_of(key(i)) == TierKind.HOST for i in range(n_leased))
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, d.address, str(n_leased), str(BLOCK)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        try:
+            line = holder.stdout.readline().split()
+            assert line[:2] == ["HELD", "600.0"], line          # the daemon granted the 600 s asked
+            reserved = int(line[2])
+            assert reserved >= 1
+            c.put([(key(100, "p"), os.urandom(BLOCK))])
+            assert d.manager.tier_of(key(100, "p")) == TierKind.NVME   # the arena is pinned full
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=30)
+            wait_for(lambda: c.stats()["counters"].get("reservations_reclaimed", 0) == reserved
+                     and c.stats()["counters"].get("leases_reclaimed", 0) == 1,
+                     "the killed client's session to be reclaimed", RECLAIM_DEADLINE_S)
+        finally:
+            holder.kill()
+            holder.wait(timeout=30)
+        assert d.manager.catalogue.num_leases == 0
+        assert not [cl for cl in d.manager.catalogue._claims.values() if cl.session]
+        c.put([(key(101, "p"), os.urandom(BLOCK))])
+        assert d.manager.tier_of(key(101, "p")) == TierKind.HOST          # the arena is usable again
+        counters = c.stats()["counters"]
+        assert counters.get("leases_expired", 0) == 0 and counters.get("reservations_expired", 0) == 0
+
+
+def test_closing_the_client_ends_its_session(long_ttl_daemon):
+    d = long_ttl_daemon
+    c = KVStoreClient(d.address, shared_memory=True, timeout=60)
+    c.put([(key(1), b"x" * 4096)])
+    assert c.arena().session                                          # mapped: a session is open
+    reply = c.lease([key(1)], ttl_s=600.0)
+    assert reply.lease_id and d.manager.catalogue.num_leases == 1
+    c.close()
+    wait_for(lambda: d.manager.catalogue.num_leases == 0, "the lease to end with the client", RECLAIM_DEADLINE_S)
+    assert d.manager.counters["leases_reclaimed"] == 1
+
+
+def test_a_lease_or_reservation_naming_an_ended_session_is_refused(long_ttl_daemon):
+    m = long_ttl_daemon.manager
+    m.put(key(1), b"y" * 4096)
+    m.open_session("s1")
+    m.end_session("s1")
+    with pytest.raises(FeatureDisabled, match="session"):
+        m.lease([key(1)], 60.0, session="s1")
+    with pytest.raises(FeatureDisabled, match="session"):
+        m.reserve_shared(key(2), 4096, "", 60.0, session="s1")
+    assert m.catalogue.num_leases == 0 and m.catalogue.claim(key(2)) is None
+    assert m.catalogue.raw(key(1)).pins == 0
+    with pytest.raises(FeatureDisabled, match="session"):
+        m.lease([key(1)], 60.0, session="never-opened")
+
+
+def test_a_version_1_hello_still_gets_the_arena(long_ttl_daemon):
+    with KVStoreClient(long_ttl_daemon.address) as c:
+        path = c.info().shm_socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(HELLO + b"-\n")
+        msg, fds, _, _ = socket.recv_fds(s, 256, 1)
+    for fd in fds:
+        os.close(fd)
+    assert msg == b"OK %d\n" % (4 << 20) and len(fds) == 1
+
+
+# ------------------------------------------------------------------ the daemon caps every TTL
+
+
+@pytest.fixture
+def capped_daemon(tmp_path):
+    d = start_server(daemon_config(tmp_path, host="16MiB", nvme=None, extra={"server": {"lease_ttl_s": 5.0}}))
+    yield d
+    d.stop(0)
+
+
+def test_lease_ttl_s_caps_what_the_standard_client_is_granted(capped_daemon):
+    from kvstore._proto import kvstore_pb2 as pb
+    d = capped_daemon
+    with KVStoreClient(d.address, shared_memory=True, timeout=30) as c:
+        assert c.lease_ttl_s == 30.0                                  # the standard client asks 30 s
+        c.put([(key(1), b"z" * 4096)])
+        assert c.lease([key(1)]).ttl_seconds == 5.0
+        assert c.lease([key(1)], ttl_s=600.0).ttl_seconds == 5.0
+        assert c._stub.Info(pb.InfoRequest(), timeout=30).max_lease_seconds == 5.0     # Info says so
+        arena = c.arena()
+        assert arena.max_ttl_s == 5.0
+        sent = d.manager.catalogue.clock()
+        reply = c._stub.Reserve(pb.ReserveRequest(keys=[key(2)], sizes=[4096], ttl_seconds=600.0),
+                                metadata=arena.metadata, timeout=30)
+        assert reply.status[0] == pb.RESERVED
+        claim = d.manager.catalogue.claim(key(2))
+        assert claim.deadline - sent <= 5.0 + 1.0                     # 5 s, not 600 s
+
+
+def test_the_client_counts_its_safety_margin_from_the_granted_ttl(capped_daemon, monkeypatch):
+    """The client asks 30 s and is granted 5: a copy 3 s late (inside half of 30, outside
+    half of 5) may have outlived its lease and is read again by gRPC."""
+    rng = np.random.default_rng(3)
+    keys = [rng.bytes(32) for _ in range(4)]
+    data = rng.integers(0, 256, (4, 32 << 10), dtype=np.uint8)
+    with KVStoreClient(capped_daemon.address, shared_memory=True, lease_ttl_s=30.0, timeout=30) as c:
+        assert c.put_from(keys, data).stored == 4
+        reads = c.stats()["counters"].get("reads", 0)
+        start = client_arena.time.monotonic()
+        readings = iter(range(1 << 30))
+        monkeypatch.setattr(client_arena, "_clock",
+                            lambda: client_arena.time.monotonic() + (3.0 if next(readings) >= 1 else 0.0))
+        out = np.zeros_like(data)
+        assert c.get_into(keys, out).found == 4 and np.array_equal(out, data)
+        assert client_arena.time.monotonic() - start < 60
+        assert c.stats()["counters"]["reads"] == reads + 4            # served again by gRPC
