@@ -38,8 +38,9 @@ from kernels import gather_blocks, scatter_blocks
 from kvstore.common.errors import InvalidRequest, KVStoreError
 from kvstore.common.keys import BlockKeyer, chain_key
 
-from engine_adapter.reference.config import EngineConfig, ModelConfig
 from engine_adapter.layout import BlockLayout, namespace
+from engine_adapter.model_identity import WeightsIdentity, describe
+from engine_adapter.reference.config import EngineConfig, ModelConfig
 from engine_adapter.reference.paged_cache import PagedKVCache, Sequence
 from engine_adapter.reference.tp import TPGroup, shard_bounds
 from engine_adapter.reference.transfer import BlockStore, LayerLoader, StoreWriter
@@ -123,6 +124,9 @@ class PageBackAdapter:
         engine: engine settings (block size, timeouts, namespace fields).
         tp: this rank's collectives.
         cache: this rank's paged cache.
+        weights: the weights' identity (the runner's ``TensorSource.identity()``), part of
+            the namespace; None leaves the weights out of it (blocks are then shared by
+            every checkpoint served under ``engine.model_id``).
     Raises:
         ValueError: the TP ranks' namespaces differ (e.g. a tenant computed per rank);
             checked with two all-reduces, so every rank must construct its adapter; or
@@ -132,7 +136,7 @@ class PageBackAdapter:
     """
 
     def __init__(self, store: BlockStore | None, model: ModelConfig, engine: EngineConfig, tp: TPGroup,
-                 cache: PagedKVCache):
+                 cache: PagedKVCache, weights: WeightsIdentity | None = None):
         self.store = store
         self.engine = engine
         self.tp = tp
@@ -144,7 +148,11 @@ class PageBackAdapter:
                 raise ValueError(str(e)) from None
             except KVStoreError as e:
                 log.warning("cannot check the store's block size (%s); going on", e)
-        self.keyer = BlockKeyer(namespace(model, engine))
+        weights = weights or WeightsIdentity("", "no weights identity given to the adapter")
+        ns = namespace(model, engine, weights=weights, model_config=model.fingerprint())
+        if tp.is_first:
+            log.info("%s", describe(ns, weights, "reference runner"))
+        self.keyer = BlockKeyer(ns)
         if tp.world_size > 1:
             fp = int.from_bytes(self.keyer.root[:7], "little")
             if tp.all_reduce_min(fp) != -tp.all_reduce_min(-fp):

@@ -5,17 +5,18 @@
         "module_path": "engine_adapter.sglang.backend", "class_name": "KVStoreHiCacheStorage",
         "target": "unix:/run/kvstore/kvstore.sock", "interface_v1": 1}'
 
-Extra config keys besides the factory's: ``target`` (required), ``auth_token``,
-``timeout_s``, ``model_id`` (default: SGLang's model name), ``tenant``, ``interface_v1``
-(SGLang then calls the zero-copy ``batch_get_v1`` / ``batch_set_v1`` with host-pool
-indices).
+Extra config keys besides the factory's (:class:`~engine_adapter.sglang.settings.BackendSettings`):
+``target`` (required), ``auth_token``, ``timeout_s``, ``model_id`` (default: SGLang's model
+name), ``weights_revision``, ``tenant``; ``interface_v1`` makes SGLang call the zero-copy
+``batch_get_v1`` / ``batch_set_v1`` with host-pool indices.
 
 Keys: SGLang's page hashes are chained over the prefix and topology-free (token ids,
 extra key, cache salt); our key is ``engine_keys.key_from_engine_hash(root, hash)``
-under a namespace of the model, KV dtype, page size and the host pool's page format.
-One copy serves every TP rank for MLA models and at TP=1; MHA pages at TP>1 hold
-one rank's heads, so the namespace then names the rank (a per-rank copy) until the
-daemon can assemble a block from ranks' head ranges.
+under a namespace of the model's weights and attention config, quantization, KV dtype,
+page size and the host pool's page format (:func:`engine_adapter.sglang.settings.namespace_of`,
+logged at INFO). One copy serves every TP rank for MLA models and at TP=1; MHA pages at
+TP>1 hold one rank's heads, so the namespace then names the rank (a per-rank copy) until
+the daemon can assemble a block from ranks' head ranges.
 
 Failures: creating the backend with the daemon unreachable raises (SGLang's attach
 expects exceptions, never a silent success); afterwards a store error is a miss
@@ -35,12 +36,10 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvstore.common.errors import KVStoreError
 
 from engine_adapter import store_io
-from engine_adapter.engine_keys import engine_namespace, key_from_engine_hash
+from engine_adapter.engine_keys import key_from_engine_hash
+from engine_adapter.sglang.settings import BackendSettings, namespace_of, sglang_model_args
 
 log = logging.getLogger("engine_adapter.sglang")
-
-_FACTORY_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
-_OUR_KEYS = {"target", "auth_token", "timeout_s", "model_id", "tenant"}
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
@@ -50,24 +49,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         storage_config: SGLang's ``HiCacheStorageConfig`` (``extra_config`` holds ours).
         kwargs: what the factory passes (unused).
     Raises:
-        ValueError: a missing ``target`` or an unknown extra config key.
+        ValueError: a missing ``target``, an unknown extra config key or a bad value.
         kvstore.common.errors.StoreUnavailable: the daemon does not answer.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
-        extra = dict(storage_config.extra_config or {})
-        unknown = sorted(set(extra) - _FACTORY_KEYS - _OUR_KEYS)
-        if unknown:
-            raise ValueError(f"unknown hicache storage extra config keys {unknown}; known: {sorted(_OUR_KEYS)}")
-        if not extra.get("target"):
-            raise ValueError("hicache storage extra config needs 'target', the kvstore daemon address")
+        self.settings = BackendSettings.from_extra(dict(storage_config.extra_config or {}))
         self.config = storage_config
-        self.timeout_s = float(extra.get("timeout_s", 10.0))
-        self.model_id = extra.get("model_id") or storage_config.model_name or "unknown-model"
-        self.tenant = extra.get("tenant", "")
-        self.client = store_io.connect(extra["target"], timeout_s=self.timeout_s,
-                                       auth_token=extra.get("auth_token", ""))
+        self.timeout_s = float(self.settings.timeout_s)
+        self.client = store_io.connect(self.settings.target, timeout_s=self.timeout_s,
+                                       auth_token=self.settings.auth_token)
         self.client.wait_ready(self.timeout_s)
+        self.namespace = None
         self.root: bytes | None = None
         self.mem_pool_host = None
         self._failing = False
@@ -75,21 +68,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------ set-up
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Bind the host KV pool; fixes the namespace (page size, dtype, page format)."""
+        """Bind the host KV pool; fixes the namespace (weights, attention config, KV dtype,
+        page size, page format)."""
         super().register_mem_pool_host(mem_pool_host)
-        cfg = self.config
-        page = mem_pool_host.get_dummy_flat_data_page()
-        per_rank = not cfg.is_mla_model and cfg.tp_size > 1
-        fmt = f"sglang/{getattr(mem_pool_host, 'layout', 'unknown')}/{'mla' if cfg.is_mla_model else 'mha'}"
-        if per_rank:
-            fmt += f"/tp{cfg.tp_rank}of{cfg.tp_size}"
-        ns = engine_namespace(
-            model=self.model_id, dtype=str(page.dtype).removeprefix("torch."), block_tokens=mem_pool_host.page_size,
-            num_layers=int(getattr(mem_pool_host, "layer_num", 0)), num_kv_heads=int(getattr(mem_pool_host, "head_num", 0)),
-            head_dim=int(getattr(mem_pool_host, "head_dim", 0)), scheme="block_hash", tenant=self.tenant,
-            engine="sglang", kv_format=f"{fmt}/{page.numel() * page.element_size()}B")
-        self.root = ns.fingerprint()
-        self._page_template = page
+        self.namespace = namespace_of(self.config, mem_pool_host, self.settings, sglang_model_args())
+        self.root = self.namespace.fingerprint()
+        self._page_template = mem_pool_host.get_dummy_flat_data_page()
 
     def _keys(self, keys: List[str]) -> list[bytes]:
         if self.root is None:

@@ -22,7 +22,9 @@ from kvstore.common.types import LookupResult, PutResult
 from tiers.base import TierKind, check_ranges
 from tiers.errors import InvalidAccess
 
+from engine_adapter.layout import namespace
 from engine_adapter.reference.config import EngineConfig, ModelConfig
+from engine_adapter.reference.weights import SeededWeights
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=32)
@@ -35,6 +37,11 @@ def engine(tenant: str = "", **kw) -> EngineConfig:
                 load_timeout_s=60.0, store_timeout_s=60.0)
     base.update(kw)
     return EngineConfig(**base)
+
+
+def runner_namespace(eng: EngineConfig, model: ModelConfig = TINY, seed: int = 0):
+    """The namespace a ``Runner`` of seeded weights (``seed``) keys its blocks under."""
+    return namespace(model, eng, weights=SeededWeights(model, seed).identity(), model_config=model.fingerprint())
 
 
 class MemoryStore:

@@ -114,3 +114,16 @@ def test_daemon_down(tmp_path, daemon):
 def test_bad_config_is_a_clear_error(daemon):
     with pytest.raises(ValueError, match="unknown hicache storage extra config keys \\['tagret'\\]"):
         backend(daemon.address, HostPool(seed=5), tagret="x")
+
+
+# ---------------------------------------------------------------- namespace
+
+def test_namespace_says_what_it_covers(daemon, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine_adapter.sglang"):
+        b = backend(daemon.address, HostPool(seed=8))
+    [line] = [r.getMessage() for r in caplog.records if "kvstore namespace" in r.getMessage()]
+    assert "of this SGLang instance" in line and f"{PAGE}-token blocks" in line
+    assert "weights NOT fingerprinted" in line                 # model 'tiny' is no checkpoint here
+    assert b.namespace.block_tokens == PAGE

@@ -98,3 +98,47 @@ def test_daemon_down_schedules_without_external_tokens(tmp_path, model_dir):
 def test_bad_extra_config_is_a_clear_error(model_dir):
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys \\['tagret'\\]"):
         vs.scheduler(vs.vllm_config(model_dir, "unix:/x", tagret="oops"))
+
+
+# ---------------------------------------------------------------- the namespace
+
+def test_other_weights_of_the_same_shape_are_a_miss(daemon, client, model_dir, tmp_path):
+    """Two checkpoints of one architecture, other weights, one ``model_id``: the second
+    engine is scheduled with no external tokens from the first one's blocks."""
+    other = vs.tiny_llama_dir(tmp_path / "other", seed=1)
+    prompt = list(range(100, 170))
+    first = vs.scheduler(vs.vllm_config(model_dir, daemon.address, model_id="tiny"))
+    req = vs.request("a", prompt, BS)
+    client.put([(k, b"\0" * 64) for k in expected_keys(first.connector, req)])
+    again = vs.scheduler(vs.vllm_config(model_dir, daemon.address, model_id="tiny"))
+    again.add_request(vs.request("a", prompt, BS))
+    assert again.schedule().scheduled_new_reqs[0].num_computed_tokens == 64     # the same weights: a hit
+    second = vs.scheduler(vs.vllm_config(other, daemon.address, model_id="tiny"))
+    assert second.connector.namespace.fingerprint() != first.connector.namespace.fingerprint()
+    second.add_request(vs.request("b", prompt, BS))
+    assert second.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("change", [
+    {"model_kw": {"hf_overrides": {"rope_theta": 20000.0}}},
+    {"model_kw": {"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}},
+    {"model_kw": {"quantization": "fp8", "dtype": "bfloat16"}},
+    {"cache_kw": {"cache_dtype": "fp8"}},
+], ids=["rope_theta", "rope_scaling", "quantization", "kv_dtype"])
+def test_what_changes_kv_changes_the_namespace(model_dir, change):
+    """Each against the same config without it (the fp8 quantization one: bfloat16 both)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from engine_adapter.vllm.connector import KVStoreConnector
+
+    def ns(**kw):
+        return KVStoreConnector(vs.vllm_config(model_dir, "unix:/nowhere.sock", **kw),
+                                KVConnectorRole.SCHEDULER).namespace.fingerprint()
+
+    dtype = change.get("model_kw", {}).get("dtype")
+    try:
+        changed = ns(**change)
+    except ImportError as e:                    # the lean API-only vLLM lacks quantization packages
+        pytest.skip(f"this vLLM environment cannot configure {change}: {e}")
+    assert changed != ns(model_kw={"dtype": dtype} if dtype else None)
+
