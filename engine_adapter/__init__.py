@@ -6,7 +6,8 @@ per TP rank, and the reference runner's namespace), :mod:`~engine_adapter.engine
 (store keys from an engine's block hashes or tokens, and an engine's namespace),
 :mod:`~engine_adapter.model_identity` (what else names a model's KV in the namespace: the
 weights' fingerprint, the attention config fields), :mod:`~engine_adapter.store_io` (the
-plug-ins' one data path to the store: lookup, load, save) and :mod:`~engine_adapter.background` (the background job runner that puts new
+plug-ins' one data path to the store: lookup, load, save, and the start-up block size
+check) and :mod:`~engine_adapter.background` (the background job runner that puts new
 blocks off the engine step). They import only ``kvstore.common``, ``kvstore.client``
 and ``kernels``.
 

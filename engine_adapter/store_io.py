@@ -1,4 +1,5 @@
-"""Every block data-path call of the engine plugins (vLLM connector, SGLang backend).
+"""Every block data-path call of the engine plugins (vLLM connector, SGLang backend), and the
+start-up check of the node's block size that every plug-in makes (:func:`check_block_tokens`).
 
 One place on purpose: the plugins never call the client's data methods themselves. The
 data moves with the batch-first ``get_into(keys, out)`` / ``put_from(keys, src)``: one
@@ -17,12 +18,16 @@ propagate; a miss is a normal result (``False`` in the returned mask, or a short
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from kvstore.client.client import KVStoreClient
+from kvstore.common.errors import InvalidRequest, KVStoreError
+
+log = logging.getLogger("engine_adapter.store_io")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,34 @@ def connect(target: str, *, timeout_s: float = 10.0, auth_token: str = "") -> KV
     first call, not here.
     """
     return KVStoreClient(target, timeout=timeout_s, auth_token=auth_token)
+
+
+def check_block_tokens(client, block_tokens: int, engine: str) -> bool:
+    """Refuse to serve an engine whose block size is not the node's ``[blocks] block_tokens``.
+
+    Called once at start by every plug-in (vLLM's ``block_size``, SGLang's page size, the
+    reference runner's ``block_tokens``). A node that publishes no block size accepts any.
+
+    Args:
+        client: the daemon's client (its ``check_block_tokens``: one cached Info call).
+        block_tokens: the engine's tokens per block.
+        engine: the engine's name in the error, e.g. ``"vLLM block_size"``.
+    Returns:
+        True when checked; False when the daemon could not be asked (logged as a warning:
+        the engine starts, and recomputes every prefix until the daemon answers).
+    Raises:
+        ValueError: the node is configured for another block size (its message names both).
+    """
+    try:
+        client.check_block_tokens(block_tokens)
+    except InvalidRequest as e:
+        raise ValueError(f"{engine} {block_tokens} does not match the kvstore daemon ({e}): serve with a "
+                         f"block size equal to the daemon's [blocks] block_tokens, or change that") from None
+    except KVStoreError as e:
+        log.warning("cannot check the kvstore daemon's block size against %s %d (%s); going on", engine,
+                    block_tokens, e)
+        return False
+    return True
 
 
 def _byte_rows(buf, n: int, *, writable: bool) -> np.ndarray:

@@ -35,9 +35,10 @@ from typing import Sequence as Seq
 import torch
 
 from kernels import gather_blocks, scatter_blocks
-from kvstore.common.errors import InvalidRequest, KVStoreError
+from kvstore.common.errors import KVStoreError
 from kvstore.common.keys import BlockKeyer, chain_key
 
+from engine_adapter import store_io
 from engine_adapter.layout import BlockLayout, namespace
 from engine_adapter.model_identity import WeightsIdentity, describe
 from engine_adapter.reference.config import EngineConfig, ModelConfig
@@ -131,8 +132,8 @@ class PageBackAdapter:
         ValueError: the TP ranks' namespaces differ (e.g. a tenant computed per rank);
             checked with two all-reduces, so every rank must construct its adapter; or
             the node's ``[blocks] block_tokens`` is set to another block size than
-            ``engine.block_tokens`` (an unreachable store only logs a warning: every
-            prefill then recomputes until it answers).
+            ``engine.block_tokens`` (``store_io.check_block_tokens``: an unreachable store
+            only logs a warning, and every prefill recomputes until it answers).
     """
 
     def __init__(self, store: BlockStore | None, model: ModelConfig, engine: EngineConfig, tp: TPGroup,
@@ -142,12 +143,7 @@ class PageBackAdapter:
         self.tp = tp
         self.cache = cache
         if store is not None:
-            try:
-                store.check_block_tokens(engine.block_tokens)
-            except InvalidRequest as e:
-                raise ValueError(str(e)) from None
-            except KVStoreError as e:
-                log.warning("cannot check the store's block size (%s); going on", e)
+            store_io.check_block_tokens(store, engine.block_tokens, "the reference runner's block_tokens")
         weights = weights or WeightsIdentity("", "no weights identity given to the adapter")
         ns = namespace(model, engine, weights=weights, model_config=model.fingerprint())
         if tp.is_first:

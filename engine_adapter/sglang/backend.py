@@ -16,7 +16,8 @@ under a namespace of the model's weights and attention config, quantization, KV 
 page size and the host pool's page format (:func:`engine_adapter.sglang.settings.namespace_of`,
 logged at INFO). One copy serves every TP rank for MLA models and at TP=1; MHA pages at
 TP>1 hold one rank's heads, so the namespace then names the rank (a per-rank copy) until
-the daemon can assemble a block from ranks' head ranges.
+the daemon can assemble a block from ranks' head ranges. Binding the host pool refuses a
+daemon configured for another block size than the page size.
 
 Failures: creating the backend with the daemon unreachable raises (SGLang's attach
 expects exceptions, never a silent success); afterwards a store error is a miss
@@ -69,8 +70,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Bind the host KV pool; fixes the namespace (weights, attention config, KV dtype,
-        page size, page format)."""
+        page size, page format). Raises ValueError when the daemon is configured for
+        another block size than the page size."""
         super().register_mem_pool_host(mem_pool_host)
+        store_io.check_block_tokens(self.client, mem_pool_host.page_size, "SGLang page size")
         self.namespace = namespace_of(self.config, mem_pool_host, self.settings, sglang_model_args())
         self.root = self.namespace.fingerprint()
         self._page_template = mem_pool_host.get_dummy_flat_data_page()

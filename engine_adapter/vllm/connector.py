@@ -12,7 +12,7 @@
 
 At start the scheduler half builds the namespace (weights fingerprint, attention config,
 quantization, KV dtype, block size, layout: :func:`~engine_adapter.vllm.settings.namespace_of`,
-logged at INFO).
+logged at INFO) and refuses a daemon configured for another block size.
 
 (``engine_adapter.vllm_connector``, the old module path, is this same module.)
 

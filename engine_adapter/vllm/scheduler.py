@@ -14,6 +14,9 @@ is learnt from the daemon itself (a Lookup), never from worker memory. Per reque
    and, per scheduled request, a store of each full block that this step completes and
    the store does not hold yet (blocks before ``hit`` are already stored).
 
+At start the planner checks that the daemon's ``[blocks] block_tokens`` (when it publishes
+one) is vLLM's block size, and refuses to start otherwise (``store_io.check_block_tokens``).
+
 Nothing here imports vLLM: requests and scheduler outputs are read by attribute
 (``request.request_id``, ``.all_token_ids``, ``.num_tokens``, ``.block_hashes``,
 ``.lora_request``, ``.cache_salt``; ``scheduler_output.scheduled_new_reqs``,
@@ -51,8 +54,10 @@ class SchedulerPlanner:
     Args:
         namespace: store namespace (its scheme decides how keys are derived).
         block_size: vLLM's block size in tokens (the store's ``block_tokens``).
-        client: the daemon's client (used for Lookup only).
+        client: the daemon's client (used for Info at start and Lookup).
         timeout_s: Lookup deadline, seconds.
+    Raises:
+        ValueError: the daemon is configured for another block size (``[blocks] block_tokens``).
 
     A request's ``num_publishable_block_hashes`` (where a vLLM release has it) caps how
     many of its leading block hashes are used for keys; vLLM 0.32 and 0.33 have none.
@@ -61,6 +66,7 @@ class SchedulerPlanner:
     def __init__(self, namespace: Namespace, block_size: int, client, timeout_s: float):
         if namespace.block_tokens != block_size:
             raise ValueError(f"namespace block_tokens {namespace.block_tokens} != block size {block_size}")
+        store_io.check_block_tokens(client, block_size, "vLLM block_size")
         self.namespace = namespace
         self.block_size = block_size
         self.client = client

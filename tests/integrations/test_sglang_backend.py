@@ -116,7 +116,23 @@ def test_bad_config_is_a_clear_error(daemon):
         backend(daemon.address, HostPool(seed=5), tagret="x")
 
 
-# ---------------------------------------------------------------- namespace
+# ---------------------------------------------------------------- block size, namespace
+
+def _daemon(tmp_path, **extra):
+    from kvstore.service.startup import start_server
+    from support.daemon import daemon_config
+
+    return start_server(daemon_config(tmp_path, extra=extra))
+
+
+def test_a_daemon_of_another_block_size_is_refused(tmp_path):
+    d = _daemon(tmp_path, blocks={"block_tokens": 16})
+    try:
+        with pytest.raises(ValueError, match=f"SGLang page size {PAGE} does not match the kvstore daemon"):
+            backend(d.address, HostPool(seed=6))
+    finally:
+        d.stop(0)
+
 
 def test_namespace_says_what_it_covers(daemon, caplog):
     import logging

@@ -100,7 +100,7 @@ def test_bad_extra_config_is_a_clear_error(model_dir):
         vs.scheduler(vs.vllm_config(model_dir, "unix:/x", tagret="oops"))
 
 
-# ---------------------------------------------------------------- the namespace
+# ---------------------------------------------------------------- the namespace, the block size
 
 def test_other_weights_of_the_same_shape_are_a_miss(daemon, client, model_dir, tmp_path):
     """Two checkpoints of one architecture, other weights, one ``model_id``: the second
@@ -141,4 +141,17 @@ def test_what_changes_kv_changes_the_namespace(model_dir, change):
     except ImportError as e:                    # the lean API-only vLLM lacks quantization packages
         pytest.skip(f"this vLLM environment cannot configure {change}: {e}")
     assert changed != ns(model_kw={"dtype": dtype} if dtype else None)
+
+
+def test_a_daemon_of_another_block_size_is_refused(tmp_path, model_dir):
+    from kvstore.service.startup import start_server
+    from support.daemon import daemon_config
+
+    d = start_server(daemon_config(tmp_path, extra={"blocks": {"block_tokens": 16}}))
+    try:
+        with pytest.raises(ValueError, match="vLLM block_size 32 does not match the kvstore daemon"):
+            vs.scheduler(vs.vllm_config(model_dir, d.address, block_size=32))
+        vs.scheduler(vs.vllm_config(model_dir, d.address, block_size=16))
+    finally:
+        d.stop(0)
 
