@@ -26,6 +26,7 @@ import numpy as np
 
 from kvstore.client.client import KVStoreClient
 from kvstore.common.errors import InvalidRequest, KVStoreError
+from kvstore.common.types import BlockMeta
 
 log = logging.getLogger("engine_adapter.store_io")
 
@@ -137,21 +138,25 @@ def load_blocks(client: KVStoreClient, keys: Sequence[bytes], out, *,
 
 
 def save_blocks(client: KVStoreClient, keys: Sequence[bytes], src, *,
-                timeout_s: float | None = None) -> SaveResult:
+                meta: Sequence[BlockMeta | None] | None = None, timeout_s: float | None = None) -> SaveResult:
     """Store the rows of ``src`` as the blocks ``keys`` (whole payloads; idempotent).
 
     Args:
         keys: 32-byte block keys, one per row.
         src: host buffer of at least ``len(keys)`` rows; row ``i`` is block ``i``'s
             complete payload. The bytes are copied before this returns.
+        meta: per block, what routers index it by (the engine's block hash, its parent's
+            hash, its token ids), published with the daemon's KV events; None: the
+            events name the blocks by their store keys.
     Returns:
         Counts of blocks stored now, already stored, and refused by admission.
     Raises:
         ValueError: ``src`` is not a host, contiguous buffer with enough rows.
-        kvstore.common.errors.KVStoreError: the store failed (``TierFull``, ``StoreUnavailable``).
+        kvstore.common.errors.KVStoreError: the store failed (``TierFull``, ``StoreUnavailable``;
+            ``InvalidRequest`` for a ``meta`` list of another length than ``keys``).
     """
     if not keys:
         return SaveResult(0, 0, 0)
     rows = _byte_rows(src, len(keys), writable=False)
-    reply = client.put_from([bytes(k) for k in keys], rows, timeout=timeout_s)
+    reply = client.put_from([bytes(k) for k in keys], rows, meta=meta, timeout=timeout_s)
     return SaveResult(reply.stored, reply.already_present, reply.not_admitted)

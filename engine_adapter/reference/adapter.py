@@ -37,6 +37,7 @@ import torch
 from kernels import gather_blocks, scatter_blocks
 from kvstore.common.errors import KVStoreError
 from kvstore.common.keys import BlockKeyer, chain_key
+from kvstore.common.types import BlockMeta
 
 from engine_adapter import store_io
 from engine_adapter.layout import BlockLayout, namespace
@@ -233,7 +234,11 @@ class PageBackAdapter:
         if full <= first:
             return 0
         kv = gather_blocks(self.cache.layers, seq.block_table[first:full]).cpu()
-        self.writer.submit(seq.keys[first:full], kv)
+        bt = self.block_tokens
+        meta = [BlockMeta(engine_hash=seq.keys[i], parent_engine_hash=seq.keys[i - 1] if i else b"",
+                          token_ids=tuple(seq.tokens[i * bt:(i + 1) * bt]), block_tokens=bt)
+                for i in range(first, full)]
+        self.writer.submit(seq.keys[first:full], kv, meta)
         seq.num_stored_blocks = full
         return full - first
 

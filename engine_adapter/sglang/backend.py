@@ -17,7 +17,8 @@ page size and the host pool's page format (:func:`engine_adapter.sglang.settings
 logged at INFO). One copy serves every TP rank for MLA models and at TP=1; MHA pages at
 TP>1 hold one rank's heads, so the namespace then names the rank (a per-rank copy) until
 the daemon can assemble a block from ranks' head ranges. Binding the host pool refuses a
-daemon configured for another block size than the page size.
+daemon configured for another block size than the page size. Puts carry each page's hash
+and its parent's (``extra_info.prefix_keys``), which the daemon's KV events announce.
 
 Failures: creating the backend with the daemon unreachable raises (SGLang's attach
 expects exceptions, never a silent success); afterwards a store error is a miss
@@ -35,6 +36,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvstore.common.errors import KVStoreError
+from kvstore.common.types import BlockMeta
 
 from engine_adapter import store_io
 from engine_adapter.engine_keys import key_from_engine_hash
@@ -149,12 +151,23 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ set
 
-    def _save(self, keys: List[str], pages: list[torch.Tensor]) -> bool:
+    @staticmethod
+    def _meta(keys: List[str], extra_info) -> list[BlockMeta]:
+        """Each page's hash and its parent's (the page before the first: the last of
+        ``extra_info.prefix_keys``; empty when SGLang does not say). SGLang gives a
+        storage backend no token ids."""
+        prefix = getattr(extra_info, "prefix_keys", None) or []
+        parents = [prefix[-1] if prefix else ""] + list(keys[:-1])
+        return [BlockMeta(engine_hash=k.encode("utf-8"), parent_engine_hash=p.encode("utf-8"))
+                for k, p in zip(keys, parents)]
+
+    def _save(self, keys: List[str], pages: list[torch.Tensor], extra_info=None) -> bool:
         if not keys:
             return True
         src = torch.stack([p.reshape(-1) for p in pages]).contiguous()
         try:
-            store_io.save_blocks(self.client, self._keys(keys), src, timeout_s=self.timeout_s)
+            store_io.save_blocks(self.client, self._keys(keys), src, meta=self._meta(keys, extra_info),
+                                 timeout_s=self.timeout_s)
         except KVStoreError as e:
             self._store_error("put", e)
             return False
@@ -174,7 +187,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """Store the host pool's pages at ``host_indices`` (``page_size`` slots per key)."""
         ps = self.mem_pool_host.page_size
         pages = [self.mem_pool_host.get_data_page(int(host_indices[i * ps]), flat=True) for i in range(len(keys))]
-        return [self._save(keys, pages)] * len(keys)
+        return [self._save(keys, pages, extra_info)] * len(keys)
 
     def close(self) -> None:
         self.client.close()

@@ -85,8 +85,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                         "fails its request instead of being recomputed")
         self.namespace = None                          # only the scheduler half derives keys
         if role == KVConnectorRole.SCHEDULER:
+            cache = vllm_config.cache_config
             self.namespace = namespace_of(vllm_config, self.settings)
-            self.planner = SchedulerPlanner(self.namespace, self.block_size, self.client, self.settings.timeout_s)
+            self.planner = SchedulerPlanner(
+                self.namespace, self.block_size, self.client, self.settings.timeout_s,
+                hashes_per_block=getattr(cache, "hash_block_size", None) in (None, cache.block_size))
 
     # ------------------------------------------------------------ worker side
 

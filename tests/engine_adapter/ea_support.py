@@ -59,6 +59,7 @@ class MemoryStore:
         self.lock = threading.Lock()
         self.calls: list[str] = []
         self.block_tokens = 0            # the node's [blocks] block_tokens (0: not set)
+        self.metas: dict[bytes, object] = {}   # key -> the BlockMeta its put carried
 
     def check_block_tokens(self, block_tokens: int) -> None:
         if self.block_tokens and self.block_tokens != block_tokens:
@@ -100,8 +101,10 @@ class MemoryStore:
             found += 1
         return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
 
-    def put_from(self, keys, src, *, sizes=None, offsets=None, timeout=None) -> PutResult:
+    def put_from(self, keys, src, *, sizes=None, offsets=None, meta=None, timeout=None) -> PutResult:
         self.calls.append("put_from")
+        if meta is not None:
+            self.metas.update(zip(map(bytes, keys), meta))
         keys = list(keys)
         bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
         stored = present = nbytes = 0
@@ -211,12 +214,12 @@ class FaultyStore:
             sizes[j], found = half, res.found
         return GetIntoResult(found, sizes, bytes(codes))
 
-    def put_from(self, keys, src, *, sizes=None, offsets=None, timeout=None):
+    def put_from(self, keys, src, *, sizes=None, offsets=None, meta=None, timeout=None):
         self.put_started.set()
         self.puts_released.wait(60)
         if self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
-        return self.inner.put_from(keys, src, sizes=sizes, offsets=offsets, timeout=timeout)
+        return self.inner.put_from(keys, src, sizes=sizes, offsets=offsets, meta=meta, timeout=timeout)
 
     def delete(self, keys, timeout=None):
         return self.inner.delete(keys, timeout=timeout)

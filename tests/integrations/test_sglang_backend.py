@@ -116,7 +116,7 @@ def test_bad_config_is_a_clear_error(daemon):
         backend(daemon.address, HostPool(seed=5), tagret="x")
 
 
-# ---------------------------------------------------------------- block size, namespace
+# ---------------------------------------------------------------- block size, KV events, namespace
 
 def _daemon(tmp_path, **extra):
     from kvstore.service.startup import start_server
@@ -131,6 +131,29 @@ def test_a_daemon_of_another_block_size_is_refused(tmp_path):
         with pytest.raises(ValueError, match=f"SGLang page size {PAGE} does not match the kvstore daemon"):
             backend(d.address, HostPool(seed=6))
     finally:
+        d.stop(0)
+
+
+def test_puts_are_announced_under_sglangs_page_hashes(tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    from support.kv_events import Subscriber
+
+    d = _daemon(tmp_path, events={"enabled": True, "endpoint": "tcp://127.0.0.1:0"})
+    sub = Subscriber(d.events.endpoint)
+    try:
+        src = HostPool(seed=7)
+        b = backend(d.address, src)
+        sub.join(b.client)
+        keys = ["ee02", "ee03"]
+        assert b.batch_set_v1(keys, indices([1, 2]), HiCacheStorageExtraInfo(prefix_keys=["ee00", "ee01"])) == [True] * 2
+        assert b.batch_set(["ff01"], [src.get_data_page(3 * PAGE)])
+        want = {b"ee02": b"ee01", b"ee03": b"ee02", b"ff01": None}
+        events = sub.wait(lambda ev: want.keys() <= {e["block_hashes"][0] for e in ev if e["type"] == "BlockStored"},
+                          "3 BlockStored")
+        got = {e["block_hashes"][0]: e["parent_block_hash"] for e in events if e["type"] == "BlockStored"}
+        assert {k: got[k] for k in want} == want
+    finally:
+        sub.close()
         d.stop(0)
 
 

@@ -100,7 +100,7 @@ def test_bad_extra_config_is_a_clear_error(model_dir):
         vs.scheduler(vs.vllm_config(model_dir, "unix:/x", tagret="oops"))
 
 
-# ---------------------------------------------------------------- the namespace, the block size
+# ---------------------------------------------------------------- the namespace, the block size, events
 
 def test_other_weights_of_the_same_shape_are_a_miss(daemon, client, model_dir, tmp_path):
     """Two checkpoints of one architecture, other weights, one ``model_id``: the second
@@ -155,3 +155,16 @@ def test_a_daemon_of_another_block_size_is_refused(tmp_path, model_dir):
     finally:
         d.stop(0)
 
+
+def test_saves_carry_vllms_block_hashes_and_tokens(daemon, model_dir):
+    import numpy as np
+
+    sched = vs.scheduler(vs.vllm_config(model_dir, daemon.address))
+    prompt = list(range(300, 370))
+    req = vs.request("h", prompt, BS)
+    sched.add_request(req)
+    [save] = plan_of(sched.schedule()).saves
+    assert save.engine_hashes == tuple(req.block_hashes[:4]) and save.parent_hash == b""
+    assert np.frombuffer(save.token_ids, dtype="<u4").tolist() == prompt[:64]
+    metas = save.block_meta()
+    assert metas[1].parent_engine_hash == req.block_hashes[0] and metas[1].token_ids == tuple(prompt[16:32])
