@@ -4,8 +4,10 @@ The top-level modules are shared by every plug-in: :mod:`~engine_adapter.layout`
 stored block payload layout ``[layer][k|v][kv_head][token][head_dim]``, its byte ranges
 per TP rank, and the reference runner's namespace), :mod:`~engine_adapter.engine_keys`
 (store keys from an engine's block hashes or tokens, and an engine's namespace),
-:mod:`~engine_adapter.store_io` (the plug-ins' one data path to the store: lookup, load,
-save, through a client behind the circuit breaker of :mod:`~engine_adapter.breaker`, so
+:mod:`~engine_adapter.model_identity` (what else names a model's KV in the namespace: the
+weights' fingerprint, the attention config fields), :mod:`~engine_adapter.store_io` (the
+plug-ins' one data path to the store: lookup, load, save, and the start-up block size
+check, through a client behind the circuit breaker of :mod:`~engine_adapter.breaker`, so
 a store that is slow or gone costs a bounded miss) and :mod:`~engine_adapter.background`
 (the background job runner that puts new blocks off the engine step). They import only ``kvstore.common``, ``kvstore.client``
 and ``kernels``.

@@ -1,7 +1,8 @@
 """Store keys for engine plugins: our chained keys from an engine's own block hashes or tokens.
 
 Two schemes, both rooted at the namespace fingerprint (:mod:`kvstore.common.keys`), so blocks
-of another model, dtype, layout, block size or tenant never match:
+of another model, weights, attention config, quantization, dtype, layout, block size or
+tenant never match:
 
 ``block_hash``
     ``key_i = chain_key(root, [], {"engine.block_hash": h_i})`` where ``h_i`` is the
@@ -30,7 +31,7 @@ SCHEMES = ("block_hash", "tokens")
 
 def engine_namespace(*, model: str, dtype: str, block_tokens: int, num_layers: int, num_kv_heads: int,
                      head_dim: int, scheme: str, tenant: str = "", engine: str = "",
-                     kv_format: str = "") -> Namespace:
+                     kv_format: str = "", model_fields: Mapping[str, ExtraValue] | None = None) -> Namespace:
     """The namespace of an engine's stored blocks (layout ``layer.kv.head.token.dim/v1``).
 
     Args:
@@ -44,8 +45,11 @@ def engine_namespace(*, model: str, dtype: str, block_tokens: int, num_layers: i
             different engines are different functions of the tokens.
         kv_format: set when the payload's (token, dim) interior is an engine kernel's
             private order (vLLM's CPU backend), so only that kernel reads it back.
+        model_fields: what else changes the KV bytes of this model
+            (:func:`engine_adapter.model_identity.model_extra`: the weights' fingerprint,
+            the attention config fields, quantization, ...).
     Raises:
-        ValueError: unknown scheme.
+        ValueError: unknown scheme, or a ``model_fields`` name that is a shape or scheme field.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"key scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -55,6 +59,10 @@ def engine_namespace(*, model: str, dtype: str, block_tokens: int, num_layers: i
         extra["engine"] = engine
     if kv_format:
         extra["kv_format"] = kv_format
+    clash = sorted(set(model_fields or {}) & set(extra))
+    if clash:
+        raise ValueError(f"model fields {clash} would replace the namespace's own fields")
+    extra.update(model_fields or {})
     return Namespace(model=model, dtype=dtype, layout=LAYOUT_ID, block_tokens=block_tokens,
                      tenant=tenant, extra=extra)
 

@@ -11,7 +11,8 @@ layer (k and v; :meth:`BlockLayout.group_ranges` for several layers at once), an
 block written at one TP size is read at any other.
 
 The namespace (:class:`kvstore.common.keys.Namespace`) holds the model id, the dtype, this
-layout's id, ``block_tokens`` and the shape fields (layers, KV heads, head dim); it
+layout's id, ``block_tokens``, the shape fields (layers, KV heads, head dim), the weights'
+identity and the model config's fingerprint (RoPE base, norm epsilon, ...); it
 deliberately leaves out the TP size.
 
 What the layout and the namespace read of a runner is declared here as two protocols,
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 
 from kvstore.common.keys import Namespace
+
+from engine_adapter.model_identity import WeightsIdentity, model_extra
 
 LAYOUT_ID = "layer.kv.head.token.dim/v1"
 
@@ -174,11 +177,13 @@ class BlockLayout:
         dst[:] = src
 
 
-def namespace(model: KVShape, engine: StoreSettings) -> Namespace:
-    """The store namespace of a runner: model id, dtype, layout, block_tokens, tenant and the
-    KV shape (layers, KV heads, head dim). The TP size is not part of it."""
-    return Namespace(
-        model=engine.model_id, dtype=engine.dtype, layout=LAYOUT_ID, block_tokens=engine.block_tokens,
-        tenant=engine.tenant,
-        extra={"num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim},
-    )
+def namespace(model: KVShape, engine: StoreSettings, *, weights: WeightsIdentity | None = None,
+              model_config: str = "") -> Namespace:
+    """The store namespace of a runner: model id, dtype, layout, block_tokens, tenant, the KV
+    shape (layers, KV heads, head dim) and, when given, the weights' identity (``weights``)
+    and a fingerprint of every model config field (``model_config``: RoPE base, norm
+    epsilon, ...). The TP size is not part of it."""
+    extra = {"num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim}
+    extra.update(model_extra(weights or WeightsIdentity("", ""), model_config=model_config))
+    return Namespace(model=engine.model_id, dtype=engine.dtype, layout=LAYOUT_ID,
+                     block_tokens=engine.block_tokens, tenant=engine.tenant, extra=extra)

@@ -1,4 +1,5 @@
-"""Every block data-path call of the engine plugins (vLLM connector, SGLang backend).
+"""Every block data-path call of the engine plugins (vLLM connector, SGLang backend), and the
+start-up check of the node's block size that every plug-in makes (:func:`check_block_tokens`).
 
 One place on purpose: the plugins never call the client's data methods themselves. The
 data moves with the batch-first ``get_into(keys, out)`` / ``put_from(keys, src)``: one
@@ -23,16 +24,19 @@ outage is logged once with one summary at its end. A plug-in treats any
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from kvstore.client.client import GetIntoResult, KVStoreClient
-from kvstore.common.errors import StoreUnavailable
-from kvstore.common.types import LookupResult, PutResult
+from kvstore.common.errors import InvalidRequest, KVStoreError, StoreUnavailable
+from kvstore.common.types import BlockMeta, LookupResult, PutResult
 
 from engine_adapter.breaker import LOAD, LOOKUP, SAVE, BreakerSettings, StoreBreaker, StoreSkipped
+
+log = logging.getLogger("engine_adapter.store_io")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,34 @@ def connect(target: str, *, timeout_s: float = 10.0, auth_token: str = "") -> KV
     return KVStoreClient(target, timeout=timeout_s, auth_token=auth_token)
 
 
+def check_block_tokens(client, block_tokens: int, engine: str) -> bool:
+    """Refuse to serve an engine whose block size is not the node's ``[blocks] block_tokens``.
+
+    Called once at start by every plug-in (vLLM's ``block_size``, SGLang's page size, the
+    reference runner's ``block_tokens``). A node that publishes no block size accepts any.
+
+    Args:
+        client: the daemon's client (its ``check_block_tokens``: one cached Info call).
+        block_tokens: the engine's tokens per block.
+        engine: the engine's name in the error, e.g. ``"vLLM block_size"``.
+    Returns:
+        True when checked; False when the daemon could not be asked (logged as a warning:
+        the engine starts, and recomputes every prefix until the daemon answers).
+    Raises:
+        ValueError: the node is configured for another block size (its message names both).
+    """
+    try:
+        client.check_block_tokens(block_tokens)
+    except InvalidRequest as e:
+        raise ValueError(f"{engine} {block_tokens} does not match the kvstore daemon ({e}): serve with a "
+                         f"block size equal to the daemon's [blocks] block_tokens, or change that") from None
+    except KVStoreError as e:
+        log.warning("cannot check the kvstore daemon's block size against %s %d (%s); going on", engine,
+                    block_tokens, e)
+        return False
+    return True
+
+
 def _byte_rows(buf, n: int, *, writable: bool) -> np.ndarray:
     """``(n, row_bytes)`` uint8 numpy view of the first ``n`` rows of ``buf`` (no copy)."""
     if hasattr(buf, "detach"):                          # a torch tensor
@@ -179,21 +211,25 @@ def load_blocks(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], out
 
 
 def save_blocks(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], src, *,
-                timeout_s: float | None = None) -> SaveResult:
+                meta: Sequence[BlockMeta | None] | None = None, timeout_s: float | None = None) -> SaveResult:
     """Store the rows of ``src`` as the blocks ``keys`` (whole payloads; idempotent).
 
     Args:
         keys: 32-byte block keys, one per row.
         src: host buffer of at least ``len(keys)`` rows; row ``i`` is block ``i``'s
             complete payload. The bytes are copied before this returns.
+        meta: per block, what routers index it by (the engine's block hash, its parent's
+            hash, its token ids), published with the daemon's KV events; None: the
+            events name the blocks by their store keys.
     Returns:
         Counts of blocks stored now, already stored, and refused by admission.
     Raises:
         ValueError: ``src`` is not a host, contiguous buffer with enough rows.
-        kvstore.common.errors.KVStoreError: the store failed (``TierFull``, ``StoreUnavailable``).
+        kvstore.common.errors.KVStoreError: the store failed (``TierFull``, ``StoreUnavailable``;
+            ``InvalidRequest`` for a ``meta`` list of another length than ``keys``).
     """
     if not keys:
         return SaveResult(0, 0, 0)
     rows = _byte_rows(src, len(keys), writable=False)
-    reply = client.put_from([bytes(k) for k in keys], rows, timeout=timeout_s)
+    reply = client.put_from([bytes(k) for k in keys], rows, meta=meta, timeout=timeout_s)
     return SaveResult(reply.stored, reply.already_present, reply.not_admitted)

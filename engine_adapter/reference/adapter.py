@@ -40,13 +40,16 @@ from typing import Sequence as Seq
 import torch
 
 from kernels import gather_blocks, scatter_blocks
-from kvstore.common.errors import InvalidRequest, KVStoreError, StoreUnavailable
+from kvstore.common.errors import KVStoreError, StoreUnavailable
 from kvstore.common.keys import BlockKeyer, chain_key
+from kvstore.common.types import BlockMeta
 
+from engine_adapter import store_io
 from engine_adapter.breaker import BreakerSettings
-from engine_adapter.reference.config import EngineConfig, ModelConfig
 from engine_adapter.store_io import GuardedStore
 from engine_adapter.layout import BlockLayout, namespace
+from engine_adapter.model_identity import WeightsIdentity, describe
+from engine_adapter.reference.config import EngineConfig, ModelConfig
 from engine_adapter.reference.paged_cache import PagedKVCache, Sequence
 from engine_adapter.reference.tp import TPGroup, shard_bounds
 from engine_adapter.reference.transfer import BlockStore, LayerLoader, StoreWriter
@@ -132,16 +135,19 @@ class PageBackAdapter:
         engine: engine settings (block size, timeouts, namespace fields).
         tp: this rank's collectives.
         cache: this rank's paged cache.
+        weights: the weights' identity (the runner's ``TensorSource.identity()``), part of
+            the namespace; None leaves the weights out of it (blocks are then shared by
+            every checkpoint served under ``engine.model_id``).
     Raises:
         ValueError: the TP ranks' namespaces differ (e.g. a tenant computed per rank);
             checked with two all-reduces, so every rank must construct its adapter; or
             the node's ``[blocks] block_tokens`` is set to another block size than
-            ``engine.block_tokens`` (an unreachable store only logs a warning: every
-            prefill then recomputes until it answers).
+            ``engine.block_tokens`` (``store_io.check_block_tokens``: an unreachable store
+            only logs a warning, and every prefill recomputes until it answers).
     """
 
     def __init__(self, store: BlockStore | None, model: ModelConfig, engine: EngineConfig, tp: TPGroup,
-                 cache: PagedKVCache):
+                 cache: PagedKVCache, weights: WeightsIdentity | None = None):
         self.store = (GuardedStore(store, BreakerSettings(backoff_s=engine.store_backoff_s,
                                                           max_backoff_s=engine.store_max_backoff_s))
                       if store is not None else None)
@@ -149,13 +155,12 @@ class PageBackAdapter:
         self.tp = tp
         self.cache = cache
         if store is not None:
-            try:
-                store.check_block_tokens(engine.block_tokens)
-            except InvalidRequest as e:
-                raise ValueError(str(e)) from None
-            except KVStoreError as e:
-                log.warning("cannot check the store's block size (%s); going on", e)
-        self.keyer = BlockKeyer(namespace(model, engine))
+            store_io.check_block_tokens(store, engine.block_tokens, "the reference runner's block_tokens")
+        weights = weights or WeightsIdentity("", "no weights identity given to the adapter")
+        ns = namespace(model, engine, weights=weights, model_config=model.fingerprint())
+        if tp.is_first:
+            log.info("%s", describe(ns, weights, "reference runner"))
+        self.keyer = BlockKeyer(ns)
         if tp.world_size > 1:
             fp = int.from_bytes(self.keyer.root[:7], "little")
             if tp.all_reduce_min(fp) != -tp.all_reduce_min(-fp):
@@ -243,7 +248,11 @@ class PageBackAdapter:
         if full <= first:
             return 0
         kv = gather_blocks(self.cache.layers, seq.block_table[first:full]).cpu()
-        self.writer.submit(seq.keys[first:full], kv)
+        bt = self.block_tokens
+        meta = [BlockMeta(engine_hash=seq.keys[i], parent_engine_hash=seq.keys[i - 1] if i else b"",
+                          token_ids=tuple(seq.tokens[i * bt:(i + 1) * bt]), block_tokens=bt)
+                for i in range(first, full)]
+        self.writer.submit(seq.keys[first:full], kv, meta)
         seq.num_stored_blocks = full
         return full - first
 

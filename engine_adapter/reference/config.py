@@ -123,8 +123,9 @@ class EngineConfig:
     """How one runner serves a model.
 
     Attributes:
-        model_id: names the weights in the store namespace (two runners share blocks
-            only when their ``model_id``, ``dtype``, layout and ``block_tokens`` match).
+        model_id: names the model in the store namespace (two runners share blocks only
+            when their ``model_id``, ``dtype``, layout, ``block_tokens``, weights (seed or
+            checkpoint fingerprint) and model config match).
         dtype: weights, activations and KV dtype: ``"float32"`` or ``"bfloat16"``.
         block_tokens: tokens per paged-cache block and per store block.
         num_cache_blocks: blocks in each TP rank's paged KV cache.

@@ -114,7 +114,7 @@ class Runner:
         self.cache = PagedKVCache(model.num_layers, engine.num_cache_blocks, engine.block_tokens,
                                   model.num_kv_heads // tp.world_size, model.head_dim, engine.torch_dtype,
                                   device)
-        self.adapter = PageBackAdapter(store, model, engine, tp, self.cache)
+        self.adapter = PageBackAdapter(store, model, engine, tp, self.cache, weights=source.identity())
 
     # ------------------------------------------------------------------ steps
 

@@ -12,7 +12,8 @@
   only fills its own staging tensor; the forward thread copies from it into the paged
   cache, so a loader abandoned on a timeout can never write into the cache late.
 - :class:`StoreWriter` stores new full blocks in a writer thread (``put_from``) so the
-  next prefill or decode step does not wait for the store.
+  next prefill or decode step does not wait for the store; each block's token ids and its
+  parent's key go with it (``BlockMeta``), which the daemon's KV events announce.
 
 TP>1 store: every rank copies its KV heads of the new blocks out of its paged cache
 (synchronously, so the cache blocks may be reused as soon as :meth:`StoreWriter.submit`
@@ -34,7 +35,7 @@ import torch
 
 from kvstore.client.client import GetIntoResult
 from kvstore.common.errors import KVStoreError, StoreUnavailable
-from kvstore.common.types import LookupResult, PutResult
+from kvstore.common.types import BlockMeta, LookupResult, PutResult
 
 from engine_adapter.background import BackgroundJobs
 from engine_adapter.layout import BlockLayout
@@ -62,9 +63,11 @@ class BlockStore(Protocol):
         ...
 
     def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
-                 offsets: Sequence[int] | None = None, timeout: float | None = None) -> PutResult:
+                 offsets: Sequence[int] | None = None, meta: Sequence[BlockMeta | None] | None = None,
+                 timeout: float | None = None) -> PutResult:
         """Store ``keys`` from ``src`` (one buffer per key, or one buffer of ``sizes``-byte
-        blocks back to back or at ``offsets``)."""
+        blocks back to back or at ``offsets``); ``meta``: per block, what the daemon's KV
+        events announce it by."""
         ...
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int: ...
@@ -285,17 +288,19 @@ class StoreWriter:
         self.jobs_dropped = self.blocks_dropped = 0
         self._jobs = BackgroundJobs(self._put, "kv-store-writer", max_pending)
 
-    def submit(self, keys: Sequence[bytes], kv: torch.Tensor) -> None:
+    def submit(self, keys: Sequence[bytes], kv: torch.Tensor, meta: Sequence[BlockMeta] | None = None) -> None:
         """Queue blocks for storing.
 
         Args:
             keys: one key per block.
             kv: ``(len(keys), num_layers, 2, kv_heads_of_rank, block_tokens, head_dim)``,
                 owned by the job from now on (the caller must not write to it).
+            meta: one per block (token ids, parent), or None.
         """
-        if len(keys) != kv.shape[0]:
-            raise ValueError(f"{len(keys)} keys for {kv.shape[0]} blocks")
-        if self._jobs.submit(list(keys), kv, block=self.tp.world_size > 1):
+        if len(keys) != kv.shape[0] or (meta is not None and len(meta) != len(keys)):
+            raise ValueError(f"{len(keys)} keys for {kv.shape[0]} blocks and {len(meta or keys)} block metas")
+        if self._jobs.submit(list(keys), kv, list(meta) if meta is not None else None,
+                             block=self.tp.world_size > 1):
             self._behind = False
             return
         self.jobs_dropped += 1
@@ -313,7 +318,7 @@ class StoreWriter:
         """Finish queued jobs (up to ``timeout_s``) and stop the thread."""
         self._jobs.close(timeout_s)
 
-    def _put(self, keys: list[bytes], kv: torch.Tensor) -> None:
+    def _put(self, keys: list[bytes], kv: torch.Tensor, meta: list[BlockMeta] | None) -> None:
         full = self.tp.gather_heads_to_first(kv, head_dim_index=3)
         if full is None or self.store is None:
             return
@@ -321,7 +326,8 @@ class StoreWriter:
         if tuple(full.shape) != shape or full.dtype != self.layout.dtype:
             raise ValueError(f"blocks to store must be {shape} {self.layout.dtype}, got {tuple(full.shape)} {full.dtype}")
         try:       # one buffer, block i at i * block_bytes: the payload layout of docs/block_layout.md
-            self.store.put_from(keys, full.contiguous(), sizes=self.layout.block_bytes, timeout=self.call_timeout_s)
+            self.store.put_from(keys, full.contiguous(), sizes=self.layout.block_bytes, meta=meta,
+                                timeout=self.call_timeout_s)
         except StoreUnavailable:            # failing or skipped: the store's breaker logs and counts it
             self.put_failures += 1
             return

@@ -31,15 +31,20 @@ from typing import Protocol
 
 import torch
 
+from engine_adapter.model_identity import WeightsIdentity, fingerprint_checkpoint
 from engine_adapter.reference.config import ModelConfig
 from engine_adapter.reference.tp import shard_bounds
 
 
 class TensorSource(Protocol):
-    """Reads one (slice of a) named weight tensor."""
+    """Reads one (slice of a) named weight tensor, and names the weights for the store namespace."""
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tensor ``name``, or its ``[start, end)`` slice along ``dim``, as float32 or its stored dtype."""
+        ...
+
+    def identity(self) -> WeightsIdentity:
+        """What names these weights in the namespace (computed once, cheap)."""
         ...
 
 
@@ -78,6 +83,11 @@ class SeededWeights:
         self.seed = seed
         self.init_std = init_std
 
+    def identity(self) -> WeightsIdentity:
+        """``seed:<seed>/std=<init_std>``: the draw is a function of these (and of the shapes,
+        which the namespace holds through the model config)."""
+        return WeightsIdentity(f"seed:{self.seed}/std={self.init_std!r}", "seeded random weights")
+
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(f"no weight named {name!r}")
@@ -99,10 +109,13 @@ class SafetensorsWeights:
     """Weights of a Hugging Face checkpoint folder (``*.safetensors``, sharded or not).
 
     Slices are read with ``safe_open(...).get_slice``, so a TP rank reads only its
-    share of each split tensor from disk.
+    share of each split tensor from disk. The checkpoint's fingerprint
+    (:func:`engine_adapter.model_identity.fingerprint_checkpoint`: headers and sampled
+    bytes) is computed here, once.
 
     Raises:
         FileNotFoundError: the folder holds no ``.safetensors`` file.
+        ValueError: a malformed safetensors header.
     """
 
     def __init__(self, path: str | pathlib.Path):
@@ -121,6 +134,10 @@ class SafetensorsWeights:
                     self.files.update({name: f for name in fh.keys()})
         if not self.files:
             raise FileNotFoundError(f"no .safetensors weights in {str(root)!r}")
+        self._identity = WeightsIdentity(*fingerprint_checkpoint(root))
+
+    def identity(self) -> WeightsIdentity:
+        return self._identity
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         if name not in self.files:

@@ -5,19 +5,22 @@
         "module_path": "engine_adapter.sglang.backend", "class_name": "KVStoreHiCacheStorage",
         "target": "unix:/run/kvstore/kvstore.sock", "interface_v1": 1}'
 
-Extra config keys besides the factory's: ``target`` (required), ``auth_token``,
-``timeout_s`` (deadline of a get or set, seconds), ``lookup_timeout_s`` (of an exists,
-default 0.05 s), ``backoff_s`` and ``max_backoff_s`` (the circuit breaker's probe
-back-off, :class:`engine_adapter.breaker.BreakerSettings`), ``model_id`` (default:
-SGLang's model name), ``tenant``, ``interface_v1`` (SGLang then calls the zero-copy
-``batch_get_v1`` / ``batch_set_v1`` with host-pool indices).
+Extra config keys besides the factory's (:class:`~engine_adapter.sglang.settings.BackendSettings`):
+``target`` (required), ``auth_token``, ``timeout_s`` (deadline of a get or set, seconds),
+``lookup_timeout_s`` (of an exists, default 0.05 s), ``backoff_s`` and ``max_backoff_s`` (the
+circuit breaker's probe back-off, :class:`engine_adapter.breaker.BreakerSettings`), ``model_id``
+(default: SGLang's model name), ``weights_revision``, ``tenant``; ``interface_v1`` makes SGLang
+call the zero-copy ``batch_get_v1`` / ``batch_set_v1`` with host-pool indices.
 
 Keys: SGLang's page hashes are chained over the prefix and topology-free (token ids,
 extra key, cache salt); our key is ``engine_keys.key_from_engine_hash(root, hash)``
-under a namespace of the model, KV dtype, page size and the host pool's page format.
-One copy serves every TP rank for MLA models and at TP=1; MHA pages at TP>1 hold
-one rank's heads, so the namespace then names the rank (a per-rank copy) until the
-daemon can assemble a block from ranks' head ranges.
+under a namespace of the model's weights and attention config, quantization, KV dtype,
+page size and the host pool's page format (:func:`engine_adapter.sglang.settings.namespace_of`,
+logged at INFO). One copy serves every TP rank for MLA models and at TP=1; MHA pages at
+TP>1 hold one rank's heads, so the namespace then names the rank (a per-rank copy) until
+the daemon can assemble a block from ranks' head ranges. Binding the host pool refuses a
+daemon configured for another block size than the page size. Puts carry each page's hash
+and its parent's (``extra_info.prefix_keys``), which the daemon's KV events announce.
 
 Failures: creating the backend with the daemon unreachable raises (SGLang's attach
 expects exceptions, never a silent success); afterwards a store error is a miss
@@ -38,16 +41,14 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvstore.common.errors import KVStoreError, StoreUnavailable
+from kvstore.common.types import BlockMeta
 
 from engine_adapter import store_io
 from engine_adapter.breaker import BreakerSettings
-from engine_adapter.engine_keys import engine_namespace, key_from_engine_hash
+from engine_adapter.engine_keys import key_from_engine_hash
+from engine_adapter.sglang.settings import BackendSettings, namespace_of, sglang_model_args
 
 log = logging.getLogger("engine_adapter.sglang")
-
-_FACTORY_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
-_OUR_KEYS = {"target", "auth_token", "timeout_s", "lookup_timeout_s", "backoff_s", "max_backoff_s", "model_id",
-             "tenant"}
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
@@ -57,30 +58,22 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         storage_config: SGLang's ``HiCacheStorageConfig`` (``extra_config`` holds ours).
         kwargs: what the factory passes (unused).
     Raises:
-        ValueError: a missing ``target``, an unknown extra config key or a bad number.
+        ValueError: a missing ``target``, an unknown extra config key or a bad value.
         kvstore.common.errors.StoreUnavailable: the daemon does not answer.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
-        extra = dict(storage_config.extra_config or {})
-        unknown = sorted(set(extra) - _FACTORY_KEYS - _OUR_KEYS)
-        if unknown:
-            raise ValueError(f"unknown hicache storage extra config keys {unknown}; known: {sorted(_OUR_KEYS)}")
-        if not extra.get("target"):
-            raise ValueError("hicache storage extra config needs 'target', the kvstore daemon address")
+        self.settings = BackendSettings.from_extra(dict(storage_config.extra_config or {}))
         self.config = storage_config
-        self.timeout_s = float(extra.get("timeout_s", 10.0))
-        self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 0.05))
-        if not (self.timeout_s > 0 and self.lookup_timeout_s > 0):
-            raise ValueError("hicache storage extra config 'timeout_s' and 'lookup_timeout_s' must be positive")
-        breaker = BreakerSettings(backoff_s=float(extra.get("backoff_s", 0.1)),
-                                  max_backoff_s=float(extra.get("max_backoff_s", 1.0)))
-        self.model_id = extra.get("model_id") or storage_config.model_name or "unknown-model"
-        self.tenant = extra.get("tenant", "")
-        self.client = store_io.connect(extra["target"], timeout_s=self.timeout_s,
-                                       auth_token=extra.get("auth_token", ""))
+        self.timeout_s = float(self.settings.timeout_s)
+        self.lookup_timeout_s = float(self.settings.lookup_timeout_s)
+        breaker = BreakerSettings(backoff_s=float(self.settings.backoff_s),
+                                  max_backoff_s=float(self.settings.max_backoff_s))
+        self.client = store_io.connect(self.settings.target, timeout_s=self.timeout_s,
+                                       auth_token=self.settings.auth_token)
         self.client.wait_ready(self.timeout_s)
         self.store = store_io.GuardedStore(self.client, breaker)
+        self.namespace = None
         self.root: bytes | None = None
         self.mem_pool_host = None
         self._failing = False
@@ -88,21 +81,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # ------------------------------------------------------------ set-up
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Bind the host KV pool; fixes the namespace (page size, dtype, page format)."""
+        """Bind the host KV pool; fixes the namespace (weights, attention config, KV dtype,
+        page size, page format). Raises ValueError when the daemon is configured for
+        another block size than the page size."""
         super().register_mem_pool_host(mem_pool_host)
-        cfg = self.config
-        page = mem_pool_host.get_dummy_flat_data_page()
-        per_rank = not cfg.is_mla_model and cfg.tp_size > 1
-        fmt = f"sglang/{getattr(mem_pool_host, 'layout', 'unknown')}/{'mla' if cfg.is_mla_model else 'mha'}"
-        if per_rank:
-            fmt += f"/tp{cfg.tp_rank}of{cfg.tp_size}"
-        ns = engine_namespace(
-            model=self.model_id, dtype=str(page.dtype).removeprefix("torch."), block_tokens=mem_pool_host.page_size,
-            num_layers=int(getattr(mem_pool_host, "layer_num", 0)), num_kv_heads=int(getattr(mem_pool_host, "head_num", 0)),
-            head_dim=int(getattr(mem_pool_host, "head_dim", 0)), scheme="block_hash", tenant=self.tenant,
-            engine="sglang", kv_format=f"{fmt}/{page.numel() * page.element_size()}B")
-        self.root = ns.fingerprint()
-        self._page_template = page
+        store_io.check_block_tokens(self.client, mem_pool_host.page_size, "SGLang page size")
+        self.namespace = namespace_of(self.config, mem_pool_host, self.settings, sglang_model_args())
+        self.root = self.namespace.fingerprint()
+        self._page_template = mem_pool_host.get_dummy_flat_data_page()
 
     def _keys(self, keys: List[str]) -> list[bytes]:
         if self.root is None:
@@ -177,12 +163,23 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ set
 
-    def _save(self, keys: List[str], pages: list[torch.Tensor]) -> bool:
+    @staticmethod
+    def _meta(keys: List[str], extra_info) -> list[BlockMeta]:
+        """Each page's hash and its parent's (the page before the first: the last of
+        ``extra_info.prefix_keys``; empty when SGLang does not say). SGLang gives a
+        storage backend no token ids."""
+        prefix = getattr(extra_info, "prefix_keys", None) or []
+        parents = [prefix[-1] if prefix else ""] + list(keys[:-1])
+        return [BlockMeta(engine_hash=k.encode("utf-8"), parent_engine_hash=p.encode("utf-8"))
+                for k, p in zip(keys, parents)]
+
+    def _save(self, keys: List[str], pages: list[torch.Tensor], extra_info=None) -> bool:
         if not keys:
             return True
         src = torch.stack([p.reshape(-1) for p in pages]).contiguous()
         try:
-            store_io.save_blocks(self.store, self._keys(keys), src, timeout_s=self.timeout_s)
+            store_io.save_blocks(self.store, self._keys(keys), src, meta=self._meta(keys, extra_info),
+                                 timeout_s=self.timeout_s)
         except KVStoreError as e:
             self._store_error("put", e)
             return False
@@ -202,7 +199,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """Store the host pool's pages at ``host_indices`` (``page_size`` slots per key)."""
         ps = self.mem_pool_host.page_size
         pages = [self.mem_pool_host.get_data_page(int(host_indices[i * ps]), flat=True) for i in range(len(keys))]
-        return [self._save(keys, pages)] * len(keys)
+        return [self._save(keys, pages, extra_info)] * len(keys)
 
     def close(self) -> None:
         self.store.close()

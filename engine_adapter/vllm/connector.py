@@ -7,9 +7,13 @@
 
 ``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``target`` (required),
 ``auth_token``, ``timeout_s``, ``lookup_timeout_s``, ``load_timeout_s``, ``backoff_s``,
-``max_backoff_s``, ``model_id``, ``tenant``,
+``max_backoff_s``, ``model_id``, ``weights_revision``, ``tenant``,
 ``key_scheme`` (``auto`` | ``block_hash`` | ``tokens``), ``kv_layout`` (``auto`` |
 ``token`` | ``cpu`` | ``kv_first``).
+
+At start the scheduler half builds the namespace (weights fingerprint, attention config,
+quantization, KV dtype, block size, layout: :func:`~engine_adapter.vllm.settings.namespace_of`,
+logged at INFO) and refuses a daemon configured for another block size.
 
 (``engine_adapter.vllm_connector``, the old module path, is this same module.)
 
@@ -36,10 +40,26 @@ from engine_adapter.layout import BlockLayout
 from engine_adapter.vllm.kv_views import detect_layout
 from engine_adapter.vllm.plan import StepPlan
 from engine_adapter.vllm.scheduler import SchedulerPlanner
-from engine_adapter.vllm.settings import ConnectorSettings, namespace_of, tp_heads
+from engine_adapter.vllm.settings import ConnectorSettings, kv_dtype_name, namespace_of, tp_heads
 from engine_adapter.vllm.worker import WorkerTransfers, assemble_heads
 
 log = logging.getLogger("engine_adapter.vllm")
+
+
+def _log_through_vllm() -> None:
+    """Let the plug-in's loggers (``engine_adapter.*``) print through vLLM's handler, at its
+    level, when nothing else handles them (vLLM configures only its ``vllm`` logger): so the
+    start-up INFO line of what the namespace covers shows in vLLM's log."""
+    ours, theirs = logging.getLogger("engine_adapter"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+_log_through_vllm()
 
 
 class KVStoreConnectorMetadata(KVConnectorMetadata):
@@ -56,7 +76,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.settings = ConnectorSettings.from_extra(extra)
-        self.namespace = namespace_of(vllm_config, self.settings)
         self.block_size = vllm_config.cache_config.block_size
         self.client = store_io.connect(self.settings.target, timeout_s=self.settings.timeout_s,
                                        auth_token=self.settings.auth_token)
@@ -66,9 +85,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         if getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kv_load_failure_policy is not 'recompute': a block that fails to load from kvstore "
                         "fails its request instead of being recomputed")
+        self.namespace = None                          # only the scheduler half derives keys
         if role == KVConnectorRole.SCHEDULER:
-            self.planner = SchedulerPlanner(self.namespace, self.block_size, self.store,
-                                            self.settings.lookup_timeout_s)
+            cache = vllm_config.cache_config
+            self.namespace = namespace_of(vllm_config, self.settings)
+            self.planner = SchedulerPlanner(
+                self.namespace, self.block_size, self.store, self.settings.lookup_timeout_s,
+                hashes_per_block=getattr(cache, "hash_block_size", None) in (None, cache.block_size))
 
     # ------------------------------------------------------------ worker side
 
@@ -80,8 +103,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         model = cfg.model_config
         layout = BlockLayout(num_layers=len(names), num_kv_heads=model.get_total_num_kv_heads(),
                              block_tokens=self.block_size, head_dim=model.get_head_size(), dtype=first.dtype)
-        if str(first.dtype).removeprefix("torch.") != self.namespace.dtype:
-            raise ValueError(f"KV cache dtype {first.dtype} differs from the namespace dtype {self.namespace.dtype}")
+        expected = _cache_torch_dtype(cfg)
+        if expected is not None and first.dtype != expected:
+            raise ValueError(f"KV cache tensors are {first.dtype}, but kv-cache-dtype {kv_dtype_name(cfg)!r} "
+                             f"is stored as {expected}: the store namespace would misname their bytes")
         tp_size = cfg.parallel_config.tensor_parallel_size
         gather, rank = None, 0
         if tp_size > 1:
@@ -139,6 +164,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.finished(request)
         return False, None
+
+
+def _cache_torch_dtype(vllm_config) -> torch.dtype | None:
+    """The torch dtype vLLM gives KV cache tensors of ``cache_dtype`` (fp8 caches are
+    ``uint8``), or None when this vLLM release cannot say."""
+    try:
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+        return kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config)
+    except (ImportError, KeyError):
+        return None
 
 
 def _tp_head_gather(group, num_kv_heads: int, tp_size: int, rank: int):

@@ -12,7 +12,12 @@ is learnt from the daemon itself (a Lookup), never from worker memory. Per reque
    the request's cache blocks ``block_ids[first:first + n]``.
 3. ``build``: the step's :class:`~engine_adapter.vllm.plan.StepPlan`: the loads above
    and, per scheduled request, a store of each full block that this step completes and
-   the store does not hold yet (blocks before ``hit`` are already stored).
+   the store does not hold yet (blocks before ``hit`` are already stored), with vLLM's
+   own hash of each block, its parent's and the blocks' token ids, which the daemon's
+   KV events announce them under.
+
+At start the planner checks that the daemon's ``[blocks] block_tokens`` (when it publishes
+one) is vLLM's block size, and refuses to start otherwise (``store_io.check_block_tokens``).
 
 Nothing here imports vLLM: requests and scheduler outputs are read by attribute
 (``request.request_id``, ``.all_token_ids``, ``.num_tokens``, ``.block_hashes``,
@@ -26,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvstore.common.errors import KVStoreError, StoreUnavailable
-from kvstore.common.keys import Namespace
+from kvstore.common.keys import Namespace, encode_tokens
 
 from engine_adapter import store_io
 from engine_adapter.engine_keys import IncrementalKeys
@@ -52,16 +57,24 @@ class SchedulerPlanner:
         namespace: store namespace (its scheme decides how keys are derived).
         block_size: vLLM's block size in tokens (the store's ``block_tokens``).
         client: the daemon's client behind its breaker (:class:`engine_adapter.store_io.GuardedStore`;
-            used for Lookup only).
+            used for Info at start and Lookup).
         timeout_s: Lookup deadline, seconds (tens of milliseconds: the scheduler waits on it).
+        hashes_per_block: vLLM's ``request.block_hashes`` are one per ``block_size`` tokens
+            (``cache_config.hash_block_size`` unset or equal): saves then carry them for the
+            daemon's KV events.
+    Raises:
+        ValueError: the daemon is configured for another block size (``[blocks] block_tokens``).
 
     A request's ``num_publishable_block_hashes`` (where a vLLM release has it) caps how
     many of its leading block hashes are used for keys; vLLM 0.32 and 0.33 have none.
     """
 
-    def __init__(self, namespace: Namespace, block_size: int, client, timeout_s: float):
+    def __init__(self, namespace: Namespace, block_size: int, client, timeout_s: float, *,
+                 hashes_per_block: bool = True):
         if namespace.block_tokens != block_size:
             raise ValueError(f"namespace block_tokens {namespace.block_tokens} != block size {block_size}")
+        store_io.check_block_tokens(client, block_size, "vLLM block_size")
+        self.hashes_per_block = hashes_per_block
         self.namespace = namespace
         self.block_size = block_size
         self.client = client
@@ -86,16 +99,31 @@ class SchedulerPlanner:
             self._reqs[request.request_id] = st
         return st
 
+    @staticmethod
+    def _block_hashes(req) -> list:
+        hashes = list(getattr(req, "block_hashes", ()))
+        cap = getattr(req, "num_publishable_block_hashes", None)
+        return hashes if cap is None else hashes[:cap]
+
     def request_keys(self, st: _Tracked) -> list[bytes]:
         """Keys of the request's full blocks known now (empty when it must not use the store)."""
         req = st.request
         if st.keys.scheme == "tokens" and getattr(req, "mm_features", None):
             return []                      # token keys cannot see image inputs: never share
-        hashes = list(getattr(req, "block_hashes", ()))
-        cap = getattr(req, "num_publishable_block_hashes", None)
-        if cap is not None:
-            hashes = hashes[:cap]
-        return st.keys.extend(tokens=req.all_token_ids, block_hashes=hashes)
+        return st.keys.extend(tokens=req.all_token_ids, block_hashes=self._block_hashes(req))
+
+    def _save(self, st: _Tracked, req_id: str, keys: list[bytes], first: int, full: int) -> BlockTransfer:
+        """The store of blocks ``[first, full)`` with what the daemon's events name them by."""
+        req, bs = st.request, self.block_size
+        hashes = [bytes(h) for h in self._block_hashes(req)[:full]] if self.hashes_per_block else []
+        if len(hashes) < full:
+            hashes = []
+        lora = getattr(req, "lora_request", None)
+        return BlockTransfer(req_id, tuple(keys[first:full]), tuple(st.block_ids[first:full]),
+                             engine_hashes=tuple(hashes[first:full]),
+                             parent_hash=hashes[first - 1] if hashes and first else b"",
+                             token_ids=encode_tokens(list(req.all_token_ids[first * bs:full * bs])),
+                             lora_name=str(getattr(lora, "lora_name", "")) if lora is not None else "")
 
     # ------------------------------------------------------------ vLLM hooks
 
@@ -163,9 +191,7 @@ class SchedulerPlanner:
             keys = self.request_keys(st)
             full = min((st.num_computed + n) // self.block_size, len(keys), len(st.block_ids))
             if full > st.stored_blocks:
-                first = st.stored_blocks
-                plan.saves.append(BlockTransfer(req_id, tuple(keys[first:full]),
-                                                tuple(st.block_ids[first:full])))
+                plan.saves.append(self._save(st, req_id, keys, st.stored_blocks, full))
                 st.stored_blocks = full
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)

@@ -1,8 +1,19 @@
-"""Settings of the vLLM connector (``kv_connector_extra_config``) and its store namespace."""
+"""Settings of the vLLM connector (``kv_connector_extra_config``) and its store namespace.
+
+The namespace is read from vLLM's ``VllmConfig`` (vLLM 0.32 field names): the weights'
+identity (``model_config.model``, ``.revision``, ``load_config.load_format`` /
+``.download_dir``; :mod:`engine_adapter.model_identity`), the attention fields of
+``model_config.hf_text_config`` (RoPE parameters, sliding window, KV shape ...) and
+``model_config.hf_overrides``, ``model_config.quantization``, the KV dtype
+(``cache_config.cache_dtype``, with the model dtype when they differ, and
+``cache_config.kv_cache_dtype_skip_layers``), ``cache_config.block_size``, the key scheme
+and the payload layout. Nothing here imports vLLM except :func:`cpu_kv_format`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -10,7 +21,10 @@ from kvstore.common.keys import Namespace
 
 from engine_adapter.breaker import BreakerSettings
 from engine_adapter.engine_keys import engine_namespace
+from engine_adapter.model_identity import attention_config, canonical, describe, model_extra, weights_identity
 from engine_adapter.vllm.kv_views import KV_LAYOUTS
+
+log = logging.getLogger("engine_adapter.vllm")
 
 REPRODUCIBLE_HASHES = ("sha256", "sha256_cbor")
 
@@ -31,6 +45,9 @@ class ConnectorSettings:
             probe; probes wait ``backoff_s``, doubling up to ``max_backoff_s`` seconds
             (:class:`engine_adapter.breaker.BreakerSettings`).
         model_id: model id in the namespace (default: vLLM's model name or path).
+        weights_revision: names the weights in the namespace (a commit hash, a checkpoint
+            version) instead of the fingerprint of the checkpoint files, which are then not
+            read (:mod:`engine_adapter.model_identity`).
         tenant: tenant salt of the namespace.
         key_scheme: ``auto`` (vLLM's block hashes when they are reproducible
             across processes, i.e. ``sha256`` / ``sha256_cbor``; else tokens),
@@ -46,6 +63,7 @@ class ConnectorSettings:
     backoff_s: float = 0.1
     max_backoff_s: float = 1.0
     model_id: str = ""
+    weights_revision: str = ""
     tenant: str = ""
     key_scheme: str = "auto"
     kv_layout: str = "auto"
@@ -94,8 +112,12 @@ def key_scheme(vllm_config, settings: ConnectorSettings) -> str:
 
 
 def cpu_kv_format(dtype, block_size: int, head_size: int) -> str:
-    """The CPU attention kernel that owns the cache's interior order (``""`` off CPU)."""
-    from vllm.platforms import current_platform
+    """The CPU attention kernel that owns the cache's interior order (``""`` off CPU, and
+    where vLLM is not importable: no vLLM engine runs there)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return ""
 
     if not current_platform.is_cpu():
         return ""
@@ -107,9 +129,43 @@ def cpu_kv_format(dtype, block_size: int, head_size: int) -> str:
     return f"vllm-cpu/{isa}"
 
 
+def kv_dtype_name(vllm_config) -> str:
+    """The KV cache dtype's name: the model dtype (``"bfloat16"``) when ``cache_dtype`` is
+    ``auto``, else ``cache_dtype`` itself (``"fp8_e4m3"``)."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto":
+        return str(vllm_config.model_config.dtype).removeprefix("torch.")
+    return str(cache_dtype)
+
+
+def model_fields(vllm_config, settings: ConnectorSettings):
+    """The weights' identity and the namespace fields of what else changes the KV bytes
+    (see the module docstring). Reads the checkpoint's headers and samples once."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    load = getattr(vllm_config, "load_config", None)
+    weights = weights_identity(model.model, revision=getattr(model, "revision", None),
+                               explicit=settings.weights_revision,
+                               cache_dir=getattr(load, "download_dir", None),
+                               load_format=str(getattr(load, "load_format", "auto")))
+    overrides = getattr(model, "hf_overrides", None)
+    if callable(overrides):
+        overrides = getattr(overrides, "__qualname__", repr(overrides))
+    kv_differs = cache.cache_dtype != "auto"
+    return weights, model_extra(
+        weights,
+        attention=attention_config(model.hf_text_config),
+        hf_overrides=canonical(overrides) if overrides else None,
+        quantization=str(model.quantization) if getattr(model, "quantization", None) else None,
+        model_dtype=str(model.dtype).removeprefix("torch.") if kv_differs else None,
+        kv_skip_layers=canonical(list(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])),
+        disable_sliding_window=1 if getattr(model, "disable_sliding_window", False) else None,
+    )
+
+
 def namespace_of(vllm_config, settings: ConnectorSettings) -> Namespace:
-    """The store namespace of a vLLM instance: model, KV dtype, block size, KV shape,
-    key scheme (and CPU kernel format). The TP size is not part of it.
+    """The store namespace of a vLLM instance: model id, KV dtype, block size, KV shape, key
+    scheme, CPU kernel format and :func:`model_fields` (weights, attention config,
+    quantization). The TP size is not part of it. Logs at INFO what it was built from.
 
     Raises ValueError for pipeline parallelism (not supported).
     """
@@ -118,18 +174,19 @@ def namespace_of(vllm_config, settings: ConnectorSettings) -> Namespace:
     cache = vllm_config.cache_config
     if getattr(parallel, "pipeline_parallel_size", 1) != 1:
         raise ValueError("the kvstore connector does not support pipeline parallelism")
-    torch_dtype = model.dtype
-    dtype = str(torch_dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else cache.cache_dtype
     model_id = settings.model_id or model.model
     revision = getattr(model, "revision", None)
     if revision and not settings.model_id:
         model_id = f"{model_id}@{revision}"
     head = model.get_head_size()
-    return engine_namespace(
-        model=model_id, dtype=dtype, block_tokens=cache.block_size,
+    weights, fields = model_fields(vllm_config, settings)
+    ns = engine_namespace(
+        model=model_id, dtype=kv_dtype_name(vllm_config), block_tokens=cache.block_size,
         num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_total_num_kv_heads(),
         head_dim=head, scheme=key_scheme(vllm_config, settings), tenant=settings.tenant, engine="vllm",
-        kv_format=cpu_kv_format(torch_dtype, cache.block_size, head))
+        kv_format=cpu_kv_format(model.dtype, cache.block_size, head), model_fields=fields)
+    log.info("%s", describe(ns, weights, "vLLM instance"))
+    return ns
 
 
 def tp_heads(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:

@@ -15,7 +15,9 @@ One instance per TP rank, driven by the hooks vLLM calls in every step:
   the cache blocks as soon as the step ends;
 - ``end_step()``: when every layer was copied, TP rank 0 gathers the other ranks' heads
   (``gather_heads``) and a background thread stores the full-head payloads
-  (``store_io.save_blocks``); a save missing a layer is dropped, never stored partly.
+  (``store_io.save_blocks``) with each block's vLLM hash, parent hash and token ids from
+  the plan (``BlockTransfer.block_meta``), so the daemon's KV events announce them as vLLM
+  does; a save missing a layer is dropped, never stored partly.
 
 The client is a :class:`engine_adapter.store_io.GuardedStore`: while the store is failing
 its breaker is open, loads are not attempted (their blocks are recomputed) and saves are
@@ -250,7 +252,7 @@ class WorkerTransfers:
         full = self.gather_heads(save.staging) if self.gather_heads is not None else save.staging
         if full is None or not self.is_first_rank:
             return
-        if not self._writes.submit(save.keys, full.contiguous(), block=False):
+        if not self._writes.submit(save.keys, full.contiguous(), save.transfers, block=False):
             self.saves_dropped += 1
             if not self._behind:
                 log.warning("kvstore writer is %d steps behind; not storing the blocks of the steps that find "
@@ -259,9 +261,13 @@ class WorkerTransfers:
         else:
             self._behind = False
 
-    def _write(self, keys, full) -> None:
+    def _write(self, keys, full, transfers: list[BlockTransfer]) -> None:
+        metas = [t.block_meta() for t in transfers]
+        meta = None
+        if any(m is not None for m in metas):
+            meta = [b for t, m in zip(transfers, metas) for b in (m if m is not None else [None] * len(t.keys))]
         try:
-            store_io.save_blocks(self.client, keys, full, timeout_s=self.timeout_s)
+            store_io.save_blocks(self.client, keys, full, meta=meta, timeout_s=self.timeout_s)
         except StoreUnavailable:            # failing or skipped: the breaker logs and counts it
             self.save_failures += 1
             return

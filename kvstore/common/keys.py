@@ -16,7 +16,9 @@ keys are tagged ``(name, value)`` pairs sorted by name, so ``{"lora": "x"}`` and
 ``{"salt": "x"}`` never collide. Python's ``hash()`` is never used.
 
 The namespace holds what makes KV bytes incompatible: model id, dtype, KV layout,
-block_tokens and a tenant salt. The tensor-parallel size is deliberately *not* part
+block_tokens, a tenant salt and, in ``extra``, whatever else the caller knows changes them
+(the engine plug-ins put the KV shape, a fingerprint of the weights, the attention config
+fields and the quantization there: ``engine_adapter/model_identity.py``). The tensor-parallel size is deliberately *not* part
 of it: the stored payload holds all KV heads, so a block written at TP=2 is read at
 TP=1 (see docs/block_layout.md).
 
@@ -126,8 +128,8 @@ class Namespace:
     """What makes two blocks' KV bytes comparable.
 
     Attributes:
-        model: model id, e.g. ``"meta-llama/Llama-3.1-70B"`` (plus a weights revision
-            if the caller wants one).
+        model: model id, e.g. ``"meta-llama/Llama-3.1-70B"``. Two checkpoints served under
+            one id are told apart only by ``extra`` (e.g. ``{"weights": "sha256:..."}``).
         dtype: KV dtype name, e.g. ``"bfloat16"``.
         layout: payload layout id, e.g. ``"layer.kv.head.token.dim/v1"``.
         block_tokens: tokens per block (> 0).

@@ -22,7 +22,9 @@ from kvstore.common.types import LookupResult, PutResult
 from tiers.base import TierKind, check_ranges
 from tiers.errors import InvalidAccess
 
+from engine_adapter.layout import namespace
 from engine_adapter.reference.config import EngineConfig, ModelConfig
+from engine_adapter.reference.weights import SeededWeights
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=32)
@@ -35,6 +37,11 @@ def engine(tenant: str = "", **kw) -> EngineConfig:
                 load_timeout_s=60.0, store_timeout_s=60.0, lookup_timeout_s=60.0)
     base.update(kw)
     return EngineConfig(**base)
+
+
+def runner_namespace(eng: EngineConfig, model: ModelConfig = TINY, seed: int = 0):
+    """The namespace a ``Runner`` of seeded weights (``seed``) keys its blocks under."""
+    return namespace(model, eng, weights=SeededWeights(model, seed).identity(), model_config=model.fingerprint())
 
 
 class MemoryStore:
@@ -52,6 +59,7 @@ class MemoryStore:
         self.lock = threading.Lock()
         self.calls: list[str] = []
         self.block_tokens = 0            # the node's [blocks] block_tokens (0: not set)
+        self.metas: dict[bytes, object] = {}   # key -> the BlockMeta its put carried
 
     def check_block_tokens(self, block_tokens: int) -> None:
         if self.block_tokens and self.block_tokens != block_tokens:
@@ -96,8 +104,10 @@ class MemoryStore:
             found += 1
         return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
 
-    def put_from(self, keys, src, *, sizes=None, offsets=None, timeout=None) -> PutResult:
+    def put_from(self, keys, src, *, sizes=None, offsets=None, meta=None, timeout=None) -> PutResult:
         self.calls.append("put_from")
+        if meta is not None:
+            self.metas.update(zip(map(bytes, keys), meta))
         keys = list(keys)
         bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
         stored = present = nbytes = 0
@@ -212,12 +222,12 @@ class FaultyStore:
             sizes[j], found = half, res.found
         return GetIntoResult(found, sizes, bytes(codes))
 
-    def put_from(self, keys, src, *, sizes=None, offsets=None, timeout=None):
+    def put_from(self, keys, src, *, sizes=None, offsets=None, meta=None, timeout=None):
         self.put_started.set()
         self.puts_released.wait(60)
         if self.mode == "down":
             raise StoreUnavailable("UNAVAILABLE: injected")
-        return self.inner.put_from(keys, src, sizes=sizes, offsets=offsets, timeout=timeout)
+        return self.inner.put_from(keys, src, sizes=sizes, offsets=offsets, meta=meta, timeout=timeout)
 
     def delete(self, keys, timeout=None):
         return self.inner.delete(keys, timeout=timeout)

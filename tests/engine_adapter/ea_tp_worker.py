@@ -17,8 +17,7 @@ It also checks that ranks whose namespaces differ refuse to start (``mismatch_er
 
 from __future__ import annotations
 
-from ea_support import TINY, FaultyStore, engine
-from engine_adapter.layout import namespace
+from ea_support import TINY, FaultyStore, engine, runner_namespace
 from engine_adapter.reference.runner import Runner
 from engine_adapter.reference.session import AgentSession, SessionOptions, TurnRecord, play_session
 from engine_adapter.reference.tp import TPGroup
@@ -56,7 +55,7 @@ def tp2_scenarios(tp: TPGroup, address: str, address_b: str, stop_request, stopp
 
     def delete_one_block(rec: TurnRecord) -> None:
         if rec.turn == 3 and tp.is_first:
-            keys = BlockKeyer(namespace(TINY, engine("b"))).keys(rec.prompt)
+            keys = BlockKeyer(runner_namespace(engine("b"))).keys(rec.prompt)
             assert client.delete([keys[5]]) == 1
         tp.barrier()
 
@@ -66,7 +65,7 @@ def tp2_scenarios(tp: TPGroup, address: str, address_b: str, stop_request, stopp
 
     def hide_on_rank1(rec: TurnRecord) -> None:
         if rec.turn == 3 and tp.rank == 1:
-            keys = BlockKeyer(namespace(TINY, engine("c"))).keys(rec.prompt)
+            keys = BlockKeyer(runner_namespace(engine("c"))).keys(rec.prompt)
             faulty.arm("missing", key=keys[4], after_gets=1)     # layers 1-3 (layer 0 loads fine)
         if rec.turn == 4:
             faulty.disarm()
@@ -75,7 +74,7 @@ def tp2_scenarios(tp: TPGroup, address: str, address_b: str, stop_request, stopp
 
     def lookup_miss_on_rank1(rec: TurnRecord) -> None:
         if rec.turn == 3 and tp.rank == 1:
-            keys = BlockKeyer(namespace(TINY, engine("e"))).keys(rec.prompt)
+            keys = BlockKeyer(runner_namespace(engine("e"))).keys(rec.prompt)
             faulty.arm("missing", key=keys[6], in_lookup=True)
         if rec.turn == 4:
             faulty.disarm()

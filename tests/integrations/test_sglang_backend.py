@@ -115,3 +115,55 @@ def test_daemon_down(tmp_path, daemon):
 def test_bad_config_is_a_clear_error(daemon):
     with pytest.raises(ValueError, match="unknown hicache storage extra config keys \\['tagret'\\]"):
         backend(daemon.address, HostPool(seed=5), tagret="x")
+
+
+# ---------------------------------------------------------------- block size, KV events, namespace
+
+def _daemon(tmp_path, **extra):
+    from kvstore.service.startup import start_server
+    from support.daemon import daemon_config
+
+    return start_server(daemon_config(tmp_path, extra=extra))
+
+
+def test_a_daemon_of_another_block_size_is_refused(tmp_path):
+    d = _daemon(tmp_path, blocks={"block_tokens": 16})
+    try:
+        with pytest.raises(ValueError, match=f"SGLang page size {PAGE} does not match the kvstore daemon"):
+            backend(d.address, HostPool(seed=6))
+    finally:
+        d.stop(0)
+
+
+def test_puts_are_announced_under_sglangs_page_hashes(tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    from support.kv_events import Subscriber
+
+    d = _daemon(tmp_path, events={"enabled": True, "endpoint": "tcp://127.0.0.1:0"})
+    sub = Subscriber(d.events.endpoint)
+    try:
+        src = HostPool(seed=7)
+        b = backend(d.address, src)
+        sub.join(b.client)
+        keys = ["ee02", "ee03"]
+        assert b.batch_set_v1(keys, indices([1, 2]), HiCacheStorageExtraInfo(prefix_keys=["ee00", "ee01"])) == [True] * 2
+        assert b.batch_set(["ff01"], [src.get_data_page(3 * PAGE)])
+        want = {b"ee02": b"ee01", b"ee03": b"ee02", b"ff01": None}
+        events = sub.wait(lambda ev: want.keys() <= {e["block_hashes"][0] for e in ev if e["type"] == "BlockStored"},
+                          "3 BlockStored")
+        got = {e["block_hashes"][0]: e["parent_block_hash"] for e in events if e["type"] == "BlockStored"}
+        assert {k: got[k] for k in want} == want
+    finally:
+        sub.close()
+        d.stop(0)
+
+
+def test_namespace_says_what_it_covers(daemon, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine_adapter.sglang"):
+        b = backend(daemon.address, HostPool(seed=8))
+    [line] = [r.getMessage() for r in caplog.records if "kvstore namespace" in r.getMessage()]
+    assert "of this SGLang instance" in line and f"{PAGE}-token blocks" in line
+    assert "weights NOT fingerprinted" in line                 # model 'tiny' is no checkpoint here
+    assert b.namespace.block_tokens == PAGE

@@ -98,3 +98,73 @@ def test_daemon_down_schedules_without_external_tokens(tmp_path, model_dir):
 def test_bad_extra_config_is_a_clear_error(model_dir):
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys \\['tagret'\\]"):
         vs.scheduler(vs.vllm_config(model_dir, "unix:/x", tagret="oops"))
+
+
+# ---------------------------------------------------------------- the namespace, the block size, events
+
+def test_other_weights_of_the_same_shape_are_a_miss(daemon, client, model_dir, tmp_path):
+    """Two checkpoints of one architecture, other weights, one ``model_id``: the second
+    engine is scheduled with no external tokens from the first one's blocks."""
+    other = vs.tiny_llama_dir(tmp_path / "other", seed=1)
+    prompt = list(range(100, 170))
+    first = vs.scheduler(vs.vllm_config(model_dir, daemon.address, model_id="tiny"))
+    req = vs.request("a", prompt, BS)
+    client.put([(k, b"\0" * 64) for k in expected_keys(first.connector, req)])
+    again = vs.scheduler(vs.vllm_config(model_dir, daemon.address, model_id="tiny"))
+    again.add_request(vs.request("a", prompt, BS))
+    assert again.schedule().scheduled_new_reqs[0].num_computed_tokens == 64     # the same weights: a hit
+    second = vs.scheduler(vs.vllm_config(other, daemon.address, model_id="tiny"))
+    assert second.connector.namespace.fingerprint() != first.connector.namespace.fingerprint()
+    second.add_request(vs.request("b", prompt, BS))
+    assert second.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("change", [
+    {"model_kw": {"hf_overrides": {"rope_theta": 20000.0}}},
+    {"model_kw": {"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}},
+    {"model_kw": {"quantization": "fp8", "dtype": "bfloat16"}},
+    {"cache_kw": {"cache_dtype": "fp8"}},
+], ids=["rope_theta", "rope_scaling", "quantization", "kv_dtype"])
+def test_what_changes_kv_changes_the_namespace(model_dir, change):
+    """Each against the same config without it (the fp8 quantization one: bfloat16 both)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from engine_adapter.vllm.connector import KVStoreConnector
+
+    def ns(**kw):
+        return KVStoreConnector(vs.vllm_config(model_dir, "unix:/nowhere.sock", **kw),
+                                KVConnectorRole.SCHEDULER).namespace.fingerprint()
+
+    dtype = change.get("model_kw", {}).get("dtype")
+    try:
+        changed = ns(**change)
+    except ImportError as e:                    # the lean API-only vLLM lacks quantization packages
+        pytest.skip(f"this vLLM environment cannot configure {change}: {e}")
+    assert changed != ns(model_kw={"dtype": dtype} if dtype else None)
+
+
+def test_a_daemon_of_another_block_size_is_refused(tmp_path, model_dir):
+    from kvstore.service.startup import start_server
+    from support.daemon import daemon_config
+
+    d = start_server(daemon_config(tmp_path, extra={"blocks": {"block_tokens": 16}}))
+    try:
+        with pytest.raises(ValueError, match="vLLM block_size 32 does not match the kvstore daemon"):
+            vs.scheduler(vs.vllm_config(model_dir, d.address, block_size=32))
+        vs.scheduler(vs.vllm_config(model_dir, d.address, block_size=16))
+    finally:
+        d.stop(0)
+
+
+def test_saves_carry_vllms_block_hashes_and_tokens(daemon, model_dir):
+    import numpy as np
+
+    sched = vs.scheduler(vs.vllm_config(model_dir, daemon.address))
+    prompt = list(range(300, 370))
+    req = vs.request("h", prompt, BS)
+    sched.add_request(req)
+    [save] = plan_of(sched.schedule()).saves
+    assert save.engine_hashes == tuple(req.block_hashes[:4]) and save.parent_hash == b""
+    assert np.frombuffer(save.token_ids, dtype="<u4").tolist() == prompt[:64]
+    metas = save.block_meta()
+    assert metas[1].parent_engine_hash == req.block_hashes[0] and metas[1].token_ids == tuple(prompt[16:32])

@@ -35,13 +35,16 @@ def kv_transfer_config(target: str, **extra):
                             kv_role="kv_both", kv_connector_extra_config={"target": target, **extra})
 
 
-def vllm_config(model_dir: pathlib.Path, target: str, *, block_size: int = 16, num_blocks: int = 64, **extra):
-    """A VllmConfig of the tiny model with the connector (no device needed)."""
+def vllm_config(model_dir: pathlib.Path, target: str, *, block_size: int = 16, num_blocks: int = 64,
+                model_kw: dict | None = None, cache_kw: dict | None = None, **extra):
+    """A VllmConfig of the tiny model with the connector (no device needed); ``model_kw`` and
+    ``cache_kw`` go to vLLM's ``ModelConfig`` and ``CacheConfig`` (e.g. ``hf_overrides``,
+    ``quantization``, ``cache_dtype``)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0,
-                        max_model_len=2048)
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    model = ModelConfig(**{"model": str(model_dir), "skip_tokenizer_init": True, "dtype": "float32", "seed": 0,
+                           "max_model_len": 2048, **(model_kw or {})})
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True, **(cache_kw or {}))
     cache.num_gpu_blocks = num_blocks
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
                             is_encoder_decoder=False)
