@@ -209,6 +209,7 @@ class EventsConfig:
     hwm: int = 100_000
     max_queue: int = 100_000
     batch_ms: float = 10.0
+    snapshot_interval_s: float = 0.0      # also re-send every block this often (0: on joins, restarts, gaps)
 
 
 @dataclass(frozen=True)

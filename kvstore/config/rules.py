@@ -223,6 +223,7 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"events.{name}: must be >= 1, got {getattr(ev, name)}")
     if not 0 <= ev.batch_ms <= 10_000:
         raise ConfigError(f"events.batch_ms: must be in [0, 10000] ms, got {ev.batch_ms}")
+    _within("events.snapshot_interval_s", ev.snapshot_interval_s, 0, _DAY_S, unit=" seconds")
     if ev.enabled and not ev.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(f"events.endpoint: {ev.endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
     if cfg.metrics.listen:

@@ -155,26 +155,22 @@ def _start_metrics(cfg: Config, manager: TierManager, monitor: HealthMonitor, hi
 
 
 def _start_events(cfg: Config, manager: TierManager):
-    """The KV event publisher (``[events] enabled``), or None when off. It starts with the
-    blocks held now (recovered from NVMe) and then follows the catalogue's events."""
+    """The KV event publisher (``[events] enabled``), or None when off. It starts with a
+    snapshot of the blocks held now (recovered from NVMe) and then follows the catalogue's
+    events (:mod:`kvstore.service.events`)."""
     if not cfg.events.enabled:
         return None
     import zmq
 
-    from kvstore.store.catalogue import BlockEvent
-    from kvstore.service.events import KVEventPublisher
+    from kvstore.service.events import KVEventPublisher, held_blocks
     try:
-        pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters)
+        pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters,
+                               held=lambda: held_blocks(manager))
     except zmq.ZMQError as e:
         raise ConfigError(f"events.endpoint: cannot bind {cfg.events.endpoint} or "
                           f"{cfg.events.replay_endpoint or 'the replay endpoint'} ({e})") from None
-    with manager.lock:
-        held = [BlockEvent("stored", e.key, manager.tier_name(i), manager.tier_kind(i), e.size, "recovered",
-                           meta=e.meta)
-                for e in manager.catalogue.entries() for i in e.tiers]
-        manager.events.subscribe(pub.on_event)
-        pub.start(held)
-    return pub
+    manager.events.subscribe(pub.on_event)
+    return pub.start()
 
 
 def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, auth: Authenticator | None):
