@@ -39,7 +39,9 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     max_chunk_bytes: int = 1 << 20
     workers: int = 32
+    max_streams: int = 0                  # streaming calls served at once (0: workers - workers // 4)
     stream_idle_timeout_s: float = 30.0
+    stream_timeout_s: float = 120.0       # a streaming call running longer is ended
     auth_token: str = ""
     tls_cert: str = ""
     tls_key: str = ""

@@ -17,7 +17,8 @@ can neither read, look up, delete, release nor commit another tenant's blocks.
 Bulk data: ``Get``/``Put`` (protobuf) and ``GetRaw``/``PutRaw`` (raw frames,
 :mod:`kvstore.common.wire`, registered by :func:`data_handler`) share :mod:`kvstore.service.get_stream`
 and :mod:`kvstore.service.put_assembly`; both keep every message under the size limit, counting
-framing and misses.
+framing and misses. Streaming calls run on threads of their own, are cancelled when they wait
+on their client too long and ended when they run too long (:mod:`kvstore.service.streams`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.service.auth import SHARED, Authenticator, KeySpace
 from kvstore.service.get_stream import GetPlan, proto_batches, raw_frames
-from kvstore.service.interceptors import StreamWatchdog, well_formed
+from kvstore.service.interceptors import well_formed
 from kvstore.service.interceptors import abort_call as _abort
 from kvstore.service.interceptors import streaming_handler as _streaming
 from kvstore.service.interceptors import unary_handler as _unary
 from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
 from kvstore.service.put_assembly import PutAssembler
+from kvstore.service.streams import StreamGuard, on_pool
 from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER
 from kvstore.common.transport import FRAMING_BYTES
 from kvstore.common.types import PutResult
@@ -50,6 +52,9 @@ from kvstore.common.wire import META, FrameError, decode
 log = logging.getLogger("kvstore.service.server")
 
 DATA_SERVICE = "kvstore.v1.KVStoreData"
+DATA_METHODS = ("Get", "Put", "PutInline")
+"""Methods of the KVStore service that carry block data: they run on the stream threads
+(with ``GetRaw`` and ``PutRaw``), so the other threads stay free for control calls."""
 DEFAULT_LEASE_TTL_S = 30.0
 
 
@@ -96,14 +101,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sessions: applies a :class:`~kvstore.agent.sessions.SessionHint` (monotonic seconds),
             returning the expected-back time; None: SessionHint gets FAILED_PRECONDITION.
         explain: maps a prompt's keys to an :class:`~kvstore.service.explain.Explanation`.
+        stream_idle_timeout_s: a stream waiting on its client longer is cancelled (seconds).
+        stream_timeout_s: a stream running longer is ended, DEADLINE_EXCEEDED (seconds).
+        stream_pool: the threads streaming calls run on (:func:`~kvstore.service.streams.on_pool`),
+            or None: the server's.
     """
 
     def __init__(self, manager: TierManager, *, max_chunk_bytes: int = 1 << 20,
                  max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
                  stream_idle_timeout_s: float = 30.0, health=None, info: pb.InfoReply | None = None,
                  observe: Callable[[str, float, str], None] | None = None, tally=None, sessions=None,
-                 explain=None,
-                 default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
+                 explain=None, default_lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 stream_timeout_s: float = float("inf"), stream_pool=None):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -111,7 +120,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.auth = auth
         self.health = health
         self.info = info or pb.InfoReply()
-        self.idle = StreamWatchdog(stream_idle_timeout_s)
+        self.streams = StreamGuard(stream_idle_timeout_s, stream_timeout_s, counters=manager.counters)
+        self.stream_pool = stream_pool
+        if stream_pool is not None:        # registered from these attributes (grpc's per-method pool)
+            for name in DATA_METHODS:
+                setattr(self, name, on_pool(getattr(self, name), stream_pool))
         self.default_lease_ttl_s = default_lease_ttl_s
         self._observe = observe
         self.tally = tally
@@ -141,8 +154,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Put(self, request_iterator, context) -> pb.PutReply:
         space = self._space(context)
-        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
-            for batch in touch(request_iterator):
+        with self.streams.watch(context, "Put") as watch, PutAssembler(self.manager, space.internal) as asm:
+            for batch in watch.requests(request_iterator):
                 for c in well_formed(batch).chunks:
                     if c.HasField("meta"):
                         asm.meta(c.key, check_meta(c.meta))
@@ -164,8 +177,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         t0 = time.perf_counter()
         try:
             space = self._space(context)
-            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal) as asm:
-                for frame in touch(frames):
+            with self.streams.watch(context, "PutRaw") as watch, PutAssembler(self.manager, space.internal) as asm:
+                for frame in watch.requests(frames):
                     try:
                         records = decode(frame)
                     except FrameError as e:
@@ -197,7 +210,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_streaming
     def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetBatch]:
-        yield from proto_batches(self._plan(request, context))
+        plan = self._plan(request, context)
+        with self.streams.watch(context, "Get") as watch:
+            yield from watch.replies(proto_batches(plan))
 
     def get_raw(self, request_bytes: bytes, context) -> Iterator[bytes]:
         """``GetRaw``: a serialized GetRequest in, raw frames out."""
@@ -207,7 +222,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 request = pb.GetRequest.FromString(request_bytes)
             except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
                 raise errors.InvalidRequest(f"GetRaw: request does not decode: {e}") from None
-            yield from raw_frames(self._plan(request, context))
+            plan = self._plan(request, context)
+            with self.streams.watch(context, "GetRaw") as watch:
+                yield from watch.replies(raw_frames(plan))
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "GetRaw")
         finally:
@@ -355,8 +372,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 
 def data_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
-    """The raw-frame methods ``GetRaw`` and ``PutRaw`` of :data:`DATA_SERVICE`."""
+    """The raw-frame methods ``GetRaw`` and ``PutRaw`` of :data:`DATA_SERVICE` (on the
+    service's stream pool when it has one)."""
+    get_raw, put_raw = service.get_raw, service.put_raw
+    if service.stream_pool is not None:
+        get_raw, put_raw = on_pool(get_raw, service.stream_pool), on_pool(put_raw, service.stream_pool)
     return grpc.method_handlers_generic_handler(DATA_SERVICE, {
-        "GetRaw": grpc.unary_stream_rpc_method_handler(service.get_raw),
-        "PutRaw": grpc.stream_unary_rpc_method_handler(service.put_raw),
+        "GetRaw": grpc.unary_stream_rpc_method_handler(get_raw),
+        "PutRaw": grpc.stream_unary_rpc_method_handler(put_raw),
     })

@@ -33,6 +33,7 @@ from kvstore.service.listen import UnixSocket, bind
 from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
 from kvstore.agent.sessions import SessionTable
 from kvstore.service.server import KVStoreService, data_handler
+from kvstore.service.streams import stream_threads
 from kvstore.common.transport import channel_options
 
 log = logging.getLogger("kvstore.service.startup")
@@ -59,6 +60,7 @@ class Daemon:
     metrics: object = None
     events: object = None
     persist_s: float = 60.0
+    pools: list = dataclasses.field(default_factory=list)   # thread pools of its own (the stream pool)
     _stopped: bool = False
 
     def __iter__(self):
@@ -81,6 +83,8 @@ class Daemon:
             item.stop()
         ev = self.server.stop(grace)
         ev.wait()
+        for pool in self.pools:
+            pool.shutdown(wait=False)
         if persist_s > 0:
             n = self.manager.persist(timeout=persist_s)
             if n:
@@ -206,9 +210,13 @@ def start_server(cfg: Config) -> Daemon:
         interceptors.append(RequestDecodeInterceptor())
         # SO_REUSEPORT off: a second daemon on the same TCP port is refused, not served beside it
         options = channel_options(cfg.server.max_message_bytes) + [("grpc.so_reuseport", 0)]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
-                                                        thread_name_prefix="kvstore-rpc"),
-                             options=options, interceptors=interceptors)
+        # streaming calls on threads of their own, so slow streams never hold a unary call's
+        # thread (kvstore.service.streams)
+        n_streams = stream_threads(cfg.server.workers, cfg.server.max_streams)
+        stream_pool = futures.ThreadPoolExecutor(max_workers=n_streams, thread_name_prefix="kvstore-stream")
+        unary_pool = futures.ThreadPoolExecutor(max_workers=cfg.server.workers - n_streams,
+                                                thread_name_prefix="kvstore-rpc")
+        server = grpc.server(unary_pool, options=options, interceptors=interceptors)
         sessions = SessionTable(manager.policies, **session_options(cfg.sessions))
         hints = _start_prefetch(cfg, manager, sessions)
         if hints is not None:
@@ -219,7 +227,7 @@ def start_server(cfg: Config) -> Daemon:
                 return sessions.apply(h, time.monotonic())
             background.append(Every(1.0, lambda: sessions.tick(time.monotonic()), "kvstore-sessions"))
         explain = _eviction_log(cfg, manager)
-        health_servicer = health.HealthServicer()
+        health_servicer = health.HealthServicer()     # non-blocking: a Watch holds no thread
         folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
         monitor = HealthMonitor(manager, health_servicer, folders=folders, period_s=cfg.health.period_s,
                                 window_s=cfg.health.window_s)
@@ -237,7 +245,8 @@ def start_server(cfg: Config) -> Daemon:
                                  default_lease_ttl_s=cfg.server.lease_ttl_s,
                                  observe=metrics.observe if metrics is not None else None,
                                  tally=metrics.tally if metrics is not None else None,
-                                 sessions=apply_hint, explain=explain)
+                                 sessions=apply_hint, explain=explain,
+                                 stream_timeout_s=cfg.server.stream_timeout_s, stream_pool=stream_pool)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         server.add_generic_rpc_handlers((data_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -263,4 +272,4 @@ def start_server(cfg: Config) -> Daemon:
     monitor.start()
     return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
                   background=background, socket=sock, metrics=metrics, events=events,
-                  persist_s=cfg.store.stop_persist_s)
+                  persist_s=cfg.store.stop_persist_s, pools=[stream_pool, unary_pool])
