@@ -246,6 +246,8 @@ class KVEventPublisher:
         batch: list[dict] = [CLEARED]
         blocks = 0
         for chunk in self._held():
+            if self._stop.is_set():         # stopping: the rest would go to nobody
+                return
             batch.extend(to_vllm(e, self.block_tokens) for e in chunk)
             blocks += len(chunk)
             while len(batch) >= MAX_BATCH:
