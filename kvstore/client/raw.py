@@ -128,7 +128,7 @@ def block_meta_message(m: BlockMeta | None) -> pb.BlockMeta:
 def _refused_put_reply(err: grpc.RpcError) -> pb.PutReply | None:
     """The PutReply a put refused for a size conflict (a status that
     :func:`~kvstore.common.status.error_for` makes a SizeConflict) carries in its trailer
-    (``kvstore.service.server.PUT_REPLY_TRAILER``), or None when it has none."""
+    (``kvstore.service.put_assembly.PUT_REPLY_TRAILER``), or None when it has none."""
     if not isinstance(err, grpc.Call):
         return None
     for name, value in err.trailing_metadata() or ():

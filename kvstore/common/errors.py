@@ -21,6 +21,8 @@ TierIOError            UNAVAILABLE          a medium failed; a retry may succeed
 NotServing             UNAVAILABLE          the daemon cannot store or serve right now
 Unauthenticated        UNAUTHENTICATED      missing or wrong bearer token
 FeatureDisabled        FAILED_PRECONDITION  the call needs a component that is off
+StreamTimeout          DEADLINE_EXCEEDED    the daemon ended a streaming call that ran
+                                            longer than ``[server] stream_timeout_s``
 StoreUnavailable       (client side)        the daemon could not be reached in time
 =====================  ===================  =============================================
 """
@@ -85,6 +87,12 @@ class Unauthenticated(KVStoreError):
 class FeatureDisabled(KVStoreError):
     """The call needs a component that is not configured (hints without prefetch, the
     shared-memory path in a multi-tenant config, leases without a shared arena)."""
+
+
+class StreamTimeout(KVStoreError):
+    """The daemon ended a streaming call (Get, GetRaw, Put, PutRaw) that ran longer than
+    ``[server] stream_timeout_s``; the client sees DEADLINE_EXCEEDED (StoreUnavailable).
+    Blocks of the call already stored stay stored; a block in progress is aborted."""
 
 
 class StoreUnavailable(KVStoreError, ConnectionError):

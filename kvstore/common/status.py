@@ -24,6 +24,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.TierIOError, grpc.StatusCode.UNAVAILABLE),
     (errors.BlockNotFound, grpc.StatusCode.NOT_FOUND),
     (errors.FeatureDisabled, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.StreamTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 _ERRORS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {

@@ -39,8 +39,10 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     max_chunk_bytes: int = 1 << 20
     workers: int = 32
-    stream_idle_timeout_s: float = 30.0   # a Put stream that sends nothing for this long is cancelled
-    stream_first_message_s: float = 5.0   # ... and one that has sent no message yet, after this long
+    max_streams: int = 0                  # streaming calls served at once (0: workers - workers // 4)
+    stream_idle_timeout_s: float = 30.0   # a stream whose client sends or reads nothing for this long is cancelled
+    stream_first_message_s: float = 5.0   # ... and a Put stream that has sent no message yet, after this long
+    stream_timeout_s: float = 120.0       # a streaming call running longer is ended
     auth_token: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -210,6 +212,7 @@ class EventsConfig:
     hwm: int = 100_000
     max_queue: int = 100_000
     batch_ms: float = 10.0
+    snapshot_interval_s: float = 0.0      # also re-send every block this often (0: on joins, restarts, gaps)
 
 
 @dataclass(frozen=True)

@@ -110,13 +110,18 @@ def _validate_policy(p: PolicyConfig | TierPolicyConfig, path: str) -> None:
 def _validate_server(s: ServerConfig) -> None:
     if not s.listen or s.listen.startswith("unix:") and not s.listen[len("unix:"):].strip("/"):
         raise ConfigError(f"server.listen: {s.listen!r} names no address or socket path")
-    if s.workers < 1:
-        raise ConfigError(f"server.workers: must be >= 1, got {s.workers}")
+    if s.workers < 2:
+        raise ConfigError(f"server.workers: must be >= 2 (streaming calls and unary calls each need a thread), "
+                          f"got {s.workers}")
+    if s.max_streams:
+        _within("server.max_streams", s.max_streams, 1, s.workers - 1,
+                unit=" (0: automatic; below server.workers, so unary calls keep a thread)")
     if not 1.0 <= s.lease_ttl_s <= 600:
         raise ConfigError(f"server.lease_ttl_s: must be in [1, 600] seconds, got {s.lease_ttl_s}")
     if not 0 < s.stream_idle_timeout_s < float("inf"):
         raise ConfigError(f"server.stream_idle_timeout_s: must be > 0 seconds, got {s.stream_idle_timeout_s}")
     _within("server.stream_first_message_s", s.stream_first_message_s, 0, _HOUR_S, open_low=True, unit=" seconds")
+    _within("server.stream_timeout_s", s.stream_timeout_s, 0, _DAY_S, open_low=True, unit=" seconds")
     if s.max_message_bytes < 64 << 10:
         raise ConfigError(f"server.max_message_bytes: must be >= 64KiB, got {s.max_message_bytes}")
     if not 0 < s.max_chunk_bytes <= s.max_message_bytes - (16 << 10):
@@ -256,6 +261,7 @@ def _validate_services(cfg: Config) -> None:
             raise ConfigError(f"events.{name}: must be >= 1, got {getattr(ev, name)}")
     if not 0 <= ev.batch_ms <= 10_000:
         raise ConfigError(f"events.batch_ms: must be in [0, 10000] ms, got {ev.batch_ms}")
+    _within("events.snapshot_interval_s", ev.snapshot_interval_s, 0, _DAY_S, unit=" seconds")
     if ev.enabled and not ev.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
         raise ConfigError(f"events.endpoint: {ev.endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
     if cfg.metrics.listen:

@@ -15,6 +15,12 @@ Security: only processes that can open the 0600 socket (the daemon's user) get t
 descriptor, and a configured bearer token is checked (constant time). A mapped client
 can read every block in the arena, so the path is refused in multi-tenant configs
 (``[server.tenants]``): tenants then use gRPC only, where each sees its own key space.
+
+Hand-outs are served concurrently by one thread (non-blocking sockets and a selector): a
+peer that sends its hello slowly, or never, delays nobody else, and is dropped when its
+whole hello has not arrived within :data:`HELLO_DEADLINE_S`. At most
+:data:`MAX_PENDING` connections wait for their hello at once (beyond that the oldest is
+dropped), so slow peers cannot exhaust the daemon's descriptors.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import selectors
 import socket
 import threading
+import time
 
 from kvstore.common.arena import HELLO, HELLO_SESSION, MAX_HELLO_LINE, arena_identity
 from kvstore.service.auth import Authenticator
@@ -31,6 +39,22 @@ from kvstore.service.listen import check_socket_free
 from kvstore.service.liveness import ClientSessions
 
 log = logging.getLogger("kvstore.service.arena_server")
+
+HELLO_DEADLINE_S = 2.0
+"""Seconds a client has to send its whole hello line after connecting."""
+MAX_PENDING = 256
+"""Connections waiting for their hello at once."""
+
+
+class _Pending:
+    """A connection whose hello line is still arriving."""
+
+    __slots__ = ("conn", "deadline", "line")
+
+    def __init__(self, conn: socket.socket, deadline: float):
+        self.conn = conn
+        self.deadline = deadline
+        self.line = b""
 
 
 class ArenaServer:
@@ -44,20 +68,24 @@ class ArenaServer:
         sessions: opens a session per version-2 client (None: none are opened).
         max_ttl_s: the longest lease or reservation TTL the daemon grants (seconds), told
             to version-2 clients.
+        hello_deadline_s: seconds a client has to send its whole hello line.
     Raises OSError when the socket cannot be bound.
     """
 
     def __init__(self, path: str | os.PathLike, fd: int, size: int, auth: Authenticator | None = None,
-                 sessions: ClientSessions | None = None, max_ttl_s: float = 600.0):
+                 sessions: ClientSessions | None = None, max_ttl_s: float = 600.0,
+                 hello_deadline_s: float = HELLO_DEADLINE_S):
         self.path = pathlib.Path(path)
         self.fd = fd
         self.size = size
         self.auth = auth
         self.sessions = sessions
         self.max_ttl_s = max_ttl_s
+        self.hello_deadline_s = hello_deadline_s
         self.identity = arena_identity(fd)
         self.handed_out = 0
         self.refused = 0
+        self.timed_out = 0          # peers dropped for not sending their hello in time
         if self.path.is_socket():
             check_socket_free(self.path)     # OSError when another process serves it: never replaced
             self.path.unlink()
@@ -70,7 +98,9 @@ class ArenaServer:
         os.chmod(self.path, 0o600)
         self._inode = self.path.stat().st_ino
         self._sock.listen(64)
+        self._sock.setblocking(False)
         self._stop = threading.Event()
+        self._pending: dict[socket.socket, _Pending] = {}    # in arrival order
         self._thread = threading.Thread(target=self._serve, name="kvstore-arena", daemon=True)
 
     def start(self) -> "ArenaServer":
@@ -78,36 +108,73 @@ class ArenaServer:
         return self
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(timeout=0.1):
+                    if key.fileobj is self._sock:
+                        self._accept(sel)
+                    else:
+                        self._read(sel, self._pending.get(key.fileobj))
+                now = time.monotonic()
+                for p in [p for p in self._pending.values() if p.deadline <= now]:
+                    self.timed_out += 1
+                    log.info("arena hand-out: dropped a peer that sent no whole hello in %g s", self.hello_deadline_s)
+                    self._close(sel, p)
+        finally:
+            for p in list(self._pending.values()):
+                self._close(sel, p)
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        while True:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            try:
-                conn.settimeout(2.0)
-                self._handle(conn)
-            except OSError as e:
-                log.debug("arena hand-out failed: %s", e)
-            finally:
-                conn.close()
+            except OSError:             # closed by stop(), or out of descriptors: try on the next round
+                return
+            conn.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                self._close(sel, next(iter(self._pending.values())))
+            p = self._pending[conn] = _Pending(conn, time.monotonic() + self.hello_deadline_s)
+            sel.register(conn, selectors.EVENT_READ)
+            self._read(sel, p)          # the hello is often there already
 
-    def _handle(self, conn: socket.socket) -> None:
-        line = b""
-        while not line.endswith(b"\n") and len(line) < MAX_HELLO_LINE:
-            part = conn.recv(MAX_HELLO_LINE - len(line))
-            if not part:
-                return
-            line += part
+    def _read(self, sel: selectors.BaseSelector, p: _Pending | None) -> None:
+        if p is None:
+            return
+        try:
+            part = p.conn.recv(MAX_HELLO_LINE - len(p.line))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            log.debug("arena hand-out failed: %s", e)
+            self._close(sel, p)
+            return
+        p.line += part
+        if part and not p.line.endswith(b"\n") and len(p.line) < MAX_HELLO_LINE:
+            return                      # more to come
+        try:
+            if part:
+                self._answer(p.conn, p.line)
+        except OSError as e:            # the peer went, or its buffer is full: it may connect again
+            log.debug("arena hand-out failed: %s", e)
+        finally:
+            self._close(sel, p)
+
+    def _answer(self, conn: socket.socket, line: bytes) -> None:
         if not line.startswith((HELLO, HELLO_SESSION)):
             self.refused += 1
-            conn.sendall(b"ERR bad request\n")
+            conn.send(b"ERR bad request\n")
             return
         token = line[len(HELLO):].strip().decode("ascii", "replace")
         if self.auth is not None:
             meta = [("authorization", f"Bearer {token}")] if token != "-" else []
             if self.auth.tenant_for(meta) is None:
                 self.refused += 1
-                conn.sendall(b"ERR missing or wrong bearer token\n")
+                conn.send(b"ERR missing or wrong bearer token\n")
                 return
         reply = b"OK %d\n" % self.size
         if line.startswith(HELLO_SESSION):
@@ -116,8 +183,18 @@ class ArenaServer:
         socket.send_fds(conn, [reply], [self.fd])
         self.handed_out += 1
 
+    def _close(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        self._pending.pop(p.conn, None)
+        try:
+            sel.unregister(p.conn)
+        except (KeyError, ValueError):
+            pass
+        p.conn.close()
+
     def stop(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
         try:
             self._sock.close()
         except OSError:

@@ -1,12 +1,12 @@
-"""gRPC interceptors and stream guards of the daemon: bearer tokens, undecodable
-requests, idle Put streams.
+"""gRPC interceptors and handler wrappers of the daemon: bearer tokens, undecodable
+requests, one status code per failure (the bounds of streaming calls:
+:mod:`kvstore.service.streams`).
 
 - :class:`BearerTokenInterceptor` refuses calls without a configured token before any
   handler runs (every method, streaming or not; the health service stays open).
 - :class:`RequestDecodeInterceptor` hands a request whose bytes do not decode to the
   handler as a :class:`MalformedRequest`, answered INVALID_ARGUMENT with the decoder's
   message instead of grpc's bare INTERNAL.
-- :class:`StreamWatchdog` cancels client streams that send nothing for too long.
 - :func:`unary_handler` / :func:`streaming_handler` wrap each handler of the service:
   the request is checked (:func:`well_formed`), the call timed for the metrics, and
   every failure answered with one status code (:mod:`kvstore.common.status`).
@@ -14,10 +14,8 @@ requests, idle Put streams.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
 import time
 from typing import Callable
 
@@ -108,60 +106,6 @@ def _denial_handlers(code: grpc.StatusCode, message: str) -> dict[str, grpc.RpcM
         "stream_out": grpc.unary_stream_rpc_method_handler(deny),
         "stream_both": grpc.stream_stream_rpc_method_handler(deny),
     }
-
-
-class StreamWatchdog:
-    """Cancels client streams that send nothing for ``idle_s`` seconds, or no first message
-    within ``first_message_s`` seconds (default ``idle_s``).
-
-    A Put stream holds one server thread while it waits for its client; a client that
-    stops mid-stream (a paused worker) would otherwise hold that thread forever, and a
-    few such clients would starve every other caller. A client sends its first message
-    as soon as it opens a stream, so one that has sent nothing is given less time. Cancelling
-    the call ends the handler's wait; the open block is aborted (never made visible).
-    """
-
-    def __init__(self, idle_s: float, first_message_s: float | None = None):
-        self.idle_s = idle_s
-        self.first_message_s = idle_s if first_message_s is None else min(first_message_s, idle_s)
-        self._active: dict[int, list] = {}   # id -> [context, last activity (monotonic), messages seen]
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.cancelled = 0
-
-    @contextlib.contextmanager
-    def watch(self, context):
-        rec = [context, time.monotonic(), False]
-        with self._lock:
-            self._active[id(rec)] = rec
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-stream-watchdog", daemon=True)
-                self._thread.start()
-
-        def touch(iterator):
-            for item in iterator:
-                rec[1], rec[2] = time.monotonic(), True
-                yield item
-        try:
-            yield touch
-        finally:
-            with self._lock:
-                self._active.pop(id(rec), None)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.first_message_s / 4))
-            now = time.monotonic()
-            with self._lock:
-                stale = [r for r in self._active.values()
-                         if now - r[1] > (self.idle_s if r[2] else self.first_message_s)]
-            for context, _, started in stale:
-                if started:
-                    log.warning("cancelling a Put stream idle for more than %.0f s", self.idle_s)
-                else:
-                    log.warning("cancelling a Put stream that sent nothing in %.0f s", self.first_message_s)
-                self.cancelled += 1
-                context.cancel()
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.common.errors import InvalidRequest, SizeConflict
 from kvstore.store.manager import TierManager
 from kvstore.common.types import KEY_BYTES, PutResult
@@ -129,3 +130,35 @@ class PutAssembler:
             raise InvalidRequest(f"stream ended inside block {op.name} ({op.pending.written} of {op.size} bytes)")
         self._batch.end()
         return PutResult(self.stored, self.present, self.nbytes, self.refused, self.conflicts)
+
+
+def put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
+    """A put's outcome as its gRPC reply."""
+    return pb.PutReply(stored=r.stored, already_present=r.already_present, bytes_stored=r.bytes_stored,
+                       not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
+
+
+def writer_wait_left(context) -> float | None:
+    """How long a put of this call may still wait for another writer of a block (seconds;
+    None: the call has no deadline): until shortly before the call's deadline, so that it
+    ends with WriteConflict, not DEADLINE_EXCEEDED (a quarter of what is left, at least
+    1 s, is kept for the answer to travel, also on a loaded machine)."""
+    left = context.time_remaining()
+    return None if left is None else max(0.0, left - max(1.0, 0.25 * left))
+
+
+PUT_REPLY_TRAILER = "kvstore-put-reply-bin"
+"""Trailing metadata of a Put refused for a size conflict: the serialized PutReply (what
+the other blocks of the call did), so a client can tell which blocks were stored."""
+
+
+def finish_put(asm: PutAssembler, context) -> pb.PutReply:
+    """The reply of a finished put stream. A block refused for a size conflict fails the
+    call with ALREADY_EXISTS (:class:`~kvstore.common.SizeConflict`, first writer wins);
+    the other blocks of the call are stored and the reply travels in the trailer."""
+    reply = put_reply(asm.finish(), asm.detail)
+    if reply.size_conflicts:
+        context.set_trailing_metadata(((PUT_REPLY_TRAILER, reply.SerializeToString()),))
+        raise SizeConflict(f"{reply.detail} ({reply.size_conflicts} blocks refused; {reply.stored} "
+                                  f"stored, {reply.already_present} already present)")
+    return reply

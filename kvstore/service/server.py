@@ -17,7 +17,8 @@ can neither read, look up, delete, release nor commit another tenant's blocks.
 Bulk data: ``Get``/``Put`` (protobuf) and ``GetRaw``/``PutRaw`` (raw frames,
 :mod:`kvstore.common.wire`, registered by :func:`data_handler`) share :mod:`kvstore.service.get_stream`
 and :mod:`kvstore.service.put_assembly`; both keep every message under the size limit, counting
-framing and misses.
+framing and misses. Streaming calls run on threads of their own, are cancelled when they wait
+on their client too long and ended when they run too long (:mod:`kvstore.service.streams`).
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.service.auth import SHARED, Authenticator, KeySpace
 from kvstore.service.get_stream import GetPlan, proto_batches, raw_frames
-from kvstore.service.interceptors import StreamWatchdog, well_formed
+from kvstore.service.interceptors import well_formed
 from kvstore.service.interceptors import abort_call as _abort
 from kvstore.service.interceptors import streaming_handler as _streaming
 from kvstore.service.interceptors import unary_handler as _unary
 from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
-from kvstore.service.put_assembly import PutAssembler
+from kvstore.service.put_assembly import PutAssembler, finish_put, writer_wait_left
+from kvstore.service.streams import StreamGuard, on_pool
 from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER, SESSION_HEADER
 from kvstore.common.transport import FRAMING_BYTES
-from kvstore.common.types import PutResult
 from kvstore.service.hints import HintHandlers
 from kvstore.service.validate import (check_chunk_keys, check_keys, check_meta, check_number, check_ranges, check_size,
                                       check_ttl, decode_meta)
@@ -50,40 +51,11 @@ from kvstore.common.wire import META, FrameError, decode
 log = logging.getLogger("kvstore.service.server")
 
 DATA_SERVICE = "kvstore.v1.KVStoreData"
+DATA_METHODS = ("Get", "Put", "PutInline")
+"""Methods of the KVStore service that carry block data: they run on the stream threads
+(with ``GetRaw`` and ``PutRaw``), so the other threads stay free for control calls."""
 DEFAULT_LEASE_TTL_S = 30.0
 """``[server] lease_ttl_s``'s default: the longest lease or reservation granted (seconds)."""
-
-
-def _put_reply(r: PutResult, detail: str = "") -> pb.PutReply:
-    return pb.PutReply(stored=r.stored, already_present=r.already_present, bytes_stored=r.bytes_stored,
-                       not_admitted=r.not_admitted, size_conflicts=r.size_conflicts, detail=detail)
-
-
-def writer_wait_left(context) -> float | None:
-    """How long a put of this call may still wait for another writer of a block (seconds;
-    None: the call has no deadline): until shortly before the call's deadline, so that it
-    ends with WriteConflict, not DEADLINE_EXCEEDED (a quarter of what is left, at least
-    1 s, is kept for the answer to travel, also on a loaded machine)."""
-    left = context.time_remaining()
-    return None if left is None else max(0.0, left - max(1.0, 0.25 * left))
-
-
-PUT_REPLY_TRAILER = "kvstore-put-reply-bin"
-"""Trailing metadata of a Put refused for a size conflict: the serialized PutReply (what
-the other blocks of the call did), so a client can tell which blocks were stored."""
-
-
-def _finish_put(asm: PutAssembler, context) -> pb.PutReply:
-    """The reply of a finished put stream. A block refused for a size conflict fails the
-    call with ALREADY_EXISTS (:class:`~kvstore.common.errors.SizeConflict`, first writer wins);
-    the other blocks of the call are stored and the reply travels in the trailer."""
-    reply = _put_reply(asm.finish(), asm.detail)
-    if reply.size_conflicts:
-        context.set_trailing_metadata(((PUT_REPLY_TRAILER, reply.SerializeToString()),))
-        raise errors.SizeConflict(f"{reply.detail} ({reply.size_conflicts} blocks refused; {reply.stored} "
-                                  f"stored, {reply.already_present} already present)")
-    return reply
-
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -106,8 +78,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sessions: applies a :class:`~kvstore.agent.sessions.SessionHint` (monotonic seconds),
             returning the expected-back time; None: SessionHint gets FAILED_PRECONDITION.
         explain: maps a prompt's keys to an :class:`~kvstore.service.explain.Explanation`.
-        stream_idle_timeout_s, stream_first_message_s: a Put stream that sends nothing for
-            this long, or no first message for that long, is cancelled (seconds).
+        stream_idle_timeout_s: a stream waiting on its client longer is cancelled (seconds).
+        stream_first_message_s: a Put stream that sent no message yet is cancelled after
+            this long (seconds; ``stream_idle_timeout_s`` when that is shorter).
+        stream_timeout_s: a stream running longer is ended, DEADLINE_EXCEEDED (seconds).
+        stream_pool: the threads streaming calls run on (:func:`~kvstore.service.streams.on_pool`),
+            or None: the server's.
         lease_ttl_s: the longest TTL a lease or reservation is granted (seconds): a longer
             one asked for is granted this long (the reply says so), and one asked as 0 too.
     """
@@ -116,7 +92,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                  max_message_bytes: int = 64 << 20, hints=None, auth: Authenticator | None = None,
                  stream_idle_timeout_s: float = 30.0, stream_first_message_s: float = 5.0, health=None, info: pb.InfoReply | None = None,
                  observe: Callable[[str, float, str], None] | None = None, tally=None, sessions=None,
-                 explain=None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
+                 explain=None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 stream_timeout_s: float = float("inf"), stream_pool=None):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -124,7 +101,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.auth = auth
         self.health = health
         self.info = info or pb.InfoReply()
-        self.idle = StreamWatchdog(stream_idle_timeout_s, stream_first_message_s)
+        self.streams = StreamGuard(stream_idle_timeout_s, stream_timeout_s, counters=manager.counters,
+                                   first_message_s=stream_first_message_s)
+        self.stream_pool = stream_pool
+        if stream_pool is not None:        # registered from these attributes (grpc's per-method pool)
+            for name in DATA_METHODS:
+                setattr(self, name, on_pool(getattr(self, name), stream_pool))
         self.lease_ttl_s = lease_ttl_s
         self._observe = observe
         self.tally = tally
@@ -154,13 +136,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_unary
     def Put(self, request_iterator, context) -> pb.PutReply:
         space = self._space(context)
-        with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
-            for batch in touch(request_iterator):
+        with self.streams.watch(context, "Put") as watch, \
+                PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
+            for batch in watch.requests(request_iterator):
                 for c in check_chunk_keys(well_formed(batch).chunks):
                     if c.HasField("meta"):
                         asm.meta(c.key, check_meta(c.meta))
                     asm.chunk(c.key, c.total_size, c.offset, c.data)
-            return _finish_put(asm, context)
+            return finish_put(asm, context)
 
     @_unary
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
@@ -170,15 +153,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if c.HasField("meta"):
                     asm.meta(c.key, check_meta(c.meta))
                 asm.chunk(c.key, c.total_size, c.offset, c.data)
-            return _finish_put(asm, context)
+            return finish_put(asm, context)
 
     def put_raw(self, frames: Iterator[bytes], context) -> bytes:
         """``PutRaw``: raw frames in, a serialized PutReply out."""
         t0 = time.perf_counter()
         try:
             space = self._space(context)
-            with self.idle.watch(context) as touch, PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
-                for frame in touch(frames):
+            with self.streams.watch(context, "PutRaw") as watch, \
+                    PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
+                for frame in watch.requests(frames):
                     try:
                         records = decode(frame)
                     except FrameError as e:
@@ -188,7 +172,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             asm.meta(r.key, check_meta(decode_meta(r.data)))
                             continue
                         asm.chunk(r.key, r.total, r.offset, r.data)
-                return _finish_put(asm, context).SerializeToString()
+                return finish_put(asm, context).SerializeToString()
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "PutRaw")
         finally:
@@ -210,7 +194,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_streaming
     def Get(self, request: pb.GetRequest, context) -> Iterator[pb.GetBatch]:
-        yield from proto_batches(self._plan(request, context))
+        plan = self._plan(request, context)
+        with self.streams.watch(context, "Get") as watch:
+            yield from watch.replies(proto_batches(plan))
 
     def get_raw(self, request_bytes: bytes, context) -> Iterator[bytes]:
         """``GetRaw``: a serialized GetRequest in, raw frames out."""
@@ -220,7 +206,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 request = pb.GetRequest.FromString(request_bytes)
             except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
                 raise errors.InvalidRequest(f"request does not decode: {e}") from None
-            yield from raw_frames(self._plan(request, context))
+            plan = self._plan(request, context)
+            with self.streams.watch(context, "GetRaw") as watch:
+                yield from watch.replies(raw_frames(plan))
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc, "GetRaw")
         finally:
@@ -379,8 +367,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 
 def data_handler(service: KVStoreService) -> grpc.GenericRpcHandler:
-    """The raw-frame methods ``GetRaw`` and ``PutRaw`` of :data:`DATA_SERVICE`."""
+    """The raw-frame methods ``GetRaw`` and ``PutRaw`` of :data:`DATA_SERVICE` (on the
+    service's stream pool when it has one)."""
+    get_raw, put_raw = service.get_raw, service.put_raw
+    if service.stream_pool is not None:
+        get_raw, put_raw = on_pool(get_raw, service.stream_pool), on_pool(put_raw, service.stream_pool)
     return grpc.method_handlers_generic_handler(DATA_SERVICE, {
-        "GetRaw": grpc.unary_stream_rpc_method_handler(service.get_raw),
-        "PutRaw": grpc.stream_unary_rpc_method_handler(service.put_raw),
+        "GetRaw": grpc.unary_stream_rpc_method_handler(get_raw),
+        "PutRaw": grpc.stream_unary_rpc_method_handler(put_raw),
     })

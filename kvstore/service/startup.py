@@ -33,6 +33,7 @@ from kvstore.service.listen import UnixSocket, bind, check_port_free, check_sock
 from kvstore.store.manager import TierManager
 from kvstore.agent.sessions import SessionTable
 from kvstore.service.server import KVStoreService, data_handler
+from kvstore.service.streams import stream_threads
 from kvstore.common.transport import channel_options
 
 log = logging.getLogger("kvstore.service.startup")
@@ -59,6 +60,7 @@ class Daemon:
     metrics: object = None
     events: object = None
     persist_s: float = 60.0
+    pools: list = dataclasses.field(default_factory=list)   # thread pools of its own (the stream pool)
     _stopped: bool = False
 
     def __iter__(self):
@@ -81,6 +83,8 @@ class Daemon:
             item.stop()
         ev = self.server.stop(grace)
         ev.wait()
+        for pool in self.pools:
+            pool.shutdown(wait=False)
         if persist_s > 0:
             n = self.manager.persist(timeout=persist_s)
             if n:
@@ -156,14 +160,14 @@ def _start_metrics(cfg: Config, manager: TierManager, monitor: HealthMonitor, hi
 
 
 def _start_events(cfg: Config, manager: TierManager):
-    """The KV event publisher (``[events] enabled``), or None when off. It starts with the
-    blocks held now (recovered from NVMe) and then follows the catalogue's events."""
+    """The KV event publisher (``[events] enabled``), or None when off. It starts with a
+    snapshot of the blocks held now (recovered from NVMe) and then follows the catalogue's
+    events (:mod:`kvstore.service.events`)."""
     if not cfg.events.enabled:
         return None
     import zmq
 
-    from kvstore.store.catalogue import BlockEvent
-    from kvstore.service.events import KVEventPublisher
+    from kvstore.service.events import KVEventPublisher, held_blocks
     for key, endpoint in (("endpoint", cfg.events.endpoint), ("replay_endpoint", cfg.events.replay_endpoint)):
         if endpoint.startswith("tcp://") and not endpoint.startswith("tcp://*:"):
             check_port_free(endpoint[len("tcp://"):], f"events.{key}")   # every address its host stands for
@@ -173,17 +177,13 @@ def _start_events(cfg: Config, manager: TierManager):
             except OSError as e:
                 raise ConfigError(f"events.{key}: {e}") from None
     try:
-        pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters)
+        pub = KVEventPublisher(cfg.events, cfg.blocks.block_tokens, manager.counters,
+                               held=lambda: held_blocks(manager))
     except zmq.ZMQError as e:
         raise ConfigError(f"events.endpoint: cannot bind {cfg.events.endpoint} or "
                           f"{cfg.events.replay_endpoint or 'the replay endpoint'} ({e})") from None
-    with manager.lock:
-        held = [BlockEvent("stored", e.key, manager.tier_name(i), manager.tier_kind(i), e.size, "recovered",
-                           meta=e.meta)
-                for e in manager.catalogue.entries() for i in e.tiers]
-        manager.events.subscribe(pub.on_event)
-        pub.start(held)
-    return pub
+    manager.events.subscribe(pub.on_event)
+    return pub.start()
 
 
 def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, auth: Authenticator | None):
@@ -223,9 +223,13 @@ def start_server(cfg: Config) -> Daemon:
         interceptors.append(RequestDecodeInterceptor())
         # SO_REUSEPORT off: a second daemon on the same TCP port is refused, not served beside it
         options = channel_options(cfg.server.max_message_bytes) + [("grpc.so_reuseport", 0)]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server.workers,
-                                                        thread_name_prefix="kvstore-rpc"),
-                             options=options, interceptors=interceptors)
+        # streaming calls on threads of their own, so slow streams never hold a unary call's
+        # thread (kvstore.service.streams)
+        n_streams = stream_threads(cfg.server.workers, cfg.server.max_streams)
+        stream_pool = futures.ThreadPoolExecutor(max_workers=n_streams, thread_name_prefix="kvstore-stream")
+        unary_pool = futures.ThreadPoolExecutor(max_workers=cfg.server.workers - n_streams,
+                                                thread_name_prefix="kvstore-rpc")
+        server = grpc.server(unary_pool, options=options, interceptors=interceptors)
         sessions = SessionTable(manager.policies, **session_options(cfg.sessions))
         hints = _start_prefetch(cfg, manager, sessions)
         if hints is not None:
@@ -236,7 +240,7 @@ def start_server(cfg: Config) -> Daemon:
                 return sessions.apply(h, time.monotonic())
             background.append(Every(1.0, lambda: sessions.tick(time.monotonic()), "kvstore-sessions"))
         explain = _eviction_log(cfg, manager)
-        health_servicer = health.HealthServicer()
+        health_servicer = health.HealthServicer()     # non-blocking: a Watch holds no thread
         folders = {"nvme": os.path.abspath(cfg.tiers.nvme.path)} if cfg.tiers.nvme.enabled else {}
         monitor = HealthMonitor(manager, health_servicer, folders=folders, period_s=cfg.health.period_s,
                                 capacities={"nvme": cfg.tiers.nvme.capacity} if folders else None,
@@ -256,7 +260,8 @@ def start_server(cfg: Config) -> Daemon:
                                  lease_ttl_s=cfg.server.lease_ttl_s,
                                  observe=metrics.observe if metrics is not None else None,
                                  tally=metrics.tally if metrics is not None else None,
-                                 sessions=apply_hint, explain=explain)
+                                 sessions=apply_hint, explain=explain,
+                                 stream_timeout_s=cfg.server.stream_timeout_s, stream_pool=stream_pool)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         server.add_generic_rpc_handlers((data_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -282,4 +287,4 @@ def start_server(cfg: Config) -> Daemon:
     monitor.start()
     return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
                   background=background, socket=sock, metrics=metrics, events=events,
-                  persist_s=cfg.store.stop_persist_s)
+                  persist_s=cfg.store.stop_persist_s, pools=[stream_pool, unary_pool])

@@ -69,7 +69,11 @@ COUNTERS: dict[str, str] = {
     "leases_refused": "Lease calls that granted nothing: MAX_LEASES leases were alive",
     # KV events for routers
     "events_published": "KV events sent to subscribers ([events])",
-    "events_dropped": "KV events dropped because the publisher's queue was full",
+    "events_dropped": "KV events dropped because the publisher's queue was full (a snapshot replaces them)",
+    "events_snapshots": "snapshots of every block held sent to subscribers (start, joins, overflows, replay gaps)",
+    # streaming calls (Get, GetRaw, Put, PutRaw)
+    "streams_timed_out": "streaming calls ended for running longer than [server] stream_timeout_s",
+    "streams_idle_cancelled": "streaming calls cancelled: the client sent or read nothing for stream_idle_timeout_s",
     # the cluster (a remote tier, kvstore/cluster/cluster.py)
     "remote_lookups": "Lookups that asked the cluster about blocks not held here (one call each)",
     "remote_lookup_hit_blocks": "blocks Lookup found in the cluster only",
@@ -92,6 +96,7 @@ COUNTERS: dict[str, str] = {
 EVENTS = {"lookups", "puts_aborted", "reservations_expired", "reservations_reclaimed", "leases_reclaimed", "demotions_failed", "promotions_deduplicated",
           "promotions_skipped", "write_through_failed", "transfers_failed", "transfers_timed_out", "read_errors",
           "leases_granted", "leases_expired", "leases_refused", "events_published", "events_dropped",
+          "events_snapshots", "streams_timed_out", "streams_idle_cancelled",
           "remote_lookups", "remote_lookup_failures", "remote_pull_failures", "remote_calls",
           "remote_call_failures", "remote_call_timeouts", "remote_calls_refused", "remote_peer_errors"}
 

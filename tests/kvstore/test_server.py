@@ -243,10 +243,10 @@ def test_stalled_put_streams_are_cancelled_and_do_not_starve_others(tmp_path):
             assert c.stats()["tiers"]                 # answered once the idle streams are cancelled
             assert c.lookup([K(100), K(101)]).hit_blocks == 0
         for _ in range(1200):                          # the second one goes at its own deadline
-            if d.service.idle.cancelled == 2:
+            if d.service.streams.cancelled == 2:
                 break
             threading.Event().wait(0.05)
-        assert d.service.idle.cancelled == 2
+        assert d.service.streams.cancelled == 2
     finally:
         release.set()
         for t in threads:

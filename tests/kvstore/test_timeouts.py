@@ -102,7 +102,7 @@ def test_a_put_stream_that_sends_nothing_frees_its_worker_before_the_idle_timeou
         with KVStoreClient(d.address, timeout=60) as c:
             assert c.stats()["tiers"]                         # answered once the silent streams are cancelled
         deadline = time.monotonic() + 60                      # 5 s by the config, far below the 600 s idle timeout
-        while d.service.idle.cancelled < 2:
+        while d.service.streams.cancelled < 2:
             assert time.monotonic() < deadline, "silent Put streams were not cancelled"
             time.sleep(0.05)
     finally:
@@ -123,6 +123,6 @@ def test_a_stream_that_sent_a_message_gets_the_idle_timeout(tmp_path):
             yield pb.PutBatch(chunks=[pb.PutChunk(key=K, total_size=6, offset=3, data=b"def")])
         with grpc.insecure_channel(d.address) as ch:
             assert pb_grpc.KVStoreStub(ch).Put(slow(), timeout=60).stored == 1
-        assert d.service.idle.cancelled == 0
+        assert d.service.streams.cancelled == 0
     finally:
         d.stop(0)

@@ -28,7 +28,9 @@ CASES = {"n": 0}
 
 SECTIONS = {
     "server": ["listen", "max_message_bytes", "max_chunk_bytes", "workers", "auth_token", "tls_cert",
-               "tls_key", "tenants", "stop_grace_s", "eviction_log_blocks"],
+               "tls_key", "tenants", "stop_grace_s", "eviction_log_blocks", "max_streams", "stream_timeout_s",
+               "stream_idle_timeout_s"],
+    "events": ["max_queue", "buffer_steps", "batch_ms", "snapshot_interval_s"],
     "blocks": ["block_tokens", "hash"],
     "tiers": ["hbm", "host", "nvme"],
     "policy": ["eviction", "write", "params", "promote_on_get"],
@@ -73,7 +75,9 @@ def tables(draw):
 
 VALID = {
     "server": {"listen": "unix:/tmp/kvs/kvstore.sock", "max_message_bytes": "64MiB", "max_chunk_bytes": "4MiB",
-               "workers": 8, "auth_token": "", "tls_cert": "", "tls_key": "", "tenants": {"a": "token-of-tenant-a"}},
+               "workers": 8, "auth_token": "", "tls_cert": "", "tls_key": "", "tenants": {"a": "token-of-tenant-a"},
+               "max_streams": 6, "stream_timeout_s": 120.0, "stream_idle_timeout_s": 30.0},
+    "events": {"max_queue": 1000, "buffer_steps": 100, "batch_ms": 10.0, "snapshot_interval_s": 0.0},
     "blocks": {"block_tokens": 16, "hash": "sha256"},
     "tiers": {"hbm": {"enabled": False, "capacity": "1GiB", "device": 0},
               "host": {"capacity": "1GiB", "pinned": "auto", "policy": {"eviction": "lru"}},
@@ -117,7 +121,9 @@ def mutated_valid(draw):
 def check_config(cfg: config.Config) -> None:
     """Ranges that :func:`config.validate` promises once a config is accepted."""
     s = cfg.server
-    assert s.workers >= 1 and 64 << 10 <= s.max_message_bytes <= config.MAX_SIZE
+    assert s.workers >= 2 and 64 << 10 <= s.max_message_bytes <= config.MAX_SIZE
+    assert 0 <= s.max_streams < s.workers and 0 < s.stream_timeout_s < math.inf and 0 < s.stream_idle_timeout_s
+    assert 0 <= cfg.events.snapshot_interval_s < math.inf and cfg.events.max_queue >= 1
     assert 0 < s.max_chunk_bytes < s.max_message_bytes
     for name in ("hbm", "host", "nvme"):
         t = getattr(cfg.tiers, name)

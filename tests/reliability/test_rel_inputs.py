@@ -23,7 +23,7 @@ from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.client import KVStoreClient
 from kvstore.agent.tool_durations import LogNormalFit, ToolPredictor, WindowQuantile
 from kvstore.service.startup import start_server
-from kvstore.service.server import PUT_REPLY_TRAILER
+from kvstore.service.put_assembly import PUT_REPLY_TRAILER
 from kvstore.service.validate import MAX_BLOCK_BYTES, MAX_CLOCK_SKEW_S, MAX_RANGES
 from rel_support import key
 
