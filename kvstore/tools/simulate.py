@@ -54,6 +54,7 @@ from tiers.null import NullTier
 from kvstore import config as config_mod
 from kvstore.common.errors import TierFull
 from kvstore.agent.hint_model import HintCalibration
+from kvstore.agent.hint_trust import HintTrust
 from kvstore.store.manager import TierManager
 from kvstore.policy import AcceptsNextUse, EvictionEvent, UsesReuseModel, make_policy
 from kvstore.policy.reuse_model import ReuseModel
@@ -205,7 +206,7 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         session_hints: Sequence[SessionHint | None] | None = None,
         measure: tuple[float, float] | None = None,
         on_eviction: Callable[[EvictionEvent], None] | None = None,
-        scheduler_options: dict | None = None, calibration: dict | None = None,
+        scheduler_options: dict | None = None, calibration: dict | None = None, trust: dict | None = None,
         session_config: config_mod.SessionsConfig | None = None, promote_on_get: bool = True) -> SimResult:
     """Simulate ``requests`` through a :class:`TierManager` over ``tiers``.
 
@@ -233,6 +234,8 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
             :class:`~kvstore.agent.prefetch.PrefetchScheduler` (e.g. ``victim_margin``).
         calibration: keyword arguments of the session table's
             :class:`~kvstore.agent.hint_model.HintCalibration`; ``{"off": True}``: no calibration.
+        trust: keyword arguments of its :class:`~kvstore.agent.hint_trust.HintTrust`;
+            ``{"off": True}``: every hint believed as given.
         session_config: the ``[sessions]`` config of the session table (default: the defaults).
         promote_on_get: ``[policy] promote_on_get`` of the manager.
     Returns:
@@ -251,7 +254,10 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
     off = cal.pop("off", False)
     table = build.session_options(session_config or config_mod.SessionsConfig())
     table["calibrate"] = table["calibrate"] and not off
-    sessions = SessionTable(policies, calibration=HintCalibration(**cal), **table)
+    tr = dict(trust or {})
+    trusting = not tr.pop("off", False)
+    sessions = SessionTable(policies, calibration=HintCalibration(**cal), trust=HintTrust(**tr) if trusting else None,
+                            trusting=trusting, **table)
     scheduler = None
     if needs_model or events is not None:
         pf = prefetch or config_mod.PrefetchConfig()

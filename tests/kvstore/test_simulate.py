@@ -176,6 +176,9 @@ def test_cli_one_tier_hints_and_second_half(tmp_path, capsys):
     assert 0 < row["hit_rate"] <= row["opt_hit_rate"] + 1e-12
     bad = _parser().parse_args(["simulate", str(trace), "--hints", "noisy:7,e"])
     assert bad.func(bad) == 2 and "misjudged" in capsys.readouterr().err
+    args = _parser().parse_args(["simulate", str(trace), "--one-tier", "--sweep", "20", "--policies", "next_use",
+                                 "--hints", "realistic:sigma=1.5", "--no-trust", "--no-opt"])
+    assert args.func(args) == 0 and "realistic:sigma=1.5" in capsys.readouterr().out
 
 
 def test_measure_counts_a_window_and_eviction_events_reach_the_listener():
