@@ -113,6 +113,11 @@ class HintTrust:
         h, m = max(hinted_s, MIN_GAP_S), max(median_s, MIN_GAP_S)
         return math.exp(w * math.log(h) + (1.0 - w) * math.log(m))
 
+    def end_checks(self) -> tuple[float, ...]:
+        """Seconds after a finished or abandoned hint at which its session is looked at
+        for a return (a return proves it wrong at once; the last check proves it right)."""
+        return tuple(sorted({min(5.0, self.horizon_s), min(self.lapse_min_s, self.horizon_s), self.horizon_s}))
+
     def check_after(self, gap_s: float) -> float:
         """Seconds after a continuing hint at which its session is judged not coming back."""
         return max(self.lapse_factor * gap_s, self.lapse_min_s)

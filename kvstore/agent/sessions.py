@@ -273,7 +273,7 @@ class SessionTable:
         """A session said to be finished or abandoned is back: that hint was wrong."""
         e = self._ended.pop(sid, None)
         if e is not None and self.trust is not None and t - e.time <= self.trust.horizon_s:
-            self.trust.state_outcome(e.source, False)
+            self._wrong(e.source, t)
 
     def tick(self, now: float) -> None:
         """Drop the hints of sessions whose TTL ran out, and judge the hints whose time
@@ -295,14 +295,35 @@ class SessionTable:
                     back = self.owners.used_again(e.keys, e.allowed)     # its blocks were wanted
                     if back or when >= t0 + self.trust.horizon_s:        # else: looked at again later
                         del self._ended[sid]
-                        self.trust.state_outcome(e.source, not back)
+                        if back:
+                            self._wrong(e.source, now)
+                        else:
+                            self.trust.state_outcome(e.source, True)
                     continue
                 s = self._sessions.get(sid)
                 if s is not None and s.pending is not None and s.pending.hinted_at == t0:
-                    self.trust.state_outcome(s.pending.source, False)     # it did not come back
-                    s.pending = None
+                    source, s.pending = s.pending.source, None        # it did not come back
+                    self._wrong(source, now)
 
     # ------------------------------------------------------------------ internals
+
+    def _wrong(self, source: str, now: float) -> None:
+        """A hint of ``source`` turned out wrong. When that makes the source not trusted,
+        what its recent hints did is undone: the blocks its ended sessions let go are
+        revived, the hints of its continuing sessions cleared."""
+        trust = self.trust
+        was = trust.believed(source)
+        trust.state_outcome(source, False)
+        if not was or trust.believed(source):
+            return
+        for e in self._ended.values():
+            if e.source == source and e.keys:
+                for p in self.policies:
+                    p.revive(e.keys)
+        for s in self._sessions.values():
+            if s.believed and s.pending is not None and s.pending.source == source:
+                s.believed = False
+                self.owners.clear_hints(self.owners.private(s.sid, s.keys), now)
 
     def _store(self, s: _Session, old: _Session | None, now: float) -> None:
         owners = self.owners
@@ -351,8 +372,8 @@ class SessionTable:
             self._ended.move_to_end(sid)
             while len(self._ended) > self.max_sessions:
                 self._ended.popitem(last=False)
-            heapq.heappush(self._checks, (now + min(trust.lapse_min_s, trust.horizon_s), sid, now))
-            heapq.heappush(self._checks, (now + trust.horizon_s, sid, now))
+            for after in trust.end_checks():
+                heapq.heappush(self._checks, (now + after, sid, now))
 
     def _forget(self, sid: str, now: float) -> None:
         """Forget a session without letting its blocks go: its hints are dropped."""

@@ -86,6 +86,10 @@ def print_table(results: Sequence[SimResult], out=None) -> None:
                   f"({p['wasted_bytes']}/{p['promoted_bytes']} bytes), prediction MAE "
                   f"{p['prediction_mae_s']:.2f} s, median rel. error {p['prediction_median_rel_error']:.2f}",
                   file=out)
+            e = p.get("every_resume")
+            if e:
+                print(f"{'':<28} every resume: ready {e['ready_rate']:.3f} (token-weighted {e['ready_token_rate']:.3f}) "
+                      f"of {e['resumes']}, {e['not_waited']} not waited for (counted not ready)", file=out)
 
 
 def plot(results: Sequence[SimResult], path: str) -> None:

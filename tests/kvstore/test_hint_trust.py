@@ -74,6 +74,25 @@ def test_finished_sessions_that_come_back_make_their_source_ignored_and_only_it(
     assert st.stats.ignored >= 1
 
 
+def test_when_a_source_loses_trust_what_its_recent_hints_did_is_undone():
+    p = make_policy("lru", 100, tier_name="host")
+    nu = make_policy("next_use", 100, tier_name="hbm")
+    st = SessionTable([p, nu])
+    done = [key(f"v{i}") for i in range(3)]
+    for k in done + [key("c")]:
+        p.insert(k, 1, 0.0)
+        nu.insert(k, 1, 0.0)
+    st.apply(SessionHint("victim", "finished", tuple(done), source="liar"), 0.0)
+    st.apply(SessionHint("cont", "continues", (key("c"),), expected_back_s=1e4, source="liar"), 0.0)
+    assert all(p.is_let_go(k) for k in done) and nu.distance(key("c"), 0.0) == pytest.approx(1e4)
+    for i in range(6):                                    # its other finished sessions come back
+        st.apply(SessionHint(f"s{i}", "finished", (key(f"w{i}"),), source="liar"), 1.0 + i)
+        st.apply(SessionHint(f"s{i}", "continues", (key(f"w{i}"),), source="liar"), 2.0 + i)
+    assert not st.trust.believed("liar")
+    assert not any(p.is_let_go(k) or nu.is_let_go(k) for k in done)
+    assert nu.distance(key("c"), 10.0) != pytest.approx(1e4 - 10.0)      # back to the learned order
+
+
 def test_a_continuing_session_that_never_returns_is_a_wrong_hint():
     st, p = table()
     for i in range(6):
