@@ -131,6 +131,16 @@ class BlockOwners:
             self.clear_hints(kept, now)
         return go, allowed, len(kept)
 
+    def came_back(self, sid: str, named_at: float) -> bool:
+        """Whether a request of ``sid`` read its prefix after its naming at ``named_at``
+        (seconds): the deepest block it named was used since, later than its own request
+        (``own_request_s``). A return seen even when it sends no hint."""
+        n = self._named.get(sid)
+        if n is None or n.last is None or self.uses.count(n.last) <= n.seen:
+            return False
+        t = self.uses.last_time(n.last)
+        return t is not None and t > named_at + self.own_request_s
+
     def used_again(self, keys: Sequence[bytes], allowed: Sequence[int]) -> bool:
         """Whether any of ``keys`` was used beyond its allowance and the session's own
         last request: somebody came back for blocks said to be done with."""

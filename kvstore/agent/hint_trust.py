@@ -16,9 +16,11 @@ a model of hints), both updated online from what the session table observes:
 - **time weight**, how far a continuing hint's ``expected_back_s`` moves the expected
   gap from the table's own guess (the median observed gap): the two are combined in
   log space with inverse-variance weights (the minimum-variance combination of two
-  independent unbiased estimates), the variances being the mean squared log errors
-  of each against the observed gaps of this source's returns. An exact source gets a
-  weight near 1, one as noisy as the learned median gets 1/2, a random one near 0.
+  independent unbiased estimates), the variances being the mean squared log errors of
+  each against the observed gaps of this source's returns. An exact source gets a
+  weight near 1, one as noisy as the learned median 1/2, a random one near 0. The
+  session table raises the per-session correction of the hint calibration to the same
+  power (it was learned from the hinted times; where they count for little, so does it).
 
 Both start from pseudo observations (``prior_right`` / ``prior_wrong``; ``prior_var``
 for the hint and ``base_var`` for the median, each worth ``prior_weight``
@@ -99,7 +101,8 @@ class HintTrust:
         return self.state_trust(source) >= self.threshold
 
     def time_weight(self, source: str) -> float:
-        """Weight in [0, 1] of the source's hinted gaps against the learned median."""
+        """Weight in [0, 1] of the source's hinted gaps against the learned median:
+        ``E_median / (E_hint + E_median)`` (mean squared log errors)."""
         s = self._sources.get(source)
         hint_sq, base_sq = (s.hint_sq, s.base_sq) if s is not None else self.time_prior
         return base_sq / (hint_sq + base_sq) if hint_sq + base_sq > 0 else 0.5

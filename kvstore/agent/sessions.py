@@ -204,10 +204,12 @@ class SessionTable:
             gap = median if raw is None or not believed else raw
             cal = self.calibration
             if raw is not None and believed:
-                if self.trust is not None:
+                w = 1.0
+                if self.trust is not None:     # the hinted time counts as far as it has skill
+                    w = self.trust.time_weight(source)
                     gap = self.trust.expected_gap(source, raw, median)
-                if cal is not None:
-                    gap *= cal.correction(sid)
+                if cal is not None and w > 0:
+                    gap *= cal.correction(sid) ** w
             if hint.ttl_s is not None:
                 gap = min(gap, hint.ttl_s)
             deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
@@ -241,9 +243,10 @@ class SessionTable:
                 self.owners.name(session_id, keys)
             if calibrate and self.calibration is not None:
                 outcome = self.calibration.hinted(t, expected_at - t)
+            believed = calibrate or old is None or old.believed      # a renewal keeps the hint's standing
             s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
-                         old.raw_gap if old is not None else None, exact,
-                         pending=old.pending if old is not None else None)
+                         old.raw_gap if old is not None else None, exact, believed,
+                         old.pending if old is not None else None)
             self._store(s, old, now)
 
     def returned(self, session_id: str, t: float) -> None:
@@ -302,8 +305,11 @@ class SessionTable:
                     continue
                 s = self._sessions.get(sid)
                 if s is not None and s.pending is not None and s.pending.hinted_at == t0:
-                    source, s.pending = s.pending.source, None        # it did not come back
-                    self._wrong(source, now)
+                    source, s.pending = s.pending.source, None
+                    if self.owners.came_back(sid, t0):                 # it read its prefix again
+                        self.trust.state_outcome(source, True)
+                    else:                                               # it did not come back
+                        self._wrong(source, now)
 
     # ------------------------------------------------------------------ internals
 

@@ -60,5 +60,10 @@ class UseLedger:
         rec = self._uses.get(key)
         return rec[0] if rec is not None else 0
 
+    def last_time(self, key: bytes) -> float | None:
+        """When ``key`` was last used (seconds; None when unknown)."""
+        rec = self._uses.get(key)
+        return rec[1] if rec is not None else None
+
     def __len__(self) -> int:
         return len(self._uses)

@@ -39,16 +39,19 @@ def test_a_source_that_is_always_wrong_falls_below_the_threshold_and_recovers():
 def test_the_time_weight_is_the_inverse_variance_weight_of_hint_and_median():
     trust = HintTrust(prior_weight=1e-9, memory=1e9)      # (almost) no prior and no fading: the data alone
     rng = random.Random(1)
-    for _ in range(3000):                                 # hint off by exp(N(0, 1.5)), median by exp(N(0, 1))
+    for _ in range(3000):          # hints off by exp(N(0, 0.5)) or exp(N(0, 1.5)), the median by exp(N(0, 1))
         gap = 60.0
-        trust.time_outcome("s", gap, gap * math.exp(rng.gauss(0, 1.5)), gap * math.exp(rng.gauss(0, 1.0)))
-    assert trust.time_weight("s") == pytest.approx(1.0 / (1.0 + 2.25), abs=0.03)
+        median = gap * math.exp(rng.gauss(0, 1.0))
+        trust.time_outcome("good", gap, gap * math.exp(rng.gauss(0, 0.5)), median)
+        trust.time_outcome("poor", gap, gap * math.exp(rng.gauss(0, 1.5)), median)
+    assert trust.time_weight("good") == pytest.approx(1.0 / (1.0 + 0.25), abs=0.03)
+    assert trust.time_weight("poor") == pytest.approx(1.0 / (1.0 + 2.25), abs=0.03)
     for _ in range(100):
         trust.time_outcome("exact", 30.0, 30.0, 300.0)
     assert trust.time_weight("exact") == pytest.approx(1.0)
     assert trust.expected_gap("exact", 30.0, 300.0) == pytest.approx(30.0)
-    w = trust.time_weight("s")
-    assert trust.expected_gap("s", 10.0, 1000.0) == pytest.approx(10.0 ** w * 1000.0 ** (1 - w))
+    w = trust.time_weight("poor")
+    assert trust.expected_gap("poor", 10.0, 1000.0) == pytest.approx(10.0 ** w * 1000.0 ** (1 - w))
     assert HintTrust().expected_gap("unknown", 10.0, 1000.0) == 10.0     # believed as given at first
 
 
@@ -93,12 +96,37 @@ def test_when_a_source_loses_trust_what_its_recent_hints_did_is_undone():
     assert nu.distance(key("c"), 10.0) != pytest.approx(1e4 - 10.0)      # back to the learned order
 
 
+def test_an_ignored_hint_stays_ignored_when_the_prefetch_scheduler_renews_it():
+    nu = make_policy("next_use", 100, tier_name="hbm")
+    st = SessionTable([nu])
+    for _ in range(6):
+        st.trust.state_outcome("liar", False)
+    nu.insert(key("k"), 1, 0.0)
+    st.apply(SessionHint("s", "continues", (key("k"),), expected_back_s=500.0, source="liar"), 0.0)
+    st.expect("s", [], 300.0, now=1.0, hinted_at=1.0)                 # a renewal (not a tool call)
+    assert key("k") not in nu.hint_groups
+    st.expect("s", [], 20.0, now=2.0, hinted_at=2.0, calibrate=True)  # a tool call: the daemon's own guess
+    assert key("k") in nu.hint_groups
+
+
 def test_a_continuing_session_that_never_returns_is_a_wrong_hint():
     st, p = table()
     for i in range(6):
         st.apply(SessionHint(f"c{i}", "continues", (key(f"c{i}"),), expected_back_s=2.0, source="ghost"), 10.0 * i)
     st.tick(1000.0)                                       # 10 x 2 s, at least 60 s: judged
     assert not st.trust.believed("ghost")
+
+
+def test_a_continuing_session_that_returns_without_a_hint_proves_its_hint_right():
+    st, p = table()
+    for i in range(8):
+        k, t = key(f"q{i}"), 100.0 * i
+        p.admit(k, 1, t)
+        p.insert(k, 1, t)
+        st.apply(SessionHint(f"q{i}", "continues", (k,), expected_back_s=2.0, source="terse"), t)
+        p.access(k, t + 20.0)                             # back, reading its prefix, and no hint
+        st.tick(t + 99.0)
+    assert st.trust.state_trust("terse") > 0.9
 
 
 def test_a_finished_session_whose_blocks_are_read_again_without_a_hint_is_a_wrong_hint():
