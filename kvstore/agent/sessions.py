@@ -16,7 +16,13 @@ or a conversation) after a request:
   evicted tail first, so a partly evicted prefix keeps its head); policies without
   next-use support (LRU, ARC, S3-FIFO) ignore this;
 - a finished or abandoned session's private blocks are *let go*: the first victims
-  of every policy, refused by a full tier (:meth:`EvictionPolicy.let_go`);
+  of every policy, refused by a full tier (:meth:`EvictionPolicy.let_go`), but only
+  those that nothing else used since the session named them
+  (:class:`kvstore.agent.block_owners.BlockOwners`: every use of a block is counted, a
+  session explains one per request it made); a block used more often is shared with
+  traffic the table does not see (a system prompt read by plain requests, another
+  client) and keeps its place, and a block let go that somebody else uses later is
+  revived by the policies;
 - blocks a second session also uses (system prompts, shared documents) get no session
   hint: the learned reuse model (``next_use``) or the policy's own order decides;
 - a new prefix that drops some of the session's earlier private blocks (context
@@ -29,6 +35,13 @@ between a session's "continues" and its next hint (sliding window), capped by th
 Tool calls (:mod:`kvstore.agent.prefetch`) refine the time through :meth:`SessionTable.expect`.
 Hints are optional: without any, nothing here runs.
 
+Hints never hurt more than ignoring them: each source's hints are checked against the
+returns the table observes (:class:`kvstore.agent.hint_trust.HintTrust`: a continuing
+session that does not come back, a finished one that does, an ``expected_back_s`` far
+off). A source whose states keep turning out wrong is ignored (its hints are recorded
+and judged, but move nothing), and a hinted gap moves the expected gap away from the
+learned median only as far as the source's past errors warrant.
+
 Everything is plain Python with explicit times (seconds), for the daemon (wall clock)
 and ``kvstore simulate`` (virtual clock). Thread-safe: one lock per table; it never takes
 the tier manager's lock (the policies guard their own state).
@@ -36,73 +49,42 @@ the tier manager's lock (the policies guard their own state).
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from kvstore.common.errors import InvalidRequest
+from kvstore.agent.block_owners import BlockOwners
 from kvstore.agent.hint_model import HintCalibration
+from kvstore.agent.hint_trust import HintTrust
+from kvstore.agent.session_hint import MAX_SOURCE_CHARS, SessionHint, SessionState, source_of
 from kvstore.policy import AcceptsNextUse, CalibratesHints, EvictionPolicy
 
-_SHARED = object()     # owner marker of a key used by two or more sessions
+__all__ = ["MAX_SOURCE_CHARS", "SessionHint", "SessionState", "SessionStats", "SessionTable", "source_of"]
 
 
-class SessionState(str, enum.Enum):
-    """What a session hint says about the session's future."""
+@dataclass
+class _Pending:
+    """A source's continuing hint, to be judged by the session's return."""
 
-    CONTINUES = "continues"
-    FINISHED = "finished"
-    ABANDONED = "abandoned"
+    source: str
+    hinted_at: float
+    raw_gap: float | None        # the hint's expected_back_s
+    median: float                # the table's own guess then
 
 
-@dataclass(frozen=True)
-class SessionHint:
-    """One hint about one session.
+@dataclass
+class _Ended:
+    """A finished or abandoned session, watched for a return that proves its hint wrong."""
 
-    Attributes:
-        session_id: the session (trajectory, conversation); non-empty.
-        state: :class:`SessionState`.
-        keys: the session's stored prefix blocks in prefix order (32-byte keys); empty:
-            the keys of its previous hint.
-        expected_back_s: seconds from ``time`` until its next request (continues only;
-            None: unknown, learned).
-        ttl_s: keep its blocks near for at most this many seconds (continues only;
-            None: no limit).
-        time: when the hint applies (seconds, the table's clock; None: now).
-    Raises:
-        InvalidRequest: empty id, negative or non-finite times, bad keys.
-    """
-
-    session_id: str
-    state: SessionState
-    keys: tuple[bytes, ...] = ()
-    expected_back_s: float | None = None
-    ttl_s: float | None = None
-    time: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.session_id, str) or not self.session_id:
-            raise InvalidRequest("session hint: session_id must be a non-empty string")
-        try:
-            object.__setattr__(self, "state", SessionState(self.state))
-        except ValueError:
-            raise InvalidRequest(f"session hint: state must be one of "
-                                 f"{[s.value for s in SessionState]}, got {self.state!r}") from None
-        for name in ("expected_back_s", "ttl_s", "time"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v < 0):
-                raise InvalidRequest(f"session hint: {name} must be a finite number >= 0, got {v!r}")
-        keys = tuple(self.keys)
-        if any(not isinstance(k, (bytes, bytearray)) or len(k) != 32 for k in keys):
-            raise InvalidRequest("session hint: keys must be 32-byte block keys")
-        object.__setattr__(self, "keys", tuple(bytes(k) for k in keys))
+    source: str
+    time: float
+    keys: list[bytes]            # the blocks it would let go ...
+    allowed: list[int]           # ... and the uses each is allowed
 
 
 @dataclass
@@ -116,6 +98,8 @@ class _Session:
     outcome: list | None = None    # HintCalibration record of this hint
     raw_gap: float | None = None   # the gap the hint gave (before the session's correction)
     exact: bool = False            # a commitment (kept until used), not a prediction
+    believed: bool = True          # its source is trusted: the hint moves placement
+    pending: _Pending | None = None
 
 
 @dataclass
@@ -127,6 +111,8 @@ class SessionStats:
     finished: int = 0
     abandoned: int = 0
     released_blocks: int = 0     # blocks let go (the name is the simulator report's key)
+    kept_used: int = 0           # blocks of ended sessions kept: somebody else used them
+    ignored: int = 0             # hints of a source not trusted: recorded, moved nothing
     lapsed: int = 0
     returns: int = 0
 
@@ -143,29 +129,36 @@ class SessionTable:
         calibration: the hint calibration (default: a new one); None-like behaviour
             (fixed overdue rule, no correction) with ``calibrate=False``.
         calibrate: learn from hint outcomes and correct per session.
+        trust: per-source trust (default: a new :class:`HintTrust`); with
+            ``trusting=False`` every hint is believed as given.
         default_gap_s: expected gap before any was observed (seconds).
         window: observed gaps kept for the learned median.
         max_sessions: sessions remembered; the least recently hinted are forgotten
             (their hints dropped, nothing let go).
         max_keys: keys whose owner is remembered (to tell private from shared).
+        own_request_s: see :class:`~kvstore.agent.block_owners.BlockOwners` (seconds).
     """
 
     def __init__(self, policies: Sequence[EvictionPolicy], *, calibration: HintCalibration | None = None,
-                 calibrate: bool = True, default_gap_s: float = 60.0,
-                 window: int = 256, max_sessions: int = 100_000, max_keys: int = 4_000_000):
+                 calibrate: bool = True, trust: HintTrust | None = None, trusting: bool = True,
+                 default_gap_s: float = 60.0, window: int = 256, max_sessions: int = 100_000,
+                 max_keys: int = 4_000_000, own_request_s: float = 5.0):
         self.policies = list(policies)
         self._next_use = [p for p in self.policies if isinstance(p, AcceptsNextUse)]
         self.calibration = (calibration or HintCalibration()) if calibrate else None
         for p in self.policies:
             if isinstance(p, CalibratesHints):
                 p.use_calibration(self.calibration)
+        self.trust = (trust or HintTrust()) if trusting else None
+        self.owners = BlockOwners(self.policies, max_keys, own_request_s)
+        self.uses = self.owners.uses
         self.default_gap_s = default_gap_s
         self.max_sessions = max_sessions
-        self.max_keys = max_keys
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._owner: OrderedDict[bytes, object] = OrderedDict()    # key -> sid or _SHARED
+        self._ended: OrderedDict[str, _Ended] = OrderedDict()
         self._gaps: deque[float] = deque(maxlen=window)
         self._deadlines: list[tuple[float, str]] = []
+        self._checks: list[tuple[float, str, float]] = []     # (when, sid, hint time): judge a hint
         self.stats = SessionStats()
         self._lock = threading.RLock()
 
@@ -183,7 +176,7 @@ class SessionTable:
         """The session's keys no other session uses, in prefix order."""
         with self._lock:
             s = self._sessions.get(session_id)
-            return [] if s is None else [k for k in s.keys if self._owner.get(k) == session_id]
+            return [] if s is None else self.owners.private(session_id, s.keys)
 
     # ------------------------------------------------------------------ hints
 
@@ -192,33 +185,42 @@ class SessionTable:
         (absolute seconds; ``inf`` for finished / abandoned)."""
         with self._lock:
             t = now if hint.time is None else hint.time
+            sid, source = hint.session_id, source_of(hint)
             self.stats.hints += 1
-            old = self._sessions.get(hint.session_id)
+            self._came_back(sid, t)
+            old = self._sessions.get(sid)
             if old is not None and hint.state != SessionState.ABANDONED:   # it came back
                 self._returned(old, t)
             keys = hint.keys or (old.keys if old is not None else ())
+            self.owners.name(sid, keys)
+            believed = self.trust is None or self.trust.believed(source)
+            self.stats.ignored += not believed
             if hint.state != SessionState.CONTINUES:
-                self._end(hint.session_id, hint.state, keys, t)
+                self._end(sid, hint.state, keys, t, source, believed)
                 return math.inf
             self.stats.continues += 1
+            median = self.expected_gap()
             raw = hint.expected_back_s
-            if raw is None:
-                raw = self.expected_gap()
-                if hint.ttl_s is not None:
-                    raw = min(raw, hint.ttl_s)
-            gap = raw
+            gap = median if raw is None or not believed else raw
             cal = self.calibration
-            if cal is not None and hint.expected_back_s is not None:
-                gap = raw * cal.correction(hint.session_id)
-                if hint.ttl_s is not None:
-                    gap = min(gap, hint.ttl_s)
+            if raw is not None and believed:
+                w = 1.0
+                if self.trust is not None:     # the hinted time counts as far as it has skill
+                    w = self.trust.time_weight(source)
+                    gap = self.trust.expected_gap(source, raw, median)
+                if cal is not None and w > 0:
+                    gap *= cal.correction(sid) ** w
+            if hint.ttl_s is not None:
+                gap = min(gap, hint.ttl_s)
             deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
-            s = _Session(hint.session_id, SessionState.CONTINUES, keys, t, t + gap, deadline,
-                         cal.hinted(t, gap) if cal is not None else None,
-                         hint.expected_back_s)
+            s = _Session(sid, SessionState.CONTINUES, keys, t, t + gap, deadline,
+                         cal.hinted(t, gap) if cal is not None and believed else None, raw,
+                         believed=believed, pending=_Pending(source, t, raw, median))
             self._store(s, old, now)
             if deadline < math.inf:
-                heapq.heappush(self._deadlines, (deadline, s.sid))
+                heapq.heappush(self._deadlines, (deadline, sid))
+            if self.trust is not None:
+                heapq.heappush(self._checks, (t + self.trust.check_after(gap), sid, t))
             return s.expected
 
     def expect(self, session_id: str, keys: Sequence[bytes], expected_at: float, now: float,
@@ -227,18 +229,24 @@ class SessionTable:
         continues with prefix ``keys`` (empty: as before) and is expected at
         ``expected_at`` (absolute seconds), as predicted at ``hinted_at`` (default: the
         session's last hint, or now). Does not count as the session's return; with
-        ``calibrate`` the prediction's outcome is learned (call :meth:`returned`);
-        ``exact``: the time is a commitment (paged-back blocks to keep until used)."""
+        ``calibrate`` (a tool call: a request of the session) the prediction's outcome
+        is learned (call :meth:`returned`); ``exact``: the time is a commitment
+        (paged-back blocks to keep until used)."""
         with self._lock:
             old = self._sessions.get(session_id)
             keys = tuple(keys) or (old.keys if old is not None else ())
             deadline = old.deadline if old is not None else math.inf
             t = old.hinted_at if (old is not None and hinted_at is None) else (now if hinted_at is None else hinted_at)
             outcome = old.outcome if old is not None else None
+            if calibrate:
+                self._came_back(session_id, now)
+                self.owners.name(session_id, keys)
             if calibrate and self.calibration is not None:
                 outcome = self.calibration.hinted(t, expected_at - t)
+            believed = calibrate or old is None or old.believed      # a renewal keeps the hint's standing
             s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
-                         old.raw_gap if old is not None else None, exact)
+                         old.raw_gap if old is not None else None, exact, believed,
+                         old.pending if old is not None else None)
             self._store(s, old, now)
 
     def returned(self, session_id: str, t: float) -> None:
@@ -246,12 +254,11 @@ class SessionTable:
         the hint's outcome and drop it (the blocks are in use; the policy's own order
         takes over until the next hint)."""
         with self._lock:
+            self._came_back(session_id, t)
             s = self._sessions.get(session_id)
             if s is not None:
                 self._returned(s, t)
-                private = [k for k in s.keys if self._owner.get(k) == session_id]
-                for p in self._next_use:
-                    p.clear_hints(private, t)
+                self.owners.clear_hints(self.owners.private(session_id, s.keys), t)
 
     def _returned(self, s: _Session, t: float) -> None:
         self._gaps.append(max(t - s.hinted_at, 0.0))
@@ -259,9 +266,21 @@ class SessionTable:
         if self.calibration is not None and s.outcome is not None:
             self.calibration.returned(s.outcome, s.sid, t, s.raw_gap)
             s.outcome = None
+        p, s.pending = s.pending, None
+        if p is not None and self.trust is not None:
+            self.trust.state_outcome(p.source, True)
+            if p.raw_gap is not None:
+                self.trust.time_outcome(p.source, t - p.hinted_at, p.raw_gap, p.median)
+
+    def _came_back(self, sid: str, t: float) -> None:
+        """A session said to be finished or abandoned is back: that hint was wrong."""
+        e = self._ended.pop(sid, None)
+        if e is not None and self.trust is not None and t - e.time <= self.trust.horizon_s:
+            self._wrong(e.source, t)
 
     def tick(self, now: float) -> None:
-        """Drop the hints of sessions whose TTL ran out (seconds)."""
+        """Drop the hints of sessions whose TTL ran out, and judge the hints whose time
+        to be proven wrong has passed (seconds)."""
         with self._lock:
             dl = self._deadlines
             while dl and dl[0][0] <= now:
@@ -271,73 +290,100 @@ class SessionTable:
                     continue
                 self.stats.lapsed += 1
                 self._forget(sid, now)
+            checks = self._checks
+            while checks and checks[0][0] <= now:
+                when, sid, t0 = heapq.heappop(checks)
+                e = self._ended.get(sid)
+                if e is not None and e.time == t0:
+                    back = self.owners.used_again(e.keys, e.allowed)     # its blocks were wanted
+                    if back or when >= t0 + self.trust.horizon_s:        # else: looked at again later
+                        del self._ended[sid]
+                        if back:
+                            self._wrong(e.source, now)
+                        else:
+                            self.trust.state_outcome(e.source, True)
+                    continue
+                s = self._sessions.get(sid)
+                if s is not None and s.pending is not None and s.pending.hinted_at == t0:
+                    source, s.pending = s.pending.source, None
+                    if self.owners.came_back(sid, t0):                 # it read its prefix again
+                        self.trust.state_outcome(source, True)
+                    else:                                               # it did not come back
+                        self._wrong(source, now)
 
     # ------------------------------------------------------------------ internals
 
-    def _claim(self, sid: str, keys: Iterable[bytes], now: float) -> list[bytes]:
-        """Record ``sid`` as a user of ``keys``; returns those private to it. A key
-        another session uses becomes shared: its hints are cleared."""
-        private, became_shared = [], []
-        owner = self._owner
-        for k in keys:
-            o = owner.get(k)
-            if o is None or o == sid:
-                owner[k] = sid
-                owner.move_to_end(k)
-                private.append(k)
-            elif o is not _SHARED:
-                owner[k] = _SHARED
-                became_shared.append(k)
-        while len(owner) > self.max_keys:
-            owner.popitem(last=False)
-        if became_shared:
-            for p in self.policies:
-                p.revive(became_shared)
-            for p in self._next_use:
-                p.clear_hints(became_shared, now)
-        return private
+    def _wrong(self, source: str, now: float) -> None:
+        """A hint of ``source`` turned out wrong. When that makes the source not trusted,
+        what its recent hints did is undone: the blocks its ended sessions let go are
+        revived, the hints of its continuing sessions cleared."""
+        trust = self.trust
+        was = trust.believed(source)
+        trust.state_outcome(source, False)
+        if not was or trust.believed(source):
+            return
+        for e in self._ended.values():
+            if e.source == source and e.keys:
+                for p in self.policies:
+                    p.revive(e.keys)
+        for s in self._sessions.values():
+            if s.believed and s.pending is not None and s.pending.source == source:
+                s.believed = False
+                self.owners.clear_hints(self.owners.private(s.sid, s.keys), now)
 
     def _store(self, s: _Session, old: _Session | None, now: float) -> None:
-        private = self._claim(s.sid, s.keys, now)
+        owners = self.owners
+        private = owners.claim(s.sid, s.keys, now)
         if old is not None and old.keys != s.keys:
             now_keys = set(s.keys)
-            dropped = [k for k in old.keys if k not in now_keys and self._owner.get(k) == s.sid]
-            if dropped:
-                self._let_go(dropped)
+            dropped = [k for k in owners.private(s.sid, old.keys) if k not in now_keys]
+            if dropped and s.believed:
+                go, _, kept = owners.let_go(s.sid, dropped, now)
+                self.stats.released_blocks += len(go)
+                self.stats.kept_used += kept
         self._sessions[s.sid] = s
         self._sessions.move_to_end(s.sid)
         for p in self.policies:
             p.revive(private)
-        for p in self._next_use:
-            p.set_next_use(private, s.expected, now, since=s.hinted_at, exact=s.exact)
+        if s.believed:
+            for p in self._next_use:
+                p.set_next_use(private, s.expected, now, since=s.hinted_at, exact=s.exact)
+        else:
+            owners.clear_hints(private, now)
         while len(self._sessions) > self.max_sessions:
-            sid = next(iter(self._sessions))
-            self._forget(sid, now)
+            self._forget(next(iter(self._sessions)), now)
 
-    def _end(self, sid: str, state: SessionState, keys: Sequence[bytes], now: float) -> None:
+    def _end(self, sid: str, state: SessionState, keys: Sequence[bytes], now: float, source: str,
+             believed: bool) -> None:
         if state == SessionState.FINISHED:
             self.stats.finished += 1
         else:
             self.stats.abandoned += 1
-        private = self._claim(sid, keys, now)
+        owners = self.owners
+        private = owners.claim(sid, keys, now)
         old = self._sessions.pop(sid, None)
         if old is not None:
             seen = set(private)
-            private += [k for k in old.keys if self._owner.get(k) == sid and k not in seen]
-        self._let_go(private)
-        for k in private:
-            self._owner.pop(k, None)
-
-    def _let_go(self, keys: list[bytes]) -> None:
-        self.stats.released_blocks += len(keys)
-        for p in self.policies:
-            p.let_go(keys)
+            private += [k for k in owners.private(sid, old.keys) if k not in seen]
+        go, allowed, kept = owners.let_go(sid, private, now, apply=believed)
+        if believed:
+            self.stats.released_blocks += len(go)
+            self.stats.kept_used += kept
+        else:
+            owners.clear_hints(private, now)
+        owners.end(sid, private)
+        trust = self.trust
+        if trust is not None:
+            self._ended[sid] = _Ended(source, now, go, allowed)
+            self._ended.move_to_end(sid)
+            while len(self._ended) > self.max_sessions:
+                self._ended.popitem(last=False)
+            for after in trust.end_checks():
+                heapq.heappush(self._checks, (now + after, sid, now))
 
     def _forget(self, sid: str, now: float) -> None:
         """Forget a session without letting its blocks go: its hints are dropped."""
         s = self._sessions.pop(sid, None)
-        if s is None:
-            return
-        private = [k for k in s.keys if self._owner.get(k) == sid]
-        for p in self._next_use:
-            p.clear_hints(private, now)
+        self.owners.forget(sid)
+        if s is not None:
+            self.owners.clear_hints(self.owners.private(sid, s.keys), now)

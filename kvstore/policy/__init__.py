@@ -1,7 +1,8 @@
 """Eviction policies: the order in which one tier's resident blocks leave, selectable by name
 in the TOML config. It owns the interface and its registry (``base``: an
 :class:`EvictionPolicy` picks the next victim with :meth:`~EvictionPolicy.victim`, and a
-finished session's blocks, let go, go first under every policy), the policies ``lru``,
+finished session's blocks, let go, go first under every policy, until a use nobody
+explains takes the let-go back: ``uses``), the policies ``lru``,
 ``arc``, ``s3fifo``, ``next_use`` (daemon policies) and ``opt`` (Belady's MIN, the
 simulator's oracle), the optional hint protocols a policy may take (``hints``), and what
 ``next_use`` predicts with: the learned reuse model (``reuse_model``) and the explicit

@@ -18,9 +18,13 @@ Protocol, as seen from the manager::
 On top of that every policy honours blocks *let go* (:meth:`EvictionPolicy.let_go`):
 blocks whose session finished or was abandoned (session hints, :mod:`kvstore.agent.sessions`)
 are the first victims, in the order let go (within one call: last block first, so a
-prefix shrinks from its tail), and a full tier refuses to admit them. A hit does not
-revive a block let go (the finished session's own last request reads it after its
-hint); a new session that uses it does (:meth:`EvictionPolicy.revive`).
+prefix shrinks from its tail), and a full tier refuses to admit them. A let-go is
+advisory and is taken back by evidence: every use of a block (a hit, a put asking for
+admission) is counted in a :class:`~kvstore.policy.uses.UseLedger`, each let-go block
+carries the number of uses its session explains (its own last request may read it
+after the hint), and a block used more often than that is somebody else's too: it is
+revived, and admitted like any other. A new session that names it revives it too
+(:meth:`EvictionPolicy.revive`).
 
 Subclasses implement the policy proper in ``_insert``, ``_access``, ``_remove``,
 ``_victim`` (and optionally ``_evicted``, ``_admit``, ``victim_reason``); the public
@@ -37,12 +41,14 @@ Subclasses register with :func:`register` and are built from config by
 from __future__ import annotations
 
 import abc
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from kvstore.common.errors import ConfigError, KVStoreError
+from kvstore.policy.uses import UseLedger
 
 MAX_LET_GO = 1 << 20
 """Keys let go remembered per policy (oldest forgotten first)."""
@@ -97,25 +103,46 @@ class EvictionPolicy(abc.ABC):
         self.listener: Callable[[EvictionEvent], None] | None = None
         self._sizes: dict[bytes, int] = {}
         self._used = 0
-        self._let_go: OrderedDict[bytes, None] = OrderedDict()           # resident or not
+        self.uses = UseLedger()                                          # shared by share_uses
+        self._let_go: OrderedDict[bytes, int] = OrderedDict()            # resident or not -> uses allowed
         self._let_go_resident: OrderedDict[bytes, None] = OrderedDict()  # eviction order
         self._victim_now = 0.0
+        self._now = -math.inf            # the latest time any call gave
         # hints (let_go / revive, next_use's set_next_use) come from RPC or prefetch
         # threads while the manager calls the protocol under its own lock: one lock here
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ blocks let go
 
-    def let_go(self, keys: Iterable[bytes]) -> None:
+    def share_uses(self, ledger: UseLedger) -> None:
+        """Count uses in ``ledger`` (one for all the tiers of a manager, so a use seen by
+        two tiers counts once and the session table reads the same counts)."""
+        with self._lock:
+            self.uses = ledger
+
+    def let_go(self, keys: Iterable[bytes], allowances: Iterable[int] | None = None,
+               until: float = math.inf) -> None:
         """The sessions using ``keys`` ended: evict them first, refuse them when full.
 
         ``keys`` in prefix order; they leave last first. Keys not resident here are
         remembered (up to :data:`MAX_LET_GO`) in case they arrive later (a demotion,
         or the put of a finished session's last request).
+
+        Args:
+            keys: the blocks, in prefix order.
+            allowances: per key, the uses (:attr:`uses`) the ended session explains
+                (default: the uses so far); a key already used more often is not let go.
+            until: one more use before this time (seconds) is the session's own last
+                request (a hint that came with it, before its reads and puts); any other
+                use beyond the allowance revives the key.
         """
         with self._lock:
-            for key in reversed(list(keys)):
-                self._let_go[key] = None
+            keys = list(keys)
+            allowed = list(allowances) if allowances is not None else [self.uses.count(k) for k in keys]
+            for key, allow in zip(reversed(keys), reversed(allowed)):
+                if self.uses.count(key) > allow:
+                    continue
+                self._let_go[key] = [allow, until]
                 self._let_go.move_to_end(key)
                 if key in self._sizes:
                     self._let_go_resident[key] = None
@@ -133,8 +160,25 @@ class EvictionPolicy(abc.ABC):
                     self._let_go_resident.pop(key, None)
 
     def is_let_go(self, key: bytes) -> bool:
-        """Whether ``key`` was let go (and not revived since)."""
-        return key in self._let_go
+        """Whether ``key`` was let go and nobody but its session used it since."""
+        with self._lock:
+            return self._still_let_go(key, self._now)
+
+    def _still_let_go(self, key: bytes, now: float) -> bool:
+        """Whether ``key`` is let go at ``now``; revives it when used beyond its
+        allowance (lock held)."""
+        rec = self._let_go.get(key)
+        if rec is None:
+            return False
+        used = self.uses.count(key)
+        if used <= rec[0]:
+            return True
+        if used == rec[0] + 1 and now <= rec[1]:     # the session's own last request
+            rec[0], rec[1] = used, -math.inf
+            return True
+        del self._let_go[key]
+        self._let_go_resident.pop(key, None)
+        return False
 
     @property
     def used_bytes(self) -> int:
@@ -147,7 +191,9 @@ class EvictionPolicy(abc.ABC):
         """Whether a new block may enter this tier at all: not a block let go when the
         tier is full; otherwise the policy's own rule (default: always)."""
         with self._lock:
-            if key in self._let_go and self._used + nbytes > self.capacity_bytes:
+            self._now = max(self._now, now)
+            self.uses.note(key, now, self)              # a put: a use (one per put, over all tiers)
+            if self._still_let_go(key, now) and self._used + nbytes > self.capacity_bytes:
                 return False
             return self._admit(key, nbytes, now)
 
@@ -157,13 +203,17 @@ class EvictionPolicy(abc.ABC):
             if key not in self._sizes:
                 self._sizes[key] = nbytes
                 self._used += nbytes
-                if key in self._let_go:
+                if self._still_let_go(key, now):
                     self._let_go_resident[key] = None
             self._insert(key, nbytes, now)
 
     def access(self, key: bytes, now: float) -> None:
         """A hit on resident ``key``."""
         with self._lock:
+            self._now = max(self._now, now)
+            self.uses.note(key, now, self)
+            if key in self._let_go:
+                self._still_let_go(key, now)
             self._access(key, now)
 
     def remove(self, key: bytes) -> None:
@@ -197,10 +247,19 @@ class EvictionPolicy(abc.ABC):
         """
         with self._lock:
             self._victim_now = now
+            self._now = max(self._now, now)
+            revived = []
+            chosen = None
             for key in self._let_go_resident:
-                if evictable(key):
-                    return key
-            return self._victim(evictable, incoming, now)
+                if self.uses.count(key) > self._let_go[key][0]:
+                    revived.append(key)
+                elif evictable(key):
+                    chosen = key
+                    break
+            for key in revived:
+                if self._still_let_go(key, now) and chosen is None and evictable(key):
+                    chosen = key
+            return chosen if chosen is not None else self._victim(evictable, incoming, now)
 
     def _forget(self, key: bytes) -> None:
         n = self._sizes.pop(key, None)

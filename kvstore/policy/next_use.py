@@ -259,7 +259,7 @@ class NextUsePolicy(EvictionPolicy):
     # ------------------------------------------------------------------ scoring
 
     def _distance_new(self, key: bytes, now: float) -> float:
-        if key in self._let_go:
+        if self._still_let_go(key, now):
             return math.inf
         h = self.hint_groups.group_of(key)
         if h is not None:
@@ -273,7 +273,7 @@ class NextUsePolicy(EvictionPolicy):
         """Predicted distance (seconds) of ``key`` to its next use; inf when let go."""
         with self._lock:
             g = self._group_of.get(key)
-            if g is None or key in self._let_go:
+            if g is None or self._still_let_go(key, now):
                 return self._distance_new(key, now)
             return self.model.distance(g.cls, now - g.t0)
 

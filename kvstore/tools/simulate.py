@@ -24,9 +24,11 @@ of the summed capacity of all tiers, fed each key's true next use.
 With a tool-call events file (``kvstore gen-agent-trace`` writes ``X.events.jsonl``
 next to ``X.jsonl``) the simulator also runs the
 :class:`~kvstore.agent.prefetch.PrefetchScheduler` and reports the resume-HBM-ready rate,
-prefetch waste and resume-time prediction error, with and/or without prefetch.
+prefetch waste and resume-time prediction error, with and/or without prefetch;
+``prefetch["every_resume"]`` scores every resume of the trace, those the scheduler had
+stopped waiting for as not ready (:class:`kvstore.tools.sim_events.ResumeScore`).
 
-Session hints (``--hints noisy:P,F``, :mod:`kvstore.tools.sim_hints`; or ``session_end``
+Session hints (``--hints MODEL``, :mod:`kvstore.tools.sim_hints`; or ``session_end``
 events of a generated agent trace) go through a :class:`~kvstore.agent.sessions.SessionTable`
 as the daemon's would: before the request's lookup, as if they came in its ``kv_hints``.
 
@@ -54,12 +56,14 @@ from tiers.null import NullTier
 from kvstore import config as config_mod
 from kvstore.common.errors import TierFull
 from kvstore.agent.hint_model import HintCalibration
+from kvstore.agent.hint_trust import HintTrust
 from kvstore.store.manager import TierManager
 from kvstore.policy import AcceptsNextUse, EvictionEvent, UsesReuseModel, make_policy
 from kvstore.policy.reuse_model import ReuseModel
 from kvstore.agent.prefetch import PrefetchScheduler
-from kvstore.agent.sessions import SessionHint, SessionState, SessionTable
+from kvstore.agent.sessions import SessionHint, SessionTable
 from kvstore.service import build
+from kvstore.tools.sim_events import ResumeScore
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS, Request, block_key
 
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -113,11 +117,17 @@ class SimResult:
     prefetch: dict | None = None
     sessions: dict | None = None
     measure: tuple[float, float] | None = None
+    windows: dict[str, list[int]] | None = None     # name -> [input tokens, hit tokens]
 
     @property
     def hit_rate(self) -> float:
         """Token hit rate over all tiers."""
         return sum(self.hit_tokens.values()) / self.input_tokens if self.input_tokens else 0.0
+
+    def window_rate(self, name: str) -> float:
+        """Token hit rate of the requests in the extra window ``name`` (``windows``)."""
+        inp, hit = self.windows[name]
+        return hit / inp if inp else 0.0
 
     @property
     def tier_hit_rates(self) -> dict[str, float]:
@@ -203,9 +213,9 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         hop_bandwidth: dict | None = None, block_tokens: int = TRACE_BLOCK_TOKENS,
         label: str | None = None, reuse_model: ReuseModel | None = None,
         session_hints: Sequence[SessionHint | None] | None = None,
-        measure: tuple[float, float] | None = None,
+        measure: tuple[float, float] | None = None, windows: dict[str, tuple[float, float]] | None = None,
         on_eviction: Callable[[EvictionEvent], None] | None = None,
-        scheduler_options: dict | None = None, calibration: dict | None = None,
+        scheduler_options: dict | None = None, calibration: dict | None = None, trust: dict | None = None,
         session_config: config_mod.SessionsConfig | None = None, promote_on_get: bool = True) -> SimResult:
     """Simulate ``requests`` through a :class:`TierManager` over ``tiers``.
 
@@ -228,11 +238,15 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         reuse_model: the model ``next_use`` learns in (default: a fresh one).
         session_hints: one hint (or None) per request, applied before its lookup.
         measure: count only requests arriving in ``[start, end)`` seconds.
+        windows: more named ``[start, end)`` windows (seconds) whose token hit rates are
+            counted too (:meth:`SimResult.window_rate`), from the same run.
         on_eviction: called with every pressure eviction of every tier.
         scheduler_options: more keyword arguments of the
             :class:`~kvstore.agent.prefetch.PrefetchScheduler` (e.g. ``victim_margin``).
         calibration: keyword arguments of the session table's
             :class:`~kvstore.agent.hint_model.HintCalibration`; ``{"off": True}``: no calibration.
+        trust: keyword arguments of its :class:`~kvstore.agent.hint_trust.HintTrust`;
+            ``{"off": True}``: every hint believed as given.
         session_config: the ``[sessions]`` config of the session table (default: the defaults).
         promote_on_get: ``[policy] promote_on_get`` of the manager.
     Returns:
@@ -251,7 +265,10 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
     off = cal.pop("off", False)
     table = build.session_options(session_config or config_mod.SessionsConfig())
     table["calibrate"] = table["calibrate"] and not off
-    sessions = SessionTable(policies, calibration=HintCalibration(**cal), **table)
+    tr = dict(trust or {})
+    trusting = not tr.pop("off", False)
+    sessions = SessionTable(policies, calibration=HintCalibration(**cal), trust=HintTrust(**tr) if trusting else None,
+                            trusting=trusting, **table)
     scheduler = None
     if needs_model or events is not None:
         pf = prefetch or config_mod.PrefetchConfig()
@@ -269,10 +286,12 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
     kind_name = {t.kind: t.name for t in tiers}
     input_tokens = blocks = hit_blocks = refused = 0
     lo, hi = measure if measure is not None else (-math.inf, math.inf)
+    extra = {name: [w, [0, 0]] for name, w in (windows or {}).items()}
 
     # one time-ordered stream: (time, order, index); resumes before the request they
     # announce, tool-call starts and session ends after the request they follow
     stream: list[tuple[float, int, int]] = [(vt[j], 1, j) for j in range(len(requests))]
+    score = ResumeScore()
     if events is not None:
         stream.extend((e.time_s, 0 if e.kind == "resume" else 2, i) for i, e in enumerate(events))
         stream.sort()
@@ -290,7 +309,8 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
             sessions.tick(t)
         clock[0] = t
         if order != 1:
-            _event(scheduler, events[idx], t, keys_of)
+            if scheduler is not None:
+                score.event(scheduler, events[idx], t, keys_of)
             continue
         req = requests[idx]
         keys = keys_of(req.hash_ids)
@@ -307,6 +327,10 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
                 p.set_next_use(keys, nxt[idx], t)
         look = manager.lookup(keys)
         k = look.hit_blocks
+        for (wlo, whi), counts in extra.values():
+            if wlo <= t < whi:
+                counts[0] += req.input_length
+                counts[1] += req.prefix_tokens(k, block_tokens)
         n = len(keys)
         if lo <= t < hi:
             blocks += n
@@ -329,6 +353,7 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
         scheduler.finish()
         pf = scheduler.stats.summary()
         pf["enabled"] = scheduler.enabled
+        pf["every_resume"] = score.summary()
     st = dataclasses.asdict(sessions.stats) if sessions.stats.hints else None
     return SimResult(
         label=label or "+".join(f"{t.name}:{t.policy}" for t in tiers),
@@ -336,28 +361,17 @@ def run(requests: Sequence[Request], tiers: Sequence[TierSpec], *,
                 "policy": t.policy, "params": t.params} for t in tiers],
         requests=len(requests), blocks=blocks, input_tokens=input_tokens, hit_tokens=hit_tokens,
         hit_blocks=hit_blocks, refused_puts=refused, seconds=time.perf_counter() - started,
-        counters=dict(manager.counters), prefetch=pf, sessions=st, measure=measure)
-
-
-def _event(scheduler: PrefetchScheduler | None, e, t: float, keys_of: "TraceKeys") -> None:
-    """Feed one tool-call / session event to the scheduler."""
-    if scheduler is None:
-        return
-    if e.kind == "resume":
-        scheduler.resume(e.trajectory, t)
-    elif e.kind == "tool_call_start":
-        scheduler.tool_call_start(e.trajectory, e.tool, t, keys_of(e.hash_ids))
-    elif e.kind == "session_end":
-        scheduler.session_hint(SessionHint(e.trajectory, SessionState(e.state), tuple(keys_of(e.hash_ids)),
-                                           time=t))
+        counters=dict(manager.counters), prefetch=pf, sessions=st, measure=measure,
+        windows={name: counts for name, (_, counts) in extra.items()} or None)
 
 
 def opt_hit_rate(requests: Sequence[Request], capacity_bytes: int, *,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES, measure: tuple[float, float] | None = None) -> SimResult:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, measure: tuple[float, float] | None = None,
+                 windows: dict[str, tuple[float, float]] | None = None) -> SimResult:
     """Belady's MIN (with bypass, prefix order ties) in one tier of ``capacity_bytes``,
     counting the requests in ``measure`` (seconds) only."""
     return run(requests, [TierSpec("host", capacity_bytes, "opt")], block_bytes=block_bytes,
-               oracle=True, label="opt", measure=measure)
+               oracle=True, label="opt", measure=measure, windows=windows)
 
 
 def halves(requests: Sequence[Request]) -> tuple[tuple[float, float], tuple[float, float]]:

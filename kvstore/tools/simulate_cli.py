@@ -1,9 +1,10 @@
 """``kvstore simulate``: the command line of the simulator (:mod:`kvstore.tools.simulate`).
 
 Prints one line per configuration (hit rate per tier and total, OPT at the same
-capacity and the ratio), optionally JSON and a plot. ``--hints noisy:P,F`` adds
-simulated session hints (:mod:`kvstore.tools.sim_hints`); ``--measure`` counts one half of
-the trace only (``second-half`` is where tuned parameters are reported).
+capacity and the ratio), optionally JSON and a plot. ``--hints MODEL`` adds
+simulated session hints (:mod:`kvstore.tools.sim_hints`: ``realistic``, ``finish-only``,
+``continue-only``, or the oracle ``noisy:P,F``, a bound); ``--measure`` counts one half
+of the trace only (``second-half`` is where tuned parameters are reported).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def print_table(results: Sequence[SimResult], out=None) -> None:
                   f"({p['wasted_bytes']}/{p['promoted_bytes']} bytes), prediction MAE "
                   f"{p['prediction_mae_s']:.2f} s, median rel. error {p['prediction_median_rel_error']:.2f}",
                   file=out)
+            e = p.get("every_resume")
+            if e:
+                print(f"{'':<28} every resume: ready {e['ready_rate']:.3f} (token-weighted {e['ready_token_rate']:.3f}) "
+                      f"of {e['resumes']}, {e['not_waited']} not waited for (counted not ready)", file=out)
 
 
 def plot(results: Sequence[SimResult], path: str) -> None:
@@ -189,7 +194,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                     r = run(requests, specs, block_bytes=bb, write_policy=cfg.policy.write,
                             events=events, prefetch=pf, hop_bandwidth=bandwidth, label=label,
                             oracle=any(s.policy == "opt" for s in specs), session_hints=hints, measure=measure,
-                            session_config=cfg.sessions, promote_on_get=cfg.policy.promote_on_get)
+                            session_config=cfg.sessions, promote_on_get=cfg.policy.promote_on_get,
+                            trust={"off": True} if args.no_trust else None)
                     if not args.no_opt:
                         total = min(sum(s.capacity_bytes for s in specs), 1 << 62)
                         if total not in opt_cache:
@@ -237,9 +243,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "config's [prefetch.hop_bandwidth])")
     p.add_argument("--one-tier", action="store_true",
                    help="simulate only the config's fastest tier (as the tables in docs/placement.md)")
-    p.add_argument("--hints", metavar="noisy:P,F",
-                   help="simulated session hints from the trace's future: misjudged-continuation rate P, "
-                        "return-time error factor F per conversation (e.g. noisy:0.05,e)")
+    p.add_argument("--hints", metavar="MODEL",
+                   help="simulated session hints from the trace's future, as a framework could send them: "
+                        "realistic[:sigma=S,wrong=P,notime] (state misjudged with probability P, default 0; "
+                        "return time off by exp(N(0, S)) per request, default S=1.5), finish-only[:wrong=P], "
+                        "continue-only[:sigma=S,wrong=P,notime]; or noisy:P,F, an ORACLE that knows each "
+                        "next request's time up to one factor within F per conversation (a bound, not a "
+                        "framework: noisy:0,1 is Belady's next use); any model takes source=NAME")
+    p.add_argument("--no-trust", action="store_true",
+                   help="believe every hint as given (no per-source trust; for comparison)")
     p.add_argument("--hint-seed", type=int, default=0, help="seed of the simulated hints' errors (default 0)")
     p.add_argument("--measure", choices=("all", "first-half", "second-half"), default="all",
                    help="count only these requests (all still drive the caches); default all")

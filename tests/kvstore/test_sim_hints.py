@@ -9,7 +9,7 @@ import pytest
 from kvstore.tools import simulate
 from kvstore.agent.hint_model import HintCalibration
 from kvstore.agent.sessions import SessionState
-from kvstore.tools.sim_hints import NoisyHints, continuations, derive, parse_hints_spec
+from kvstore.tools.sim_hints import HintModel, NoisyHints, continuations, derive, parse_hints_spec
 from kvstore.tools.trace import Request
 
 
@@ -66,10 +66,59 @@ def test_spec_parsing(text, p, f):
     assert (s.misjudge, s.factor) == (p, pytest.approx(f))
 
 
-@pytest.mark.parametrize("bad", ["noisy:0.05", "hints:0,1", "noisy:2,e", "noisy:0.1,0.5"])
+@pytest.mark.parametrize("text, model", [
+    ("realistic", HintModel("realistic", 0.0, 1.5)),
+    ("realistic:sigma=0.5,wrong=0.1,source=fw", HintModel("realistic", 0.1, 0.5, source="fw")),
+    ("realistic:notime", HintModel("realistic", times=False)),
+    ("finish-only", HintModel("finish-only", continues=False)),
+    ("finish-only:wrong=0.2", HintModel("finish-only", 0.2, continues=False)),
+    ("continue-only:sigma=e", HintModel("continue-only", sigma=math.e, finished=False)),
+])
+def test_realistic_model_parsing(text, model):
+    assert parse_hints_spec(text) == model
+
+
+@pytest.mark.parametrize("bad", ["noisy:0.05", "hints:0,1", "noisy:2,e", "noisy:0.1,0.5", "realistic:sigma=-1",
+                                 "realistic:wrong=2", "finish-only:colour=red", "realistic:sigma"])
 def test_bad_specs_are_value_errors(bad):
     with pytest.raises(ValueError):
         parse_hints_spec(bad)
+
+
+def two_turns(n: int = 2000) -> list[Request]:
+    reqs = []
+    for c in range(n):            # two-turn conversations, back after 7 s
+        reqs += [req(10 * c, [0, 10_000 + c, 20_000 + c]), req(10 * c + 7, [0, 10_000 + c, 20_000 + c, 30_000 + c])]
+    reqs.sort(key=lambda r: r.timestamp_ms)
+    return reqs
+
+
+def test_the_realistic_model_errs_per_request_with_the_given_sigma():
+    reqs = two_turns()
+    times = [r.time_s for r in reqs]
+    hints = derive(reqs, times, parse_hints_spec("realistic:sigma=1.5,source=fw", seed=2), keys_of)
+    cont = [h for h in hints if h.state == SessionState.CONTINUES]
+    assert len(cont) == 2000 and all(h.source == "fw" for h in hints)          # the state is known
+    logs = [math.log(h.expected_back_s / 7.0) for h in cont]
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
+    assert abs(mean) < 0.1 and sd == pytest.approx(1.5, abs=0.08)
+    assert sum(h.state == SessionState.FINISHED for h in hints) == 2000
+    exact = derive(reqs, times, parse_hints_spec("realistic:sigma=0"), keys_of)
+    assert all(h.expected_back_s == pytest.approx(7.0) for h in exact if h.state == SessionState.CONTINUES)
+
+
+def test_finish_only_continue_only_and_no_time_models_send_part_of_the_hints():
+    reqs = two_turns(200)
+    times = [r.time_s for r in reqs]
+    fin = derive(reqs, times, parse_hints_spec("finish-only"), keys_of)
+    assert [h is None for h in fin] == [i % 2 == 0 for i in range(400)]          # first turns: nothing
+    assert all(h.state == SessionState.FINISHED for h in fin if h is not None)
+    cont = derive(reqs, times, parse_hints_spec("continue-only:notime"), keys_of)
+    assert all((h is None) == (i % 2 == 1) for i, h in enumerate(cont))
+    assert all(h.expected_back_s is None for h in cont if h is not None)
+    wrong = derive(reqs, times, parse_hints_spec("finish-only:wrong=1"), keys_of)
+    assert all((h is None) == (i % 2 == 1) for i, h in enumerate(wrong))       # every call said finished
 
 
 def test_exact_hints_beat_no_hints_on_a_small_cache():

@@ -176,6 +176,9 @@ def test_cli_one_tier_hints_and_second_half(tmp_path, capsys):
     assert 0 < row["hit_rate"] <= row["opt_hit_rate"] + 1e-12
     bad = _parser().parse_args(["simulate", str(trace), "--hints", "noisy:7,e"])
     assert bad.func(bad) == 2 and "misjudged" in capsys.readouterr().err
+    args = _parser().parse_args(["simulate", str(trace), "--one-tier", "--sweep", "20", "--policies", "next_use",
+                                 "--hints", "realistic:sigma=1.5", "--no-trust", "--no-opt"])
+    assert args.func(args) == 0 and "realistic:sigma=1.5" in capsys.readouterr().out
 
 
 def test_measure_counts_a_window_and_eviction_events_reach_the_listener():
@@ -186,6 +189,33 @@ def test_measure_counts_a_window_and_eviction_events_reach_the_listener():
     a = simulate.run(reqs, one_tier("lru", 10), block_bytes=1024, measure=first)
     b = simulate.run(reqs, one_tier("lru", 10), block_bytes=1024, measure=second)
     assert a.input_tokens + b.input_tokens == whole.input_tokens
+    both = simulate.run(reqs, one_tier("lru", 10), block_bytes=1024, windows={"first": first, "second": second})
+    assert (both.window_rate("first"), both.window_rate("second"), both.hit_rate) == (a.hit_rate, b.hit_rate,
+                                                                                   whole.hit_rate)
     assert sum(a.hit_tokens.values()) + sum(b.hit_tokens.values()) == sum(whole.hit_tokens.values())
     assert len(events) == whole.counters["evictions_host"] > 0
     assert {e.tier for e in events} == {"host"} and {e.policy for e in events} == {"lru"}
+
+
+def test_every_resume_is_scored_and_an_expired_trajectory_is_not_ready():
+    from kvstore.config.node import PrefetchConfig
+    from kvstore.tools.agent_trace import AgentWorkload, generate
+    from kvstore.tools.trace import Request
+
+    raw, events = generate(AgentWorkload(agents=4, duration_s=300.0, seed=3, chat=None))
+    reqs = [Request(float(x["timestamp"]), x["input_length"], x["output_length"], x["hash_ids"]) for x in raw]
+    tiers = [simulate.TierSpec("hbm", 1 << 40, "next_use")]          # everything stays in HBM
+    scored = sum(e.kind == "resume" for e in events)
+
+    def run(max_wait_s: float, expire_factor: float) -> dict:
+        pf = PrefetchConfig(enabled=True, max_wait_s=max_wait_s, expire_factor=expire_factor)
+        return simulate.run(reqs, tiers, block_bytes=1 << 20, events=events, prefetch=pf).prefetch
+
+    patient = run(3600.0, 1e9)
+    assert patient["every_resume"]["resumes"] == scored and patient["every_resume"]["not_waited"] == 0
+    assert patient["every_resume"]["ready_token_rate"] == patient["ready_token_rate"] == 1.0
+    hasty = run(2.0, 10.0)                             # waits longer than 2 s are expired
+    e = hasty["every_resume"]
+    assert e["resumes"] == scored and e["not_waited"] == hasty["resumes_expired"] > 0
+    assert hasty["ready_token_rate"] == 1.0 > e["ready_token_rate"]     # the scheduler left them out
+    assert e["ready_rate"] == pytest.approx((scored - e["not_waited"]) / scored)
