@@ -142,7 +142,7 @@ def agent_section(out: dict) -> str:
     for share, policy, enabled, events, rows in agent_placement.report_rows(out):
         f = lambda k: " / ".join(f"{r[k]:.3f}" for r in rows)   # noqa: E731
         rep.append([f"{share:.0%} ({' / '.join(str(r['hbm']) for r in rows)})", policy, "on" if enabled else "off",
-                    "-" if policy == "lru" and not enabled else ("tools only" if events == "tools" else "tools, ends"),
+                    "tools only" if events == "tools" else "tools, ends",
                     f("ready_tokens"), f("ready"), f("waste") if enabled else "-"])
     resumes = " / ".join(f"{r['resumes']:,}" for r in sorted(
         {r["seed"]: r for r in out["report"]}.values(), key=lambda r: r["seed"]))

@@ -6,11 +6,13 @@ OPT over the same requests); the configuration with the best mean ratio to OPT a
 1,500 and 6,000 blocks is then run, with LRU, ARC, S3-FIFO, ``next_use`` with its
 defaults and OPT, over the whole trace, counting only the second half's requests.
 
-Part B, simulated session hints (``--hints noisy:P,F``, :mod:`kvstore.tools.sim_hints`). A grid
+Part B, simulated session hints from the oracle ``noisy:P,F`` (:mod:`kvstore.tools.sim_hints`;
+a bound: it knows each next request's time up to one factor per conversation). A grid
 of hint parameters runs on the first half with P = 0.05, F = e; the best is reported on
 the second half for P in {0, 0.05, 0.1} x F in {1, e, e^2} at 1,500 / 6,000 / 12,000
 blocks, plus the hint errors drawn per request instead of per conversation (what the
-per-session correction cannot learn).
+per-session correction cannot learn). The realistic hint models, against no hints and
+this bound, are in ``bench/placement_tables.py`` (docs/placement.md).
 
 Also printed: the bound on how far OPT (optimal in block hits) can be below the best
 token hit rate (docs/placement.md, "OPT").
