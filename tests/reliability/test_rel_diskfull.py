@@ -104,11 +104,9 @@ def test_disk_smaller_than_the_configured_capacity(small_fs, layout):
         d.stop(0)
 
 
-def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, monkeypatch):
-    """The same path without root: ``os.pwritev`` (how the NVMe tier writes block files)
-    fails with ENOSPC while ``full`` is set."""
-    d = start_server(daemon_config(tmp_path, host="1MiB", nvme="64MiB",
-                                   extra={"tiers": {"host": {"enabled": False}}}))
+def fake_full_disk(monkeypatch) -> dict:
+    """A disk that is full while the returned ``{"on": ...}`` is true: ``os.pwritev`` (how the
+    NVMe tier writes block files) fails with ENOSPC and ``os.statvfs`` reports no free blocks."""
     real_pwritev, real_statvfs = os.pwritev, os.statvfs
     full = {"on": False}
 
@@ -125,6 +123,15 @@ def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, mon
 
     monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "statvfs", statvfs)
+    return full
+
+
+def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, monkeypatch):
+    """The same path without root: ``os.pwritev`` (how the NVMe tier writes block files)
+    fails with ENOSPC while ``full`` is set."""
+    d = start_server(daemon_config(tmp_path, host="1MiB", nvme="64MiB",
+                                   extra={"tiers": {"host": {"enabled": False}}}))
+    full = fake_full_disk(monkeypatch)
     try:
         nvme = d.manager.tiers[0]
         with KVStoreClient(d.address, timeout=20) as c:
@@ -155,20 +162,7 @@ def test_a_disk_full_below_the_configured_capacity_is_reported_in_stats(tmp_path
     configured capacity because its disk was full; the daemon keeps serving (it evicts)."""
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme="64MiB",
                                    extra={"tiers": {"host": {"enabled": False}}}))
-    real_pwritev, real_statvfs = os.pwritev, os.statvfs
-    full = {"on": False}
-
-    def pwritev(fd, buffers, offset, *flags):
-        if full["on"]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwritev(fd, buffers, offset, *flags)
-
-    def statvfs(path):
-        st = real_statvfs(path)
-        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0) + tuple(st)[5:]) if full["on"] else st
-
-    monkeypatch.setattr(os, "pwritev", pwritev)
-    monkeypatch.setattr(os, "statvfs", statvfs)
+    full = fake_full_disk(monkeypatch)
     try:
         with KVStoreClient(d.address, timeout=20) as c:
             assert put_many(c, "before", 4)[1] == []
