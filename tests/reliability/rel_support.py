@@ -109,7 +109,7 @@ class DaemonProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self, wait: bool = True, timeout: float = 30.0) -> "DaemonProcess":
+    def start(self, wait: bool = True, timeout: float = 120.0) -> "DaemonProcess":
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(self.config)],
@@ -126,8 +126,10 @@ class DaemonProcess:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Wait until the health service says SERVING. Raises RuntimeError with the log."""
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until the health service says SERVING (a generous deadline: a daemon starts in
+        about a second, but in tens of seconds on a saturated machine). Raises RuntimeError
+        with the log."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,6 +144,23 @@ class DaemonProcess:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"daemon not ready after {timeout}s:\n{self.log_tail()}")
+
+    def wait_stopped(self, timeout: float = 60.0) -> None:
+        """After SIGSTOP: wait until every thread of the daemon is stopped (``T`` in
+        ``/proc/PID/task/*/stat``); ``kill`` returns before a loaded machine has stopped them,
+        and a thread still running could answer one more call. Raises RuntimeError."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = []
+            for stat in pathlib.Path(f"/proc/{self.pid}/task").glob("*/stat"):
+                try:
+                    states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+                except (OSError, IndexError):
+                    continue
+            if states and all(s in ("T", "t") for s in states):
+                return
+            time.sleep(0.01)
+        raise RuntimeError(f"daemon {self.pid} not stopped after {timeout}s")
 
     @property
     def pid(self) -> int:

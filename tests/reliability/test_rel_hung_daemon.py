@@ -81,6 +81,7 @@ def test_a_sigstopped_daemon_costs_one_short_deadline_then_nothing(tmp_path):
         assert wait_until(lambda: hits(store, keys) == 8, 60) < 60     # warm: the plug-in's deadline is short
         os.kill(d.pid, signal.SIGSTOP)
         stopped = True
+        d.wait_stopped()
         before = counting.lookups
         n = 20
         t0 = time.monotonic()
