@@ -9,6 +9,8 @@ never blocking) when a trajectory starts to wait and when it resumes:
   ``SessionHint(continues, keys, expected_back_s, ttl_s)``; ``finished`` / ``abandoned`` ->
   ``SessionHint(finished | abandoned, keys)``; a ``kv_hints`` envelope -> ``SessionHint``
   carrying it. The next request naming the same session is its resume (``Resume`` on arrival);
+- **with only the engine's session id** (vLLM's ``Request.session_id``): as without a hint,
+  the trajectory named by that id;
 - **without one**, a finished request starts a wait of an anonymous trajectory
   (``ToolCallStart`` with an id of this engine instance, ``anon-<instance>-<n>``, and the
   trajectory's *class* as the tool: ``class:`` + the first 16 hex digits of the key of block
@@ -38,8 +40,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine_adapter.agent_hints import (ABANDONED, CONTINUES, FINISHED, TOOL_CALL, AgentHint, HintError,
-                                        envelope_of, envelope_session, parse_kvstore_params)
+from engine_adapter.agent_hints import (ABANDONED, CONTINUES, FINISHED, MAX_NAME_CHARS, TOOL_CALL, AgentHint,
+                                        HintError, envelope_of, envelope_session, parse_kvstore_params)
 
 log = logging.getLogger("engine_adapter.hints")
 
@@ -163,9 +165,13 @@ class AgentTracker:
                 "logged at DEBUG", request_id, e)
 
     def arrived(self, request_id: str, keys: Sequence[bytes], kv_transfer_params: Any = None,
-                kv_hints: Any = None, at: float | None = None) -> RequestHints:
+                kv_hints: Any = None, at: float | None = None, session_id: Any = None) -> RequestHints:
         """A request arrived with its block keys and what it carries; tells the daemon
-        which wait it resumes, if any (``at``: unix seconds, default now)."""
+        which wait it resumes, if any (``at``: unix seconds, default now).
+
+        ``session_id`` is the engine's own session of the request (vLLM's
+        ``Request.session_id``, the OpenAI API's ``session_id``), if any: without a hint it
+        names the request's trajectory (instead of an anonymous id)."""
         at = self.clock() if at is None else at
         info = RequestHints()
         if not self.hints:
@@ -177,6 +183,8 @@ class AgentTracker:
         except HintError as e:
             self._malformed(request_id, e)
         session = info.hint.session_id if info.hint is not None else envelope_session(info.envelope)
+        if not session and isinstance(session_id, str) and len(session_id) <= MAX_NAME_CHARS:
+            session = session_id
         self.counts["hinted"] += info.hint is not None or info.envelope is not None
         if session and self.table.pop(session):
             info.trajectory = session

@@ -27,7 +27,8 @@ one) is vLLM's block size, and refuses to start otherwise (``store_io.check_bloc
 
 Nothing here imports vLLM: requests and scheduler outputs are read by attribute
 (``request.request_id``, ``.all_token_ids``, ``.num_tokens``, ``.block_hashes``,
-``.lora_request``, ``.cache_salt``, ``.kv_transfer_params``, ``.kv_hints``, ``.arrival_time``;
+``.lora_request``, ``.cache_salt``, ``.kv_transfer_params``, ``.kv_hints``, ``.session_id``,
+``.arrival_time``;
 ``scheduler_output.scheduled_new_reqs``,
 ``.scheduled_cached_reqs``, ``.num_scheduled_tokens``, ``.finished_req_ids``).
 """
@@ -228,7 +229,7 @@ class SchedulerPlanner:
             at = now
         try:
             return self.agent.arrived(request.request_id, list(keys), getattr(request, "kv_transfer_params", None),
-                                      getattr(request, "kv_hints", None), at)
+                                      getattr(request, "kv_hints", None), at, getattr(request, "session_id", None))
         except Exception:  # noqa: BLE001 - a bug in the hint path must never fail a request
             log.exception("kvstore agent hints of request %s failed; the request is served without them",
                           request.request_id)

@@ -239,10 +239,10 @@ def test_a_refused_or_disabled_hint_is_logged_once_and_the_kind_rests(caplog):
 
 # ------------------------------------------------------------------ the scheduler half
 
-def request(rid: str, tokens, params=None, kv_hints=None):
+def request(rid: str, tokens, params=None, kv_hints=None, session_id=None):
     return SimpleNamespace(request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens), block_hashes=[],
                            lora_request=None, cache_salt=None, mm_features=None, kv_transfer_params=params,
-                           kv_hints=kv_hints, arrival_time=ARRIVAL)
+                           kv_hints=kv_hints, arrival_time=ARRIVAL, session_id=session_id)
 
 
 def step(rid: str, n: int, blocks: int):
@@ -325,6 +325,17 @@ def test_without_hints_a_request_extending_a_finished_one_resumes_its_trajectory
     assert starts[0][2].startswith("class:") and starts[3][2] != starts[0][2]
     assert starts[0][3] == ka and starts[1][3] == kb
     assert agent.stats()["resumed_prefix"] == 1 and agent.stats()["waits"] == 4
+
+
+def test_the_engines_own_session_id_names_the_trajectory(planner):
+    p, client, agent = planner
+    keys = run(p, request("r1", range(10, 10 + 2 * BS + 1), session_id="conv-1"))
+    run(p, request("r2", range(60, 60 + 2 * BS + 1), session_id="conv-1"))   # another prefix, same session
+    assert agent.sender.flush(30)
+    assert [c[:2] for c in client.calls] == [("tool_call_start", "conv-1"), ("resume", "conv-1"),
+                                             ("tool_call_start", "conv-1")]
+    assert client.calls[0][2] == agent.class_of(keys) and client.calls[0][3] == keys
+    assert agent.stats()["resumed_session"] == 1
 
 
 def test_a_malformed_hint_is_logged_once_and_never_fails_the_request(planner, caplog):
