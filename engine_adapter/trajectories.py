@@ -8,7 +8,9 @@ never blocking) when a trajectory starts to wait and when it resumes:
   ``tool_call`` -> ``ToolCallStart(session_id, tool, keys)``; ``continues`` ->
   ``SessionHint(continues, keys, expected_back_s, ttl_s)``; ``finished`` / ``abandoned`` ->
   ``SessionHint(finished | abandoned, keys)``; a ``kv_hints`` envelope -> ``SessionHint``
-  carrying it. The next request naming the same session is its resume (``Resume`` on arrival);
+  carrying it. The next request naming the same session is its resume (``Resume`` on arrival:
+  every request naming a session sends one, since the session may have waited at another engine
+  instance sharing the daemon; the daemon answers "unknown" when it did not wait);
 - **with only the engine's session id** (vLLM's ``Request.session_id``): as without a hint,
   the trajectory named by that id;
 - **without one**, a finished request starts a wait of an anonymous trajectory
@@ -175,7 +177,7 @@ class AgentTracker:
         at = self.clock() if at is None else at
         info = RequestHints()
         if not self.hints:
-            kv_transfer_params = kv_hints = None
+            kv_transfer_params = kv_hints = session_id = None
         try:
             info.hint = parse_kvstore_params(kv_transfer_params)
             if info.hint is None:
@@ -186,18 +188,19 @@ class AgentTracker:
         if not session and isinstance(session_id, str) and len(session_id) <= MAX_NAME_CHARS:
             session = session_id
         self.counts["hinted"] += info.hint is not None or info.envelope is not None
-        if session and self.table.pop(session):
-            info.trajectory = session
-            self.counts["resumed_session"] += 1
-        elif keys:
+        resumed: list[str] = []
+        known = bool(session) and self.table.pop(session)
+        if session:            # always: it may have waited at another engine instance of the daemon
+            resumed.append(session)
+            self.counts["resumed_session"] += known
+        if keys and not known:
             tid = self.table.match(keys, at)
-            if tid is not None:
-                info.trajectory = tid
+            if tid is not None and tid != session:
+                resumed.append(tid)
                 self.counts["resumed_prefix"] += 1
-        if info.trajectory:
-            self.sender.resume(info.trajectory, at)
-        if session:                        # the session's id names it from now on
-            info.trajectory = session
+        for tid in resumed:
+            self.sender.resume(tid, at)
+        info.trajectory = session or (resumed[0] if resumed else "")   # names it from now on
         return info
 
     def finished(self, info: RequestHints, keys: Sequence[bytes], at: float | None = None) -> None:

@@ -168,6 +168,22 @@ class FakeClient:
         pass
 
 
+class Recorder:
+    """A sender that records what it is asked to send."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def tool_call_start(self, tid, tool, keys, start_time):
+        self.calls.append(("tool_call_start", tid, tool, list(keys), start_time))
+
+    def resume(self, tid, at):
+        self.calls.append(("resume", tid, at))
+
+    def session_hint(self, sid, state, keys, at, **kw):
+        self.calls.append(("session_hint", sid, state, list(keys), at, kw))
+
+
 def guarded(client) -> store_io.GuardedStore:
     return store_io.GuardedStore(client, BreakerSettings(backoff_s=30.0, max_backoff_s=60.0))
 
@@ -282,9 +298,11 @@ def test_a_tool_call_hint_becomes_tool_call_start_then_resume(planner):
     turn2 = turn1 + list(range(500, 500 + 2 * BS))
     keys2 = run(p, request("r2", turn2, {"kvstore": {"session_id": "agent-7", "state": "finished"}}))
     assert agent.sender.flush(30)
-    assert client.calls == [("tool_call_start", "agent-7", "web_search", keys1, ARRIVAL + 5.0),
-                            ("resume", "agent-7", ARRIVAL),              # on arrival, at its arrival time
+    assert client.calls == [("resume", "agent-7", ARRIVAL),             # every named request, on arrival
+                            ("tool_call_start", "agent-7", "web_search", keys1, ARRIVAL + 5.0),
+                            ("resume", "agent-7", ARRIVAL),              # ... at its arrival time
                             ("session_hint", "agent-7", "finished", keys2, None, None, None)]
+    assert agent.stats()["resumed_session"] == 1                        # the one this scheduler saw wait
     assert len(keys1) == 3 and keys2[:3] == keys1
     assert client.lookups == 2                                          # lookups went on as usual
 
@@ -300,10 +318,11 @@ def test_continues_and_envelope_hints_are_session_hints(planner):
     run(p, request("r3", range(50, 50 + 3 * BS + 1), kv_hints=env))      # the envelope's session is back
     assert agent.sender.flush(30)
     kinds = [(c[0], c[1], c[2]) for c in client.calls]
-    assert kinds == [("session_hint", "s", "continues"), ("session_hint", "", "continues"), ("resume", "e", ARRIVAL),
-                     ("session_hint", "", "continues")]
-    assert client.calls[0][4:6] == (2.5, 60.0)
-    assert client.calls[1][6]["actions"][0]["payload"]["session_id"] == "e"
+    assert kinds == [("resume", "s", ARRIVAL), ("session_hint", "s", "continues"), ("resume", "e", ARRIVAL),
+                     ("session_hint", "", "continues"), ("resume", "e", ARRIVAL), ("session_hint", "", "continues")]
+    assert client.calls[1][4:6] == (2.5, 60.0)
+    assert client.calls[3][6]["actions"][0]["payload"]["session_id"] == "e"
+    assert agent.stats()["resumed_session"] == 1                         # r3: the envelope's session waited
 
 
 def test_without_hints_a_request_extending_a_finished_one_resumes_its_trajectory(planner):
@@ -332,10 +351,25 @@ def test_the_engines_own_session_id_names_the_trajectory(planner):
     keys = run(p, request("r1", range(10, 10 + 2 * BS + 1), session_id="conv-1"))
     run(p, request("r2", range(60, 60 + 2 * BS + 1), session_id="conv-1"))   # another prefix, same session
     assert agent.sender.flush(30)
-    assert [c[:2] for c in client.calls] == [("tool_call_start", "conv-1"), ("resume", "conv-1"),
-                                             ("tool_call_start", "conv-1")]
-    assert client.calls[0][2] == agent.class_of(keys) and client.calls[0][3] == keys
+    assert [c[:2] for c in client.calls] == [("resume", "conv-1"), ("tool_call_start", "conv-1"),
+                                             ("resume", "conv-1"), ("tool_call_start", "conv-1")]
+    assert client.calls[1][2] == agent.class_of(keys) and client.calls[1][3] == keys
     assert agent.stats()["resumed_session"] == 1
+
+
+def test_a_named_session_that_waited_unnamed_resumes_both():
+    t = AgentTracker(Recorder(), clock=lambda: 50.0)
+    first = t.arrived("r1", [k(1), k(2)])
+    t.finished(first, [k(1), k(2)])                                     # an anonymous trajectory waits
+    (start,) = t.sender.calls
+    second = t.arrived("r2", [k(1), k(2), k(3)], {"kvstore": {"session_id": "s", "tool": "ls"}})
+    assert t.sender.calls[1:] == [("resume", "s", 50.0), ("resume", start[1], 50.0)]
+    t.finished(second, [k(1), k(2), k(3)])
+    assert t.sender.calls[3] == ("tool_call_start", "s", "ls", [k(1), k(2), k(3)], 50.0)
+    off = AgentTracker(Recorder(), hints=False, trajectories=False)
+    info = off.arrived("r", [k(1)], {"kvstore": {"session_id": "s"}}, session_id="v")
+    off.finished(info, [k(1)])
+    assert off.sender.calls == [] and info.hint is None
 
 
 def test_a_malformed_hint_is_logged_once_and_never_fails_the_request(planner, caplog):

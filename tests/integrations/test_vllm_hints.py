@@ -104,6 +104,7 @@ def test_kv_transfer_params_and_kv_hints_reach_the_daemon_through_vllms_schedule
     sched.add_request(a2)
     sched.schedule()
     wait_for(lambda: prefetch.stats.resumes == 1, "agent-1's resume")
+    assert prefetch.stats.resumes_unknown == 2           # a's and b's Resume on arrival (not waiting yet)
     assert prefetch.durations.tools.tools() == {"grep": 1}       # the tool's duration, learned
     sched.finish_requests(["a2"], RequestStatus.FINISHED_ABORTED)
     wait_for(lambda: prefetch.sessions.stats.finished == 1, "agent-1's finished hint")
@@ -209,7 +210,7 @@ def test_session_hints_sent_by_a_client_reach_the_daemon_through_vllms_openai_se
     p2 = p1 + [(i * 31 + 7) % 31000 + 100 for i in range(40)]
     complete(url, model, p2, {"kvstore": {"session_id": "agent-7", "state": "continues", "expected_back_s": 30}})
     wait_for(lambda: prefetch.stats.resumes == 1, "agent-7's Resume")
-    assert prefetch.stats.resumes_unknown == 0
+    assert prefetch.stats.resumes_unknown == 1          # the Resume its first request sent: not waiting yet
     assert prefetch.durations.tools.tools().get("web_search") == 1   # the tool's duration, learned
     s = wait_for(lambda: (w2 := prefetch.waits.get("agent-7")) is not None and w2.tool == SESSION_TOOL
                  and prefetch.sessions.get("agent-7"), "agent-7's continuing SessionHint")
@@ -235,4 +236,5 @@ def test_session_hints_sent_by_a_client_reach_the_daemon_through_vllms_openai_se
     finished = prefetch.sessions.stats.finished
     complete(url, model, p2 + [200, 201, 202], {"kvstore": {"session_id": "agent-7", "state": "finished"}})
     wait_for(lambda: prefetch.sessions.stats.finished == finished + 1, "agent-7's finished SessionHint")
-    assert "agent-7" not in prefetch.waits and prefetch.stats.resumes_unknown == 0
+    assert "agent-7" not in prefetch.waits and prefetch.stats.resumes == resumes + 2
+    assert prefetch.stats.resumes_unknown == 2          # agent-7's first request, conv-9's
