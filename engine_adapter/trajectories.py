@@ -23,8 +23,8 @@ never blocking) when a trajectory starts to wait and when it resumes:
   trajectory waits again under the same id.
 
 Keys are chained (key ``i`` names the whole prefix up to block ``i``), so "covers" is one
-dictionary look-up per block of the arriving request: the longest waiting trajectory whose
-last block is among them. A trajectory resumes once; a second request covering the same
+dictionary look-up per prefix length that some waiting trajectory has (at most one per block of
+the arriving request): the longest waiting trajectory whose last block is among them. A trajectory resumes once; a second request covering the same
 blocks (a fork) starts a trajectory of its own when it finishes.
 
 **Bounded.** :class:`TrajectoryTable` keeps at most ``max_entries`` waiting trajectories
@@ -35,6 +35,7 @@ recognised (the daemon expires the wait itself, :mod:`kvstore.agent.waiting`).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -66,6 +67,8 @@ class TrajectoryTable:
         self.ttl_s = ttl_s
         self._entries: OrderedDict[str, tuple[bytes, int, float]] = OrderedDict()   # id -> (last key, blocks, t)
         self._by_key: dict[bytes, str] = {}
+        self._lengths: Counter[int] = Counter()          # entries per prefix length (blocks)
+        self._sorted: list[int] = []                     # the lengths present, ascending
         self.dropped = 0          # entries let go by the bound or the TTL
 
     def __len__(self) -> int:
@@ -84,6 +87,10 @@ class TrajectoryTable:
             self.pop(other)
         self._entries[trajectory_id] = (last, len(keys), now)
         self._by_key[last] = trajectory_id
+        n = len(keys)
+        if not self._lengths[n]:
+            bisect.insort(self._sorted, n)
+        self._lengths[n] += 1
         self._trim(now)
 
     def pop(self, trajectory_id: str) -> bool:
@@ -93,16 +100,23 @@ class TrajectoryTable:
             return False
         if self._by_key.get(e[0]) == trajectory_id:
             del self._by_key[e[0]]
+        n = e[1]
+        self._lengths[n] -= 1
+        if not self._lengths[n]:
+            del self._lengths[n]
+            del self._sorted[bisect.bisect_left(self._sorted, n)]
         return True
 
     def match(self, keys: Sequence[bytes], now: float) -> str | None:
         """The longest waiting trajectory whose blocks ``keys`` covers, removed from the
-        table; None when none does. One look-up per key, last key first."""
+        table; None when none does. One look-up per prefix length present in the table
+        (at most ``len(keys)``), longest first."""
         self._trim(now)
-        by_key = self._by_key
-        for i in range(len(keys) - 1, -1, -1):
-            tid = by_key.get(keys[i])
-            if tid is not None and self._entries[tid][1] == i + 1:
+        by_key, lengths = self._by_key, self._sorted
+        for j in range(bisect.bisect_right(lengths, len(keys)) - 1, -1, -1):
+            n = lengths[j]
+            tid = by_key.get(keys[n - 1])
+            if tid is not None and self._entries[tid][1] == n:
                 self.pop(tid)
                 return tid
         return None
