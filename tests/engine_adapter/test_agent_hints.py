@@ -124,6 +124,34 @@ def test_the_table_is_bounded_and_expires():
     assert "c" not in t2 and t2.match([k(3)], 22.0) == "d"
 
 
+def test_the_table_finds_what_a_scan_of_every_entry_finds():
+    import random
+
+    rng = random.Random(5)
+    t = TrajectoryTable(50, ttl_s=1e9)
+    ref: dict[str, list[bytes]] = {}                                   # what is waiting, by brute force
+    chains = [[k(1000 * c + i) for i in range(40)] for c in range(6)]  # six conversations' blocks
+    for step in range(1000):
+        chain = rng.choice(chains)
+        keys = chain[:rng.randint(1, 40)]
+        if rng.random() < 0.5:
+            tid = f"t{rng.randint(0, 80)}"
+            t.add(tid, keys, float(step))
+            ref.pop(tid, None)
+            for other in [o for o, ks in ref.items() if ks[-1] == keys[-1]]:
+                del ref[other]
+            ref[tid] = keys
+            while len(ref) > 50:
+                del ref[next(iter(ref))]
+        else:
+            covered = [o for o, ks in ref.items() if keys[:len(ks)] == ks]
+            want = max(covered, key=lambda o: len(ref[o])) if covered else None
+            assert t.match(keys, float(step)) == want
+            if want is not None:
+                del ref[want]
+        assert len(t) == len(ref)
+
+
 # ------------------------------------------------------------------ the hint queue
 
 class FakeClient:
