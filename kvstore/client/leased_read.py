@@ -125,11 +125,28 @@ class LeasedRead:
         self._want = [sum(m for _, m in r) for r in self._ranges]
         self._end = [max(o + m for o, m in r) for r in self._ranges]        # a block shorter is a miss
         self._bufs = [BlockBuffers(stage.out, n, writable=True, offsets=stage.offsets) for stage in stages]
-        self._slots = [[bufs.slot(i, want) for i in range(n)] for bufs, want in zip(self._bufs, self._want)]
+        self._slot_views: list[list[np.ndarray] | None] = [None] * len(stages)
+        for s, stage in enumerate(stages):      # every slot checked now; views made when a stage is copied
+            if isinstance(stage.out, (list, tuple)):
+                self._slots(s)
+            elif n:                             # one buffer: its first and last slots bound the others
+                offs = stage.offsets
+                ends = (0, n - 1) if offs is None else (min(range(n), key=offs.__getitem__),
+                                                        max(range(n), key=offs.__getitem__))
+                for i in ends:
+                    self._bufs[s].slot(i, self._want[s])
         self.sizes = [[0] * n for _ in stages]
         self.leases = self.releases = self.gets = self.parts = self.grpc_blocks = self.bytes_copied = 0
         self._published = 0
         self._warned = False
+
+    def _slots(self, s: int) -> list[np.ndarray]:
+        """Each block's slot of stage ``s`` (made on first use)."""
+        views = self._slot_views[s]
+        if views is None:
+            bufs, want = self._bufs[s], self._want[s]
+            views = self._slot_views[s] = [bufs.slot(i, want) for i in range(len(self.keys))]
+        return views
 
     @property
     def calls(self) -> int:
@@ -205,7 +222,7 @@ class LeasedRead:
             if cancelled():
                 return False
             ranges, want, end = self._ranges[s], self._want[s], self._end[s]
-            slots, got = self._slots[s], self.sizes[s]
+            slots, got = self._slots(s), self.sizes[s]
             for i in range(start, stop):
                 j = i - start
                 if not codes[j] or sizes[j] < end:
@@ -249,7 +266,7 @@ class LeasedRead:
                     continue                          # a miss, or not the bytes asked for
                 data, pos = np.frombuffer(res.data, dtype=np.uint8), 0
                 for s in range(first, len(self._ranges)):
-                    self._slots[s][i][:] = data[pos:pos + self._want[s]]
+                    self._slots(s)[i][:] = data[pos:pos + self._want[s]]
                     self.sizes[s][i] = self._want[s]
                     pos += self._want[s]
                 self.bytes_copied += total
