@@ -230,3 +230,21 @@ def test_the_reference_page_back_from_a_client_is_one_lease_and_stops_at_a_missi
             guarded.close()
     finally:
         d.stop(0)
+
+
+def test_a_store_without_leases_is_asked_once_per_step_for_every_layer():
+    from ea_support import MemoryStore
+
+    layers = 4
+    layout = layout_of(layers)
+    store = MemoryStore()
+    keys, blocks = stored(store, layout, 5, "mem")
+    del store.blocks[keys[3]]
+    store.calls.clear()
+    caches = caches_for(layers, 8)
+    w = WorkerTransfers(store_io.GuardedStore(store), names(layers), caches, "cpu", layout, (0, H))
+    errors = load_step(w, layers, [BlockTransfer("a", tuple(keys), (1, 2, 3, 4, 5))])
+    assert store.calls == ["get_into"] and errors == {4, 5}
+    for i in range(3):
+        assert torch.equal(cache_block(caches, layers, i + 1), blocks[i])
+    assert not cache_block(caches, layers, 4).any()
