@@ -158,11 +158,12 @@ def run_case(name: str, daemon: Daemon, args, n: int, head_dim: int, nvme: bool)
     return {"layout": layout, "rows": rows}
 
 
-def report(name: str, res: dict, n: int) -> None:
+def report(name: str, res: dict, n: int, tp: int) -> None:
     med = {a: {k: statistics.median(v) for k, v in r.items()} for a, r in res["rows"].items()}
     lay = res["layout"]
     print(f"\n{name}: {n} blocks of {lay.block_bytes >> 10} KiB, {lay.num_layers} layers "
-          f"({n * lay.block_bytes / 2 ** 20:.1f} MiB, this rank's share loaded)")
+          f"({n * lay.block_bytes / 2 ** 20:.1f} MiB leased, {n * lay.block_bytes / tp / 2 ** 20:.1f} MiB "
+          f"copied: rank 0 of TP={tp})")
     print(f"  {'arm':8} {'load ms':>9} {'layer 0 ms':>11} {'Lease/step':>11} {'GetRaw/step':>12} {'promotions':>11}")
     for arm in ("before", "after"):
         m = med[arm]
@@ -187,7 +188,7 @@ def main() -> None:
             folder.mkdir()
             d = Daemon(folder, host, nvme)
             try:
-                report(name, run_case(name, d, args, n, head_dim, nvme), n)
+                report(name, run_case(name, d, args, n, head_dim, nvme), n, args.tp)
             finally:
                 d.stop()
 
