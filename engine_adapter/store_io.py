@@ -15,6 +15,10 @@ Errors: the :mod:`kvstore.common.errors` exceptions of the client (``StoreUnavai
 daemon cannot be reached or does not answer in time, ``InvalidRequest``, ``TierFull``)
 propagate; a miss is a normal result (``False`` in the returned mask, or a shorter hit).
 
+An engine step's load is one call, :func:`load_stages`: every block leased once and copied
+stage by stage (a stage: one layer's K and V of the rank's heads) as each is due, not one
+``get_into`` per layer (:mod:`kvstore.client.leased_read`).
+
 The plug-ins call these functions with a :class:`GuardedStore`: the client behind the
 circuit breaker of :mod:`engine_adapter.breaker`, so a store that failed is not called
 again (``StoreSkipped``, a ``StoreUnavailable``, at once) until it answers a probe, and an
@@ -26,17 +30,28 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from kvstore.client.buffers import BlockBuffers
 from kvstore.client.client import GetIntoResult, KVStoreClient
+from kvstore.client.leased_read import Publish, ReadStage
 from kvstore.common.errors import InvalidRequest, KVStoreError, StoreUnavailable
 from kvstore.common.types import BlockMeta, LookupResult, PutResult
 
 from engine_adapter.breaker import LOAD, LOOKUP, SAVE, BreakerSettings, StoreBreaker, StoreSkipped
 
 log = logging.getLogger("engine_adapter.store_io")
+
+
+@dataclass(frozen=True)
+class StagesLoaded:
+    """Outcome of :func:`load_stages`: ``calls``, the store round trips it made (Lease,
+    Release between parts, gRPC Get; or ``get_into`` calls); ``bytes_copied`` into the stages."""
+
+    calls: int
+    bytes_copied: int
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,11 @@ class GuardedStore:
     def get_into(self, keys: Sequence[bytes], out, **kwargs) -> GetIntoResult:
         """:meth:`KVStoreClient.get_into` behind the breaker."""
         return self._call(LOAD, len(keys), self.store.get_into, keys, out, **kwargs)
+
+    def load_stages(self, keys: Sequence[bytes], stages: Sequence[ReadStage], timeout_s: float | None,
+                    publish: Publish | None, cancelled: Callable[[], bool] | None) -> StagesLoaded:
+        """:func:`load_stages` of the store behind the breaker (one breaker call for the whole read)."""
+        return self._call(LOAD, len(keys), _load_stages, self.store, keys, stages, timeout_s, publish, cancelled)
 
     def put_from(self, keys: Sequence[bytes], src, **kwargs) -> PutResult:
         """:meth:`KVStoreClient.put_from` behind the breaker."""
@@ -208,6 +228,72 @@ def load_blocks(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], out
     res = client.get_into(list(keys), rows, ranges=list(ranges) if ranges else None, stop_at_miss=False,
                           timeout=timeout_s)
     return [size == rows.shape[1] for size in res.sizes]
+
+
+def offers_leased_read(client) -> bool:
+    """Whether ``client`` (or the store behind a :class:`GuardedStore`) reads with leases
+    (:meth:`KVStoreClient.leased_read`): :func:`load_stages` then leases each block once."""
+    store = client.store if isinstance(client, GuardedStore) else client
+    return hasattr(store, "leased_read")
+
+
+def load_stages(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], stages: Sequence[ReadStage], *,
+                timeout_s: float | None = None, publish: Publish | None = None,
+                cancelled: Callable[[], bool] | None = None) -> StagesLoaded:
+    """Copy each stage's byte ranges of the blocks ``keys`` into its buffer: an engine step's load.
+
+    Args:
+        keys: 32-byte block keys.
+        stages: :class:`~kvstore.client.leased_read.ReadStage` s (``ranges`` of each block,
+            concatenated into its slot of ``out``; e.g. one per layer with
+            :meth:`engine_adapter.layout.BlockLayout.layer_ranges`), in the order they are due.
+        publish: ``publish(stage, sizes)``, once per stage in order, when that stage of every
+            block is in place; ``sizes[i]`` is the stage's bytes, or 0 for a miss (not found,
+            too short, not the bytes asked for). Called from this thread.
+        cancelled: asked between store calls and stages; when true the load stops and the
+            stages not published are never published.
+    Returns the round trips made and the bytes copied.
+    Raises:
+        kvstore.common.errors.KVStoreError: the store failed (``StoreUnavailable``,
+            ``StoreSkipped`` while the breaker is open); stages published before stay valid.
+
+    A client that leases (:func:`offers_leased_read`) leases every block once
+    (:class:`kvstore.client.leased_read.LeasedRead`: one round trip, or one per part of a
+    load larger than one lease may hold), whatever the number of stages; another store
+    (anything with ``get_into``) is asked once for every stage's ranges.
+    """
+    if isinstance(client, GuardedStore):
+        return client.load_stages(keys, stages, timeout_s, publish, cancelled)
+    return _load_stages(client, keys, stages, timeout_s, publish, cancelled)
+
+
+def _load_stages(store, keys, stages, timeout_s, publish, cancelled) -> StagesLoaded:
+    keys = list(keys)
+    publish = publish or (lambda stage, sizes: None)
+    if hasattr(store, "leased_read"):
+        read = store.leased_read(keys, stages, timeout=timeout_s)
+        read.run(publish, cancelled)
+        return StagesLoaded(read.calls, read.bytes_copied)
+    n = len(keys)                          # one get_into of every stage's ranges, then split
+    ranges = [r for stage in stages for r in stage.ranges]
+    wants = [sum(m for _, m in stage.ranges) for stage in stages]
+    scratch = np.empty((n, sum(wants)), dtype=np.uint8)
+    if cancelled is not None and cancelled():
+        return StagesLoaded(0, 0)
+    got = store.get_into(keys, scratch, ranges=ranges, stop_at_miss=False, timeout=timeout_s).sizes if n else []
+    copied, pos = 0, 0
+    for s, (stage, want) in enumerate(zip(stages, wants)):
+        bufs = BlockBuffers(stage.out, n, writable=True, offsets=stage.offsets)
+        sizes = [0] * n
+        for i in range(n):
+            if got[i] == scratch.shape[1]:
+                bufs.slot(i, want)[:] = scratch[i, pos:pos + want]
+                sizes[i] = want
+                copied += want
+        pos += want
+        bufs.finish()
+        publish(s, sizes)
+    return StagesLoaded(1 if n else 0, copied)
 
 
 def save_blocks(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], src, *,

@@ -2,12 +2,16 @@
 
 - :class:`BlockStore` is what the adapter needs from the store (the subset of
   :class:`kvstore.client.KVStoreClient` it calls), so tests can pass an in-memory fake.
-- :class:`LayerLoader` pages back a prefix in a loader thread with the batch-first
+- :class:`LayerLoader` pages back a prefix in a loader thread. From a store that leases
+  (a :class:`kvstore.client.KVStoreClient`, behind its breaker or not:
+  ``store_io.offers_leased_read``), one store call for the page back: every hit block
+  leased once and this rank's KV heads copied out of it layer by layer straight into
+  the loader's staging tensor, each layer published when copied
+  (``store_io.load_stages``). From any other :class:`BlockStore`, the batch-first
   ``get_into``: one call per group of layers (growing groups: layer 0, layers 1-2,
   3-6, 7-14, ... so layer 0 arrives early and a page back of ``L`` layers takes about
-  ``log2(L)`` calls), each fetching this rank's KV heads of those layers for every
-  hit block straight into the loader's staging tensor. Every byte of the rank's heads
-  is read once. The forward pass waits for layer ``N`` just before layer ``N``'s
+  ``log2(L)`` calls). Every byte of the rank's heads is read once either way. The
+  forward pass waits for layer ``N`` just before layer ``N``'s
   attention, so loading a group overlaps computing the layers before it. The loader
   only fills its own staging tensor; the forward thread copies from it into the paged
   cache, so a loader abandoned on a timeout can never write into the cache late.
@@ -37,6 +41,7 @@ from kvstore.client.client import GetIntoResult
 from kvstore.common.errors import KVStoreError, StoreUnavailable
 from kvstore.common.types import BlockMeta, LookupResult, PutResult
 
+from engine_adapter import store_io
 from engine_adapter.background import BackgroundJobs
 from engine_adapter.layout import BlockLayout
 from engine_adapter.reference.tp import TPGroup
@@ -126,7 +131,10 @@ class LayerLoad:
 class LayerLoader:
     """Pages back ``keys`` (this rank's KV heads ``heads``) group of layers by group in a thread.
 
-    Each group is one ``store.get_into(keys[:valid], staging, ranges=<the group's k and v
+    From a store that leases (``store_io.offers_leased_read``): one ``store_io.load_stages``
+    of every layer (one stage per layer, published as copied); a block missing or short
+    in layer ``l`` ends the valid prefix there for ``l`` and every later layer. Otherwise
+    each group is one ``store.get_into(keys[:valid], staging, ranges=<the group's k and v
     ranges of this rank's heads>, offsets=<block i at staging[i, l0]>, stop_at_miss=True)``.
     A block counts as arrived when it lies in the hit prefix the call reports and its
     size is exactly the bytes asked for (a short block is corrupt). The valid prefix
@@ -145,7 +153,8 @@ class LayerLoader:
         groups: ``[l0, l1)`` layer groups in order, covering every layer once
             (default :func:`layer_groups`).
     Attributes:
-        calls: ``get_into`` calls made so far.
+        calls: store calls made so far (``get_into`` calls; from a store that leases, its
+            round trips, Lease and Get, counted once the read ended: not :attr:`running`).
         bytes_received: bytes the store copied into the staging tensor (this rank's
             heads of the blocks that arrived, and of a short block).
         load_s: seconds from :meth:`start` until the latest group of layers was
@@ -232,6 +241,9 @@ class LayerLoader:
         return valid, None
 
     def _run(self) -> None:
+        if store_io.offers_leased_read(self.store):
+            self._run_leased()
+            return
         valid = len(self.keys)
         problem: str | None = None
         for l0, l1 in self.groups:
@@ -247,12 +259,46 @@ class LayerLoader:
                     log.exception("page back of %s failed", where)
                     valid, new = 0, f"loader failed in {where}: {e!r}"
                 problem = new or problem
-            for layer in range(l0, l1):
-                data = self.staging[:valid, layer:layer + 1] if valid else None
-                self._results[layer] = LayerLoad(valid, data, problem)
-            self.load_s = time.perf_counter() - self._t0
-            for layer in range(l0, l1):
-                self._ready[layer].set()
+            self._deliver(l0, l1, valid, problem)
+
+    def _run_leased(self) -> None:
+        """The page back as one leased read of every layer (see the class docstring)."""
+        stage = self.staging
+        n, block_bytes, layer_bytes = len(self.keys), stage[0].nbytes, stage[0, 0].nbytes
+        stages = [store_io.ReadStage(self.layout.group_ranges((layer, layer + 1), self.heads), stage,
+                                     offsets=[i * block_bytes + layer * layer_bytes for i in range(n)])
+                  for layer in range(self.layout.num_layers)]
+        state = {"valid": n, "problem": None}
+
+        def publish(layer: int, sizes: list[int]) -> None:
+            valid = state["valid"]
+            bad = next((i for i in range(valid) if sizes[i] != layer_bytes), valid)
+            if bad < valid:
+                state["valid"], state["problem"] = bad, f"block {bad} missing or short in layer {layer}"
+            self.bytes_received += sum(sizes)
+            self._deliver(layer, layer + 1, state["valid"], state["problem"])
+
+        try:
+            self.calls = store_io.load_stages(self.store, self.keys, stages, timeout_s=self.call_timeout_s,
+                                              publish=publish, cancelled=self._cancelled.is_set).calls
+        except Exception as e:  # store trouble or a bug: the layers not delivered have no valid block
+            first = next((layer for layer, r in enumerate(self._results) if r is None), self.layout.num_layers)
+            if isinstance(e, KVStoreError):
+                problem = f"store error in {_layers_name(first, self.layout.num_layers)}: {e}"
+            else:
+                log.exception("page back from layer %d on failed", first)
+                problem = f"loader failed in {_layers_name(first, self.layout.num_layers)}: {e!r}"
+            if first < self.layout.num_layers and not self._cancelled.is_set():
+                self._deliver(first, self.layout.num_layers, 0, problem)
+
+    def _deliver(self, l0: int, l1: int, valid: int, problem: str | None) -> None:
+        """Publish layers ``[l0, l1)`` with ``valid`` leading blocks."""
+        for layer in range(l0, l1):
+            data = self.staging[:valid, layer:layer + 1] if valid else None
+            self._results[layer] = LayerLoad(valid, data, problem)
+        self.load_s = time.perf_counter() - self._t0
+        for layer in range(l0, l1):
+            self._ready[layer].set()
 
 
 class StoreWriter:

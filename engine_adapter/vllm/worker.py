@@ -3,8 +3,10 @@
 One instance per TP rank, driven by the hooks vLLM calls in every step:
 
 - ``bind(plan)``: the step's plan, when vLLM binds the metadata;
-- ``start_load()``: a loader thread fetches, layer by layer, this rank's KV heads
-  of every planned block (``store_io.load_blocks`` with two byte ranges per layer,
+- ``start_load()``: a loader thread leases every planned block once (one store round
+  trip for the step whatever the layer count, ``store_io.load_stages``; a load larger
+  than one lease may hold is read in parts, each block promoted from NVMe once) and
+  copies this rank's KV heads out of it layer by layer (two byte ranges per layer,
   ``docs/block_layout.md``) into staging tensors of its own;
 - ``wait_layer(l)`` (before layer ``l``'s attention): waits for layer ``l`` and scatters
   its blocks into the cache (``kernels.scatter_blocks``). A block missing, short or
@@ -50,7 +52,14 @@ GatherHeads = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 class _LayerLoads:
-    """Loader thread of one step: staging tensors and per-layer readiness."""
+    """Loader thread of one step: staging tensors and per-layer readiness.
+
+    One store call for the step (:func:`engine_adapter.store_io.load_stages`): every planned
+    block leased once, its layers copied out one after the other into ``staging[layer]``,
+    each layer published (``ok``, ``ready``) as soon as its copy is in place. A layer that
+    is never published (the store failed, the load was cancelled) fails every block.
+    ``calls``: the store round trips the load made.
+    """
 
     def __init__(self, client, loads: Sequence[BlockTransfer], layout: BlockLayout,
                  heads: tuple[int, int], timeout_s: float):
@@ -63,27 +72,30 @@ class _LayerLoads:
         self.ok: list[list[bool] | None] = [None] * layout.num_layers
         self.ready = [threading.Event() for _ in range(layout.num_layers)]
         self.problem: str | None = None
+        self.calls = 0
         self._cancel = threading.Event()
         self._client = client
         threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True).start()
 
+    def _publish(self, layer: int, sizes: list[int]) -> None:
+        want = self.staging[layer][0].nbytes
+        self.ok[layer] = [size == want for size in sizes]
+        self.ready[layer].set()
+
     def _run(self) -> None:
-        failed = False
-        for layer in range(self.layout.num_layers):
-            if self._cancel.is_set():
-                break
-            if failed:                      # a failed layer fails its blocks: no later layer is asked for
-                ok = [False] * len(self.keys)
-            else:
-                try:
-                    ok = store_io.load_blocks(self._client, self.keys, self.staging[layer],
-                                              ranges=self.layout.layer_ranges(layer, self.heads),
-                                              timeout_s=self.timeout_s)
-                except Exception as e:  # store down or a bug: the blocks are recomputed, never used
-                    self.problem = f"layer {layer}: {e}"
-                    ok, failed = [False] * len(self.keys), True
-            self.ok[layer] = ok
-            self.ready[layer].set()
+        layers = range(self.layout.num_layers)
+        stages = [store_io.ReadStage(self.layout.layer_ranges(layer, self.heads), self.staging[layer])
+                  for layer in layers]
+        try:
+            self.calls = store_io.load_stages(self._client, self.keys, stages, timeout_s=self.timeout_s,
+                                              publish=self._publish, cancelled=self._cancel.is_set).calls
+        except Exception as e:  # store down or a bug: the blocks are recomputed, never used
+            first = next((layer for layer in layers if not self.ready[layer].is_set()), None)
+            self.problem = f"layer {first}: {e}" if first is not None else str(e)
+        for layer in layers:        # not published: every block of the layer fails (no later use)
+            if not self.ready[layer].is_set():
+                self.ok[layer] = [False] * len(self.keys)
+                self.ready[layer].set()
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -11,22 +11,19 @@ buffers; gRPC carries only Lease/Release and Reserve/Commit. Elsewhere (TCP, a
 multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
 (:mod:`kvstore.common.wire`) on gRPC. Both paths give the same results.
 
-The client is composed of parts that own their state, each given what it shares through
-its constructor: the :class:`~kvstore.client.connection.Connection` (channel, call,
-limits, the daemon's info), the :class:`~kvstore.client.raw.RawPath` (raw frames), the
-:class:`~kvstore.client.arena.ArenaPath` (the mapping, reservations, leases and their
-background release) and the :class:`~kvstore.client.hints.HintCalls`. This class holds
-the public verbs and delegates the data movement.
+The client is composed of parts that own their state, each given what it shares through its
+constructor: the :class:`~kvstore.client.connection.Connection` (channel, call, limits, the daemon's
+info), the :class:`~kvstore.client.raw.RawPath` (raw frames), the :class:`~kvstore.client.arena.ArenaPath`
+(the mapping, reservations, leases and their background release) and the :class:`~kvstore.client.hints.HintCalls`.
+This class holds the public verbs and delegates the data movement.
 
 Errors: gRPC status codes become :mod:`kvstore.common.errors` exceptions (:mod:`kvstore.common.status`);
-a message over the size limit is :class:`~kvstore.common.errors.MessageTooLarge`, never a full
-store. Every call that carries keys refuses a key that is not 32 bytes with
-InvalidRequest before anything is sent (:mod:`kvstore.client.checks`). The client
-imports only :mod:`kvstore.common` and the generated stubs.
+a message over the size limit is :class:`~kvstore.common.errors.MessageTooLarge`, never a full store.
+Every call that carries keys refuses a key that is not 32 bytes with InvalidRequest before anything is
+sent (:mod:`kvstore.client.checks`). The client imports only :mod:`kvstore.common` and the stubs.
 
-A client that is dropped without :meth:`KVStoreClient.close` cleans up when it is
-collected (a finalizer that holds its parts, not the client): its channel is closed,
-its lease-release thread stops and the shared arena is unmapped.
+A client dropped without :meth:`KVStoreClient.close` cleans up when it is collected (a finalizer
+holding its parts, not the client): channel closed, lease-release thread stopped, arena unmapped.
 """
 
 from __future__ import annotations
@@ -42,6 +39,7 @@ from kvstore.client.buffers import BlockBuffers, host_view
 from kvstore.client.checks import check_keys
 from kvstore.client.connection import Connection, NodeInfo
 from kvstore.client.hints import HintCalls
+from kvstore.client.leased_read import LeasedRead, ReadStage
 from kvstore.client.raw import RawPath
 from kvstore.common.transport import (
     DEFAULT_CHUNK_BYTES,
@@ -345,6 +343,10 @@ class KVStoreClient:
     def arena(self):
         """The mapped shared arena (:class:`kvstore.client.arena_mapping.ArenaMapping`), or None."""
         return self._arena_path.mapping()
+
+    def leased_read(self, keys: Sequence[bytes], stages: Sequence[ReadStage], timeout: float | None = None):
+        """A read of ``stages`` of ``keys``, each block leased once (:class:`LeasedRead`: call its ``run``)."""
+        return LeasedRead(self, keys, stages, timeout=timeout, release_later=self._arena_path.releaser.add)
 
     # -------------------------------------------------------------- agent hints
 

@@ -1,0 +1,279 @@
+"""A read of several byte ranges of the same blocks with each block leased once: an engine
+step's load, layer by layer, for one store round trip.
+
+An engine that pages a prefix back layer by layer wants the same blocks once per layer,
+a different pair of byte ranges each time (``docs/block_layout.md``). A ``get_into`` per
+layer is a Lease round trip per layer and, when the load is larger than one lease may
+hold, pages blocks into the arena again for every layer. :class:`LeasedRead` instead
+leases every block once (one Lease: each block pinned in the shared arena, those only on
+NVMe promoted into it), copies each *stage* (e.g. one layer's K and V of a TP rank's KV
+heads) of every block out of the arena, stage after stage, telling the caller as each
+stage is in place (the engine computes layer 0 while later layers are copied), and hands
+the lease to the client's background release.
+
+A load larger than one lease may hold (the daemon ends a grant past its ``max_bytes``, a
+quarter of the arena by default, or when a promotion finds no room, and says where to
+resume: ``LeaseReply.resume_at``) is read in parts: lease a part, copy every stage of its
+blocks, release it, lease the next. Each block is leased, so promoted from NVMe, once per
+read whatever the number of stages; the round trips are the parts' Leases (and a Release
+between two parts, so the next part finds the room the previous one held).
+
+Blocks the arena cannot serve go by gRPC in one ``get`` of every stage they still need,
+never one per stage: no arena to map (TCP, a multi-tenant daemon, ``shared_memory=False``),
+an arena that grants nothing now (``resume_at`` 0), a lease too old when its copy finished,
+a daemon that served a new arena twice during the read.
+
+Every byte served is checked as :meth:`kvstore.client.KVStoreClient.get_into` checks it: a
+block not found, or too short for a stage's ranges, is a miss (size 0); a stage copied out
+of a lease later than :data:`kvstore.client.arena.SAFE_FRACTION` of its TTL after the Lease
+was sent is thrown away (its space may hold other blocks by then) and read by gRPC; a gRPC
+reply of another length than asked for is a miss.
+
+Built on the client's public ``lease``, ``release``, ``arena`` and ``get``
+(:class:`kvstore.client.KVStoreClient`), which :meth:`KVStoreClient.leased_read` hands in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvstore.client.arena import SAFE_FRACTION, ArenaChanged
+from kvstore.client.buffers import BlockBuffers
+from kvstore.client.checks import check_keys
+from kvstore.common.errors import InvalidRequest
+from kvstore.common.transport import MAX_KEYS_PER_REQUEST, keys_per_request
+
+log = logging.getLogger("kvstore.client")
+
+_clock = time.monotonic
+
+Publish = Callable[[int, list], None]
+"""``publish(stage, sizes)``: stage ``stage`` is in place; ``sizes[i]`` is the bytes copied
+for block ``i`` (the stage's bytes, or 0: a miss)."""
+
+
+@dataclass(frozen=True)
+class ReadStage:
+    """What one stage copies of every block.
+
+    Attributes:
+        ranges: ``(offset, length)`` byte ranges of a block (non-empty; e.g.
+            :meth:`engine_adapter.layout.BlockLayout.layer_ranges`), concatenated into
+            the block's slot of ``out``.
+        out: where the blocks go: one host buffer per key, or one buffer of ``len(keys)``
+            equal slots (e.g. shaped ``(len(keys), stage_bytes)``), or one buffer with block
+            ``i`` at byte ``offsets[i]`` (numpy arrays, CPU torch tensors, any writable buffer).
+        offsets: with one buffer, each block's byte offset in it; None: equal slots.
+    """
+
+    ranges: Sequence[tuple[int, int]]
+    out: Any
+    offsets: Sequence[int] | None = None
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` checked, with touching neighbours merged (the same bytes, concatenated)."""
+    out: list[tuple[int, int]] = []
+    for off, n in ranges:
+        off, n = int(off), int(n)
+        if off < 0 or n <= 0:
+            raise InvalidRequest(f"byte range ({off}, {n}) must have an offset >= 0 and a length > 0")
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return out
+
+
+class LeasedRead:
+    """Stages of the blocks ``keys``, each block leased once (see the module docstring).
+
+    Args:
+        client: a :class:`kvstore.client.KVStoreClient` (its ``arena``, ``lease``,
+            ``release``, ``get``, ``lease_ttl_s`` and ``max_message_bytes``).
+        keys: 32-byte block keys.
+        stages: :class:`ReadStage` s, in the order they are copied and published.
+        timeout: deadline of each store call (seconds; None: the client's).
+        release_later: ends a lease without waiting (the client's background release);
+            None: a Release call at once.
+    Raises InvalidRequest (a key that is not 32 bytes, no stages, a stage without ranges,
+    a buffer too small for a stage's bytes).
+
+    Attributes (after :meth:`run`): ``sizes[s][i]``, the bytes of stage ``s`` copied for block
+    ``i`` (0: a miss); ``leases``, ``releases``, ``gets``: the Lease, Release (between parts)
+    and gRPC get calls made; ``parts``: leases granted; ``grpc_blocks``: blocks read by gRPC;
+    ``bytes_copied``.
+    """
+
+    def __init__(self, client, keys: Sequence[bytes], stages: Sequence[ReadStage], *,
+                 timeout: float | None = None, release_later: Callable[[str], None] | None = None):
+        self.client = client
+        self.keys = check_keys(keys)
+        if not stages:
+            raise InvalidRequest("a leased read needs at least one stage")
+        n = len(self.keys)
+        self.timeout = timeout
+        self._release_later = release_later or (lambda lease_id: client.release([lease_id], timeout))
+        self._ranges = [_merged(s.ranges) for s in stages]
+        if not all(self._ranges):
+            raise InvalidRequest("every stage needs at least one byte range")
+        self._want = [sum(m for _, m in r) for r in self._ranges]
+        self._end = [max(o + m for o, m in r) for r in self._ranges]        # a block shorter is a miss
+        self._bufs = [BlockBuffers(stage.out, n, writable=True, offsets=stage.offsets) for stage in stages]
+        self._slot_views: list[list[np.ndarray] | None] = [None] * len(stages)
+        for s, stage in enumerate(stages):      # every slot checked now; views made when a stage is copied
+            if isinstance(stage.out, (list, tuple)):
+                self._slots(s)
+            elif n:                             # one buffer: its first and last slots bound the others
+                offs = stage.offsets
+                ends = (0, n - 1) if offs is None else (min(range(n), key=offs.__getitem__),
+                                                        max(range(n), key=offs.__getitem__))
+                for i in ends:
+                    self._bufs[s].slot(i, self._want[s])
+        self.sizes = [[0] * n for _ in stages]
+        self.leases = self.releases = self.gets = self.parts = self.grpc_blocks = self.bytes_copied = 0
+        self._published = 0
+        self._warned = False
+
+    def _slots(self, s: int) -> list[np.ndarray]:
+        """Each block's slot of stage ``s`` (made on first use)."""
+        views = self._slot_views[s]
+        if views is None:
+            bufs, want = self._bufs[s], self._want[s]
+            views = self._slot_views[s] = [bufs.slot(i, want) for i in range(len(self.keys))]
+        return views
+
+    @property
+    def calls(self) -> int:
+        """Store round trips made for the data: Lease, Release between parts, gRPC get."""
+        return self.leases + self.releases + self.gets
+
+    def run(self, publish: Publish | None = None, cancelled: Callable[[], bool] | None = None) -> list[list[int]]:
+        """Read every stage of every block; returns :attr:`sizes`.
+
+        ``publish(stage, sizes)`` is called once per stage, in stage order, when that stage's
+        bytes of every block are in place (from this thread). ``cancelled()`` is asked
+        before each Lease and each stage: when true, the read stops there (the stages not
+        published yet are never published) and its lease is released.
+        Raises StoreUnavailable, InvalidRequest, FeatureDisabled (``shared_memory=True``
+        without an arena), as the client's calls do; the stages published before stay valid.
+        """
+        publish = publish or (lambda stage, sizes: None)
+        cancelled = cancelled or (lambda: False)
+        n, client = len(self.keys), self.client
+        need: dict[int, int] = {}                   # block -> first stage it needs by gRPC
+        arena = client.arena() if n else None
+        per = keys_per_request(client.max_message_bytes, extra=128, max_keys=MAX_KEYS_PER_REQUEST)
+        start, remapped = 0, False
+        while arena is not None and start < n:
+            if cancelled():
+                return self.sizes
+            part = self.keys[start:start + per]
+            sent = _clock()
+            try:
+                reply = client.lease(part, prefix=False, timeout=self.timeout)
+            except ArenaChanged:                    # the daemon restarted: its new arena once, else gRPC
+                self.leases += 1
+                arena = None if remapped else client.arena()
+                remapped = True
+                continue
+            self.leases += 1
+            got = len(part) if reply.complete else min(reply.resume_at, len(reply.tier_codes))
+            stop = start + got
+            last = stop >= n
+            try:
+                if reply.lease_id:
+                    self.parts += 1
+                ttl = min(reply.ttl_seconds or client.lease_ttl_s, client.lease_ttl_s, arena.max_ttl_s)
+                if not self._copy_part(arena.array, reply, start, stop, sent, ttl * SAFE_FRACTION, need,
+                                       publish if last else None, cancelled):
+                    return self.sizes
+            finally:
+                if reply.lease_id:
+                    if last or got == 0:
+                        self._release_later(reply.lease_id)
+                    else:                            # the next part needs the room this one held
+                        self.releases += 1
+                        client.release([reply.lease_id], self.timeout)
+            if got == 0:                             # the arena grants nothing now: gRPC for the rest
+                break
+            start = stop
+        if cancelled():
+            return self.sizes
+        for i in range(start, n):
+            need[i] = 0
+        if need:
+            self._by_grpc(need)
+        self._publish_upto(len(self._ranges), publish)
+        return self.sizes
+
+    def _copy_part(self, src: np.ndarray, reply, start: int, stop: int, sent: float, safe_s: float,
+                   need: dict[int, int], publish: Publish | None, cancelled) -> bool:
+        """Copy every stage of blocks ``[start, stop)`` out of the lease ``reply``; publish
+        each stage after its copy when this is the last part and nothing waits for gRPC.
+        Returns False when cancelled."""
+        offsets, sizes, codes = reply.offsets, reply.sizes, reply.tier_codes
+        for s in range(len(self._ranges)):
+            if cancelled():
+                return False
+            ranges, want, end = self._ranges[s], self._want[s], self._end[s]
+            slots, got = self._slots(s), self.sizes[s]
+            for i in range(start, stop):
+                j = i - start
+                if not codes[j] or sizes[j] < end:
+                    continue                          # not found, or too short for the ranges: a miss
+                base, dst, pos = offsets[j], slots[i], 0
+                for off, m in ranges:
+                    dst[pos:pos + m] = src[base + off:base + off + m]
+                    pos += m
+                got[i] = want
+            if _clock() - sent > safe_s:             # the copies may have outlived the lease
+                if not self._warned:
+                    log.warning("a lease of the shared arena was too old when its copy finished (the client "
+                                "stalled); reading those blocks again by gRPC")
+                    self._warned = True
+                for i in range(start, stop):
+                    if codes[i - start]:
+                        need[i] = s
+                        for later in range(s, len(self._ranges)):
+                            self.sizes[later][i] = 0
+                return True
+            self.bytes_copied += want * sum(1 for i in range(start, stop) if got[i])
+            if publish is not None and not need:
+                self._publish_upto(s + 1, publish)
+        return True
+
+    def _by_grpc(self, need: dict[int, int]) -> None:
+        """One gRPC get per first stage needed (usually one) of every stage the blocks in
+        ``need`` still lack, split into the stages' slots."""
+        by_first: dict[int, list[int]] = {}
+        for i, s in sorted(need.items()):
+            by_first.setdefault(s, []).append(i)
+        for first, blocks in sorted(by_first.items()):
+            ranges = _merged([r for rs in self._ranges[first:] for r in rs])
+            total = sum(self._want[first:])
+            self.gets += 1
+            results = self.client.get([self.keys[i] for i in blocks], ranges=ranges, stop_at_miss=False,
+                                      timeout=self.timeout)
+            self.grpc_blocks += len(blocks)
+            for i, res in zip(blocks, results):
+                if not res.found or len(res.data) != total:
+                    continue                          # a miss, or not the bytes asked for
+                data, pos = np.frombuffer(res.data, dtype=np.uint8), 0
+                for s in range(first, len(self._ranges)):
+                    self._slots(s)[i][:] = data[pos:pos + self._want[s]]
+                    self.sizes[s][i] = self._want[s]
+                    pos += self._want[s]
+                self.bytes_copied += total
+
+    def _publish_upto(self, upto: int, publish: Publish) -> None:
+        while self._published < upto:
+            s = self._published
+            self._published += 1
+            self._bufs[s].finish()                  # device buffers: their host staging copied back
+            publish(s, self.sizes[s])
