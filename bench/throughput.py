@@ -10,7 +10,9 @@ limits
     physical limit of one copy; a cache-resident copy is several times faster);
   - ``file``: raw O_DIRECT write and read of the same blocks (aligned buffer);
   - ``raw gRPC``: a bare grpcio server in a separate process streaming the same bytes as
-    generic byte messages (a client stream for put, a server stream for get);
+    generic byte messages (a client stream for put, a server stream for get), distinct
+    payloads held in memory like the blocks; on the unix socket, and on 127.0.0.1 as the
+    limit of ``gRPC TCP``;
 kvstore, daemon in a separate process (``kvstore serve``):
   - ``zero-copy``: same node, ``put_from`` / ``get_into`` through the shared host arena;
   - ``gRPC unix`` and ``gRPC TCP``: the same calls with ``shared_memory=False`` (raw
@@ -55,12 +57,17 @@ def sink(request_iterator, context):
         n += len(chunk)
     return n.to_bytes(8, "little")
 
+HELD = {}
+
 def source(request, context):
+    # count distinct payloads held in memory, as a store holds its blocks (one payload
+    # sent count times would stay in the CPU cache, a best case no store serves)
     size = int.from_bytes(request[:8], "little")
     count = int.from_bytes(request[8:16], "little")
-    payload = b"\x01" * size
-    for _ in range(count):
-        yield payload
+    if (size, count) not in HELD:
+        HELD.clear()
+        HELD[size, count] = [bytes([i % 251 + 1]) * size for i in range(count)]
+    yield from HELD[size, count]
 
 handlers = {
     "Sink": grpc.stream_unary_rpc_method_handler(sink),
@@ -69,9 +76,9 @@ handlers = {
 opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 server = grpc.server(futures.ThreadPoolExecutor(4), options=opts)
 server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
-server.add_insecure_port(sys.argv[1])
+port = server.add_insecure_port(sys.argv[1])
 server.start()
-print("ready", flush=True)
+print("ready", port, flush=True)
 server.wait_for_termination()
 """
 
@@ -143,13 +150,14 @@ def echo_calls(address: str, size: int, count: int):
     ch = grpc.insecure_channel(address, options=opts)
     grpc.channel_ready_future(ch).result(timeout=30)
     sink, source = ch.stream_unary("/bench.Echo/Sink"), ch.unary_stream("/bench.Echo/Source")
-    payload = b"\x03" * size
+    payloads = [bytes([i % 251 + 3]) * size for i in range(count)]     # distinct, as the blocks put
 
     def put():
-        assert int.from_bytes(sink(payload for _ in range(count)), "little") == size * count
+        assert int.from_bytes(sink(iter(payloads)), "little") == size * count
 
     def get():
         assert sum(len(c) for c in source(size.to_bytes(8, "little") + count.to_bytes(8, "little"))) == size * count
+    get()                                                 # the server makes its payloads
     return put, get, ch
 
 
@@ -233,6 +241,8 @@ def main() -> int:
     folder.mkdir(parents=True, exist_ok=True)
     echo_sock = pathlib.Path(tempfile.mkdtemp(prefix="kvse-")) / "echo.sock"
     echo, _ = start([sys.executable, "-c", _ECHO_SERVER, f"unix:{echo_sock}"], "ready")
+    echo_tcp, banner = start([sys.executable, "-c", _ECHO_SERVER, "127.0.0.1:0"], "ready")
+    echo_tcp_address = f"127.0.0.1:{banner.split()[1]}"
     arena = total * 2 + (64 << 20)
     daemons = {
         "unix": Daemon(folder, "host", arena, 0, "unix:SOCK"),
@@ -247,6 +257,7 @@ def main() -> int:
             print(f"measuring {label} blocks x {count} ...", file=sys.stderr, flush=True)
             raw = RawFile(folder, size, count)
             e_put, e_get, ch = echo_calls(f"unix:{echo_sock}", size, count)
+            et_put, et_get, ch_tcp = echo_calls(echo_tcp_address, size, count)
             copy = memcpy_stream(size * count)
             paths = {
                 "zero-copy": kv_calls(daemons["unix"].address, size, count, True, "z", False),
@@ -265,6 +276,8 @@ def main() -> int:
                 note("file read", timed(raw.read))
                 note("raw gRPC put", timed(e_put))
                 note("raw gRPC get", timed(e_get))
+                note("raw gRPC TCP put", timed(et_put))
+                note("raw gRPC TCP get", timed(et_get))
                 for name, (put, get, fresh, _) in paths.items():
                     note(f"{name} put", timed(put))
                     note(f"{name} get", fresh() if fresh else timed(get))
@@ -285,13 +298,15 @@ def main() -> int:
             rows.append((label, raw.mode, rates, lat))
             raw.close()
             ch.close()
+            ch_tcp.close()
             for *_, c in paths.values():
                 c.close()
     finally:
         for d in daemons.values():
             d.stop()
-        echo.terminate()
-        echo.wait(timeout=30)
+        for e in (echo, echo_tcp):
+            e.terminate()
+            e.wait(timeout=30)
         shutil.rmtree(echo_sock.parent, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
     report(rows)
@@ -300,16 +315,17 @@ def main() -> int:
 
 def report(rows) -> None:
     print("\nLimits measured in this run (GB/s):")
-    print(f"{'block':>14} {'memcpy':>8} {'file wr':>8} {'file rd':>8} {'(mode)':>9} {'gRPC put':>9} {'gRPC get':>9}")
+    print(f"{'block':>14} {'memcpy':>8} {'file wr':>8} {'file rd':>8} {'(mode)':>9} {'gRPC put':>9} {'gRPC get':>9}"
+          f" {'TCP put':>8} {'TCP get':>8}")
     for label, mode, r, _ in rows:
         print(f"{label:>14} {r['memcpy']:8.2f} {r['file write']:8.2f} {r['file read']:8.2f} {mode:>9} "
-              f"{r['raw gRPC put']:9.2f} {r['raw gRPC get']:9.2f}")
+              f"{r['raw gRPC put']:9.2f} {r['raw gRPC get']:9.2f} {r['raw gRPC TCP put']:8.2f} {r['raw gRPC TCP get']:8.2f}")
     print("\nkvstore, daemon in its own process (GB/s, and the ratio to the limit it is held to):")
     print(f"{'block':>14} {'path':>16} {'put':>7} {'get':>7}   {'put ratio':>18} {'get ratio':>18}")
     for label, _, r, lat in rows:
         for name, ref, ref_name in (("zero-copy", ("memcpy", "memcpy"), "memcpy"),
                                     ("gRPC unix", ("raw gRPC put", "raw gRPC get"), "raw gRPC"),
-                                    ("gRPC TCP", ("raw gRPC put", "raw gRPC get"), "raw gRPC"),
+                                    ("gRPC TCP", ("raw gRPC TCP put", "raw gRPC TCP get"), "raw TCP"),
                                     ("NVMe zero-copy", ("file write", "file read"), "file"),
                                     ("NVMe gRPC", ("file write", "file read"), "file")):
             p, g = r[f"{name} put"], r[f"{name} get"]

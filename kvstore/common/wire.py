@@ -26,7 +26,9 @@ carry no payload (misses).
 
 from __future__ import annotations
 
+import ctypes
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -111,6 +113,74 @@ def decode(frame: bytes | memoryview) -> list[Record]:
         out.append(Record(key, flags, tier, total, offset, view[pos:pos + n]))
         pos += n
     return out
+
+
+def _bytes_constructor():
+    """CPython's ``PyBytes_FromStringAndSize`` (None elsewhere): with a NULL source it
+    returns a new bytes object whose contents its creator fills before anyone else sees
+    it (the C API's documented way to build bytes in place)."""
+    if sys.implementation.name != "cpython" or not hasattr(ctypes, "pythonapi"):
+        return None
+    fn = ctypes.pythonapi.PyBytes_FromStringAndSize
+    fn.restype = ctypes.py_object
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    return fn
+
+
+_NEW_BYTES = _bytes_constructor()
+IN_PLACE_MIN = 64 << 10
+"""Frames of at least this many bytes are written in place (:class:`OutFrame`); smaller
+ones are copied once into bytes (the copy costs less than the set-up)."""
+
+
+class _Memory:
+    """An address and a length as a numpy array's memory; ``owner`` keeps it alive."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, owner: bytes, address: int, nbytes: int):
+        self.owner = owner
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+class OutFrame:
+    """A frame of ``nbytes`` bytes filled through :attr:`array` and sent as ``bytes``.
+
+    gRPC sends only ``bytes``. On CPython a frame of :data:`IN_PLACE_MIN` bytes or more is
+    a new bytes object filled in place (payloads are read straight into the message,
+    saving one copy of every byte); elsewhere, and for small frames, :attr:`array` is a
+    numpy buffer that :meth:`finish` copies into bytes. Fill every byte before
+    :meth:`finish`; after it, :attr:`array` is None and the bytes are never written again.
+    """
+
+    __slots__ = ("array", "_bytes")
+
+    def __init__(self, nbytes: int):
+        self._bytes: bytes | None = None
+        if _NEW_BYTES is not None and nbytes >= IN_PLACE_MIN:
+            self._bytes = _NEW_BYTES(None, nbytes)
+            address = ctypes.cast(self._bytes, ctypes.c_void_p).value     # its contents
+            self.array: np.ndarray | None = np.asarray(_Memory(self._bytes, address, nbytes))
+        else:
+            self.array = np.empty(nbytes, dtype=np.uint8)
+
+    def write_records(self, records: Sequence[tuple[bytes, int, int, int, int, int]]) -> int:
+        """Write the header and ``(key, flags, tier, total, offset, length)`` records at
+        the start of the frame; returns where the first payload goes (bytes)."""
+        HEADER.pack_into(self.array, 0, MAGIC, len(records))
+        pos = HEADER.size
+        for key, flags, tier, total, offset, length in records:
+            RECORD.pack_into(self.array, pos, key, flags, tier, 0, 0, total, offset, length)
+            pos += RECORD.size
+        return pos
+
+    def finish(self) -> bytes:
+        """The frame's bytes (no copy when written in place)."""
+        array, self.array = self.array, None
+        if self._bytes is None:
+            return array.tobytes()
+        frame, self._bytes = self._bytes, None
+        return frame
 
 
 class FrameBuilder:

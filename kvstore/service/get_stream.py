@@ -4,8 +4,9 @@ A block is read in pieces of at most ``step`` bytes (:meth:`BlockReader.read_int
 byte ranges, which the medium honours: NVMe reads only those pages), while it stays
 pinned, so the daemon's memory per Get is about one message whatever the block size.
 Pieces are packed into messages that never exceed ``limit`` bytes, counting framing and
-the records of misses: :func:`proto_batches` for ``Get`` (protobuf), :func:`raw_frames`
-for ``GetRaw`` (:mod:`kvstore.common.wire`).
+the records of misses: :func:`proto_batches` for ``Get`` (protobuf), and
+:func:`kvstore.service.get_frames.raw_frames` for ``GetRaw`` (:mod:`kvstore.common.wire`),
+which reads the same :func:`units` straight into its frames.
 
 A block that fails while it is being sent (every copy corrupt, or every copy's medium
 failing for this call: EMFILE, EIO) gets a ``FAILED`` record
@@ -32,7 +33,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.common.errors import CorruptBlock, InvalidRequest, TierIOError
 from kvstore.store.manager import TierManager
 from kvstore.store.reads import BlockReader
-from kvstore.common.wire import FAILED, FOUND, FrameBuilder
+from kvstore.common.wire import FAILED, FOUND
 
 
 @dataclass
@@ -117,14 +118,18 @@ class BufferPool:
 
 
 _POOL = BufferPool()
-_READAHEAD = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstore-readahead")
+READ_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstore-readahead")
 READAHEAD = 4
-"""Pieces read ahead of the one being sent (several reads in flight: NVMe serves them in
-parallel, and reads release the GIL)."""
+"""Pieces (:func:`pieces`) or frames (:func:`kvstore.service.get_frames.raw_frames`)
+read ahead of the one being sent, on :data:`READ_POOL` (several reads in flight: NVMe
+serves them in parallel, and reads release the GIL)."""
 
 
 @dataclass
-class _Unit:
+class Unit:
+    """One piece to read: ``n`` bytes at ``offset`` of a block's selected bytes (``ranges``
+    of the block); ``reader`` None: a miss."""
+
     key: bytes
     reader: BlockReader | None
     total: int
@@ -138,7 +143,7 @@ class _Unit:
     paged: bool = False                    # paged in from the cluster for this Get
 
 
-def _units(plan: GetPlan) -> Iterator[_Unit]:
+def units(plan: GetPlan) -> Iterator[Unit]:
     """The pieces to read, in order: one per miss, ``ceil(total / step)`` per block."""
     m = plan.manager
     paged = m.reads.page_in([plan.internal(k) for k in plan.keys], prefix=plan.stop_at_miss)
@@ -146,13 +151,13 @@ def _units(plan: GetPlan) -> Iterator[_Unit]:
         internal = plan.internal(key)
         reader = m.reads.reader(internal, remote=False)
         if reader is None:
-            yield _Unit(key, None, 0, 0, 0, [], True)
+            yield Unit(key, None, 0, 0, 0, [], True)
             continue
         try:
             total = reader.span(plan.ranges)
         except InvalidRequest:             # a block too short for the ranges: a miss, not an error
             reader.close()
-            yield _Unit(key, None, 0, 0, 0, [], True)
+            yield Unit(key, None, 0, 0, 0, [], True)
             continue
         ranges = plan.ranges or [(0, reader.size)]
         starts = [0, *accumulate(n for _, n in ranges)][:-1]
@@ -160,13 +165,13 @@ def _units(plan: GetPlan) -> Iterator[_Unit]:
         while True:
             n = min(plan.step, total - offset)
             sub = sub_ranges(ranges, starts, offset, n) if n else [(0, 0)]
-            yield _Unit(key, reader, total, offset, n, sub, offset + n >= total, paged=internal in paged)
+            yield Unit(key, reader, total, offset, n, sub, offset + n >= total, paged=internal in paged)
             offset += n
             if offset >= total:
                 break
 
 
-def _read(u: _Unit) -> int:
+def _read(u: Unit) -> int:
     return int(u.reader.read_into(u.buf, u.ranges))
 
 
@@ -174,21 +179,21 @@ def pieces(plan: GetPlan) -> Iterator[Piece]:
     """Every requested block as pieces, in key order (a miss is one empty piece), with up
     to :data:`READAHEAD` reads in flight. Each block stays pinned until its last piece is
     sent; a block that fails mid-way gives a FAILED piece and no more of its pieces."""
-    units = _units(plan)
-    window: deque[_Unit] = deque()
+    todo = units(plan)
+    window: deque[Unit] = deque()
     readers: dict[int, BlockReader] = {}       # the open readers (alive: their ids are unique)
     failed: set[int] = set()                   # ids of open readers whose block failed
 
     def fill() -> None:
         while len(window) <= READAHEAD:
-            u = next(units, None)
+            u = next(todo, None)
             if u is None:
                 return
             if u.reader is not None:
                 readers[id(u.reader)] = u.reader
                 u.pooled = _POOL.take(u.n)
                 u.buf = u.pooled[:u.n]
-                u.future = _READAHEAD.submit(_read, u)
+                u.future = READ_POOL.submit(_read, u)
             window.append(u)
             if u.reader is None and plan.stop_at_miss:
                 return
@@ -252,23 +257,3 @@ def proto_batches(plan: GetPlan) -> Iterator[pb.GetBatch]:
         size += n
     if batch:
         yield pb.GetBatch(chunks=batch)
-
-
-def raw_frames(plan: GetPlan) -> Iterator[bytes]:
-    """Pieces as raw frames (:mod:`kvstore.common.wire`) of at most ``plan.limit`` bytes."""
-    builder = FrameBuilder(plan.limit)
-    held: list[Piece] = []
-
-    def flush() -> bytes:
-        frame = builder.flush()
-        for p in held:                     # their bytes are in the frame now
-            p.done()
-        held.clear()
-        return frame
-    for p in pieces(plan):
-        if builder and builder.room() < len(p.data):
-            yield flush()
-        builder.add(p.key, p.flags, p.tier, p.total, p.offset, p.data)
-        held.append(p)
-    if builder:
-        yield flush()

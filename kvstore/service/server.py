@@ -33,7 +33,8 @@ from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.service.auth import SHARED, Authenticator, KeySpace
-from kvstore.service.get_stream import GetPlan, proto_batches, raw_frames
+from kvstore.service.get_frames import raw_frames
+from kvstore.service.get_stream import GetPlan, proto_batches
 from kvstore.service.interceptors import well_formed
 from kvstore.service.interceptors import abort_call as _abort
 from kvstore.service.interceptors import streaming_handler as _streaming

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from support.fake_tiers import MemTier
 
-from kvstore.service.get_stream import GetPlan, pieces, raw_frames
+from kvstore.service.get_frames import raw_frames
+from kvstore.service.get_stream import GetPlan, pieces
 from kvstore.store.manager import TierManager
 from kvstore.policy import make_policy
 from kvstore.common.wire import decode
