@@ -139,16 +139,18 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.answers(0.2):
+            if self.answers(5.0):
                 return time.monotonic()
             time.sleep(0.01)
         raise RuntimeError(f"daemon not ready after {timeout_s} s:\n{self.log_tail()}")
 
     def answers(self, timeout_s: float) -> bool:
-        """Whether it answers an Info within ``timeout_s`` seconds (a fresh gRPC client)."""
+        """Whether it answers an Info within ``timeout_s`` seconds (a fresh gRPC client, not
+        waiting for a connection that is refused: a socket file nobody serves is a quick no,
+        one being served gets ``timeout_s`` for the handshake on a loaded machine)."""
         client = KVStoreClient(self.address, timeout=timeout_s, shared_memory=False)
         try:
-            client.ping(timeout_s)
+            client.info(timeout_s)
             return True
         except KVStoreError:
             return False
