@@ -1,11 +1,20 @@
-"""Test support for the vLLM connector: a tiny Llama checkpoint, vLLM configs and requests.
+"""Test support for the vLLM connector: a tiny Llama checkpoint, vLLM configs and requests, and
+a daemon in its own process (:class:`DaemonProcess`) for the fault scenarios.
 
 Not a test module. Everything here imports vLLM lazily; tests skip when it is absent.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from kvstore.client.client import KVStoreClient
+from kvstore.common.errors import KVStoreError
 
 
 def tiny_llama_dir(path: pathlib.Path, *, layers: int = 2, kv_heads: int = 2, heads: int = 4,
@@ -79,3 +88,110 @@ def request(req_id: str, tokens: list[int], block_size: int, max_tokens: int = 4
     init_none_hash(sha256)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return Request(req_id, list(tokens), params, None, block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+# ------------------------------------------------------------------ a daemon in its own process
+
+def write_daemon_toml(path: pathlib.Path, data: dict) -> pathlib.Path:
+    """Write a daemon config (nested dicts of str / int / float / bool) as TOML tables."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines: list[str] = []
+
+    def table(prefix: str, d: dict) -> None:
+        if prefix:
+            lines.append(f"[{prefix}]")
+        lines.extend(f"{k} = {value(v)}" for k, v in d.items() if not isinstance(v, dict))
+        for k, v in d.items():
+            if isinstance(v, dict):
+                table(f"{prefix}.{k}" if prefix else k, v)
+
+    table("", data)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class DaemonProcess:
+    """``kvstore serve --config FILE`` (the README's command) in its own process, with the
+    signals the fault scenarios send it.
+
+    Args:
+        config: the TOML file; address: the gRPC target it serves (``unix:...``);
+        log_path: the daemon's stdout and stderr (appended; shown when it fails to start).
+    """
+
+    def __init__(self, config: pathlib.Path, address: str, log_path: pathlib.Path):
+        self.config, self.address, self.log_path = config, address, log_path
+        self.proc = None
+
+    def start(self, timeout_s: float = 120.0) -> float:
+        """Start it and wait until it answers; returns ``time.monotonic()`` when it first did.
+        Raises RuntimeError (with its log) when it exits or does not answer in time."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config",
+                                          str(self.config)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.answers(5.0):
+                return time.monotonic()
+            time.sleep(0.01)
+        raise RuntimeError(f"daemon not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def answers(self, timeout_s: float) -> bool:
+        """Whether it answers an Info within ``timeout_s`` seconds (a fresh gRPC client, not
+        waiting for a connection that is refused: a socket file nobody serves is a quick no,
+        one being served gets ``timeout_s`` for the handshake on a loaded machine)."""
+        client = KVStoreClient(self.address, timeout=timeout_s, shared_memory=False)
+        try:
+            client.info(timeout_s)
+            return True
+        except KVStoreError:
+            return False
+        finally:
+            client.close()
+
+    def counters(self) -> dict[str, int]:
+        """The daemon's Stats counters now (a fresh gRPC client; the daemon must be running)."""
+        with KVStoreClient(self.address, timeout=30.0, shared_memory=False) as client:
+            return dict(client.stats()["counters"])
+
+    def signal(self, sig) -> None:
+        """Send ``sig`` (SIGSTOP, SIGCONT, ...) to the daemon."""
+        os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL it (after a SIGCONT: a stopped process is killed too) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(30)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM (graceful) and wait; SIGKILL when it does not stop in ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def counter_delta(before: dict[str, int], after: dict[str, int], *names: str) -> dict[str, int]:
+    """``after - before`` of the named daemon counters (0 for a counter not reported)."""
+    return {n: after.get(n, 0) - before.get(n, 0) for n in names}
