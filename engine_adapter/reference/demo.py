@@ -46,6 +46,7 @@ class DemoOptions:
     answer_tokens: int
     tool_wait_s: float
     store_timeout_s: float
+    lookup_timeout_s: float = 0.05
 
 
 def _model_config(opts: DemoOptions):
@@ -99,7 +100,8 @@ def demo_rank(tp, opts: DemoOptions) -> list[dict]:
         dtype=opts.dtype, block_tokens=opts.block_tokens, tenant=opts.tenant,
         num_cache_blocks=-(-(opts.system_tokens + opts.turns * (opts.observation_tokens + opts.answer_tokens))
                            // opts.block_tokens) + 8,
-        store_timeout_s=opts.store_timeout_s, load_timeout_s=max(opts.store_timeout_s, 1.0))
+        store_timeout_s=opts.store_timeout_s, load_timeout_s=max(opts.store_timeout_s, 1.0),
+        lookup_timeout_s=opts.lookup_timeout_s)
     client = KVStoreClient(opts.target, timeout=opts.store_timeout_s)
     runner = Runner(model, engine, tp, store=client, weights=make_weights(model, opts.checkpoint, opts.seed))
     session = AgentSession(turns=opts.turns, system_tokens=opts.system_tokens,

@@ -15,7 +15,8 @@ def cmd_agent_demo(args: argparse.Namespace) -> int:
         target=args.target, model=args.model, checkpoint=args.checkpoint, seed=args.seed, dtype=args.dtype,
         block_tokens=args.block_tokens, tenant=args.tenant or f"demo-{uuid.uuid4().hex[:8]}", turns=args.turns,
         system_tokens=args.system_tokens, observation_tokens=args.observation_tokens,
-        answer_tokens=args.answer_tokens, tool_wait_s=args.tool_wait_s, store_timeout_s=args.store_timeout_s)
+        answer_tokens=args.answer_tokens, tool_wait_s=args.tool_wait_s, store_timeout_s=args.store_timeout_s,
+        lookup_timeout_s=args.lookup_timeout_s)
     return run_demo(opts, args.tp)
 
 
@@ -41,4 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--answer-tokens", type=positive_int, default=16, help="tokens generated per turn")
     p.add_argument("--tool-wait-s", type=non_negative_float, default=0.0, help="simulated tool call between turns, seconds")
     p.add_argument("--store-timeout-s", type=positive_float, default=10.0, help="deadline of each store call")
+    p.add_argument("--lookup-timeout-s", type=positive_float, default=0.05,
+                   help="deadline of the lookup before each prefill, seconds (default 0.05: a slow store "
+                        "costs a turn at most this, then a recompute)")
     p.set_defaults(func=cmd_agent_demo)

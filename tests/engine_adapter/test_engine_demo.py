@@ -20,7 +20,7 @@ def test_agent_demo_tp2_prints_turns(tmp_path, capfd):
     try:
         args = parse(["agent-demo", "--target", daemon.address, "--model", "tiny", "--turns", "3",
                       "--system-tokens", "64", "--observation-tokens", "24", "--answer-tokens", "4",
-                      "--store-timeout-s", "60"])   # a saturated machine must not turn a page back into a recompute
+                      "--store-timeout-s", "60", "--lookup-timeout-s", "60"])   # a saturated machine must not turn a page back into a recompute
         assert args.tp == 2
         assert args.func(args) == 0
     finally:
