@@ -239,12 +239,17 @@ class HostTier(Tier):
         return SegmentInfo(self._buffer.fd, self._buffer.nbytes, f"memfd:{self.name}")
 
     def extent(self, key: bytes) -> tuple[int, int]:
-        """``(offset, size)`` of a committed block or a reservation in the arena (bytes)."""
-        with self._lock:
-            block = self._blocks.get(key) or self._reserved.get(key)
+        """``(offset, size)`` of a committed block or a reservation in the arena (bytes).
+        Takes the lock only on a miss: a dict read is atomic and a block's place never
+        changes once made (a lease asks for many extents in a row); a reservation being
+        committed meanwhile is found under the lock."""
+        block = self._blocks.get(key) or self._reserved.get(key)
+        if block is None:
+            with self._lock:
+                block = self._blocks.get(key) or self._reserved.get(key)
             if block is None:
                 raise BlockNotStored(f"block {key.hex()[:16]} is not in {self.name}")
-            return block.start, block.size
+        return block.start, block.size
 
     def close(self) -> None:
         with self._lock:

@@ -200,8 +200,9 @@ class KVStoreClient:
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
         """Longest stored prefix of ``keys`` and the tier of each hit block."""
         hit, codes = 0, b""
-        for part in parts(check_keys(keys), self._per_request()) or [[]]:
-            reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout)
+        for part in parts(check_keys(keys), self._per_request()) or [[]]:     # on the arena's session if it can
+            reply = (self._arena_path.lookup(part, timeout)
+                     or self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout))
             hit += reply.hit_blocks
             codes += reply.tier_codes
             if reply.hit_blocks < len(part):
@@ -333,14 +334,11 @@ class KVStoreClient:
         keys = check_keys(keys, limit=self._connection.max_keys_per_request)
         request = pb.LeaseRequest(keys=keys, ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
                                   device=device, max_bytes=max_bytes)
-        arena = self._arena_path.current
-        if arena is not None:
-            return self._arena_path.call(self._stub.Lease, request, timeout, arena)
-        return self._call(self._stub.Lease, request, timeout)
+        return self._arena_path.lease(request, timeout, self._call)
 
     def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
         """End leases; returns how many were live."""
-        return self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids)), timeout).released
+        return self._arena_path.release(list(lease_ids), timeout, self._call)
 
     def arena(self):
         """The mapped shared arena (:class:`kvstore.client.arena_mapping.ArenaMapping`), or None."""
