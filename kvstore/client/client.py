@@ -7,7 +7,8 @@
 
 Data path: on the daemon's own unix socket the client maps the daemon's shared host
 arena once (:mod:`kvstore.client.arena_mapping`) and copies blocks straight between it and the caller's
-buffers; gRPC carries only Lease/Release and Reserve/Commit. Elsewhere (TCP, a
+buffers; Lookup, Lease and Release are control frames on the arena session
+(:mod:`kvstore.client.arena_control`), gRPC carries Reserve/Commit. Elsewhere (TCP, a
 multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
 (:mod:`kvstore.common.wire`) on gRPC. Both paths give the same results.
 
@@ -198,9 +199,10 @@ class KVStoreClient:
     # -------------------------------------------------------------- lookup, delete, stats
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
-        """Longest stored prefix of ``keys`` and the tier of each hit block."""
+        """Longest stored prefix of ``keys`` and the tier of each hit block (a control frame
+        on the mapped arena's session when the daemon serves them, else a Lookup RPC)."""
         hit, codes = 0, b""
-        for part in parts(check_keys(keys), self._per_request()) or [[]]:     # on the arena's session if it can
+        for part in parts(check_keys(keys), self._per_request()) or [[]]:
             reply = (self._arena_path.lookup(part, timeout)
                      or self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout))
             hit += reply.hit_blocks
