@@ -6,8 +6,8 @@ session sends control frames (:mod:`kvstore.common.arena_wire`) on its arena con
 (:meth:`kvstore.service.liveness.ClientSessions.open_served`): it reads a frame, calls the
 store directly (the same manager calls, checks and limits as the gRPC ``Lookup``, ``Lease``
 and ``Release`` handlers of :mod:`kvstore.service.server`), answers, and only then does the
-bookkeeping that the answer does not need: the policies' touches of the leased blocks (they
-are pinned already), the reuse statistics of a lookup, the metrics. One thread per session
+bookkeeping that the answer does not need, when no frame waits: the policies' touches of the
+leased blocks (they are pinned already), the reuse statistics of a lookup, the metrics. One thread per session
 blocked in ``recv``: an answer costs one wake-up, and a slow call (a lease that pages blocks
 back from NVMe) delays only its own client.
 
@@ -41,6 +41,19 @@ log = logging.getLogger("kvstore.service.arena_control")
 _BODY = struct.Struct("<BBBBII")        # the header after its length field
 _FIRST_BUFFER = 64 << 10
 
+MAX_DEFERRED = 64
+"""Bookkeeping callables (a few per frame) a session lets wait while frames keep coming."""
+
+
+def _run(later: list) -> None:
+    """Run (and forget) the bookkeeping of answered frames; a failure is logged, never raised."""
+    for fn in later:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - bookkeeping never ends a session
+            log.exception("arena control: bookkeeping after a frame failed")
+    later.clear()
+
 
 class ArenaControl:
     """Answers control frames with the store's calls.
@@ -67,10 +80,13 @@ class ArenaControl:
 
     def serve(self, conn: socket.socket, session: str, space: KeySpace = SHARED) -> None:
         """Serve the frames of ``conn`` (a blocking socket) for ``session`` until the client
-        closes it, it fails, or a frame cannot be framed. Never raises for what a client sends."""
+        closes it, it fails, or a frame cannot be framed. Never raises for what a client sends.
+        Answers come first: the bookkeeping of answered frames runs when no frame waits (or
+        once :data:`MAX_DEFERRED` frames' worth is pending), and before the session ends."""
         buf = bytearray(_FIRST_BUFFER)
         view = memoryview(buf)
         have = 0
+        later: list[Callable[[], None]] = []
         try:
             while True:
                 if have >= w.LENGTH.size:
@@ -80,17 +96,28 @@ class ArenaControl:
                         return
                     total = w.LENGTH.size + length
                     if have >= total:
-                        self._one(conn, bytes(view[w.LENGTH.size:total]), session, space)
+                        reply = self.answer(bytes(view[w.LENGTH.size:total]), session, space, later)
+                        if reply:
+                            conn.sendall(reply)
                         rest = have - total
                         if rest:
                             buf[:rest] = buf[total:have]
                         have = rest
+                        if len(later) >= MAX_DEFERRED:
+                            _run(later)
                         continue
                     if total > len(buf):            # a frame larger than any so far
                         view.release()
                         buf.extend(bytes(total - len(buf)))
                         view = memoryview(buf)
-                n = conn.recv_into(view[have:])
+                flags = 0
+                if later:                           # a frame waiting is answered first
+                    flags = socket.MSG_DONTWAIT
+                try:
+                    n = conn.recv_into(view[have:], 0, flags)
+                except BlockingIOError:
+                    _run(later)                     # nothing waits: now the bookkeeping
+                    continue
                 if n == 0:
                     return                          # the client closed its session
                 have += n
@@ -98,17 +125,7 @@ class ArenaControl:
             log.debug("arena control session %s ended: %s", session[:8], e)
         finally:
             view.release()
-
-    def _one(self, conn: socket.socket, frame: bytes, session: str, space: KeySpace) -> None:
-        after: list[Callable[[], None]] = []
-        reply = self.answer(frame, session, space, after)
-        if reply:
-            conn.sendall(reply)
-        for fn in after:                            # what the answer did not need
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - bookkeeping never ends a session
-                log.exception("arena control: bookkeeping after a frame failed")
+            _run(later)
 
     def _refuse_framing(self, conn: socket.socket, length: int) -> None:
         self.frames += 1

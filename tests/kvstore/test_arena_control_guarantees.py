@@ -208,3 +208,20 @@ def test_a_session_acts_in_its_tenants_key_space(small):
     finally:
         server.stop()
         sessions.stop()
+
+
+def test_the_policy_sees_a_frame_lease_as_a_hit(small):
+    """The touches run after the answer, yet they run: the leased (older) block outlives a
+    newer one that nobody read."""
+    rng = np.random.default_rng(4)
+    keys = [key(i, "lru") for i in range(16)]                 # the arena holds 16: keys[0] is the oldest
+    with KVStoreClient(small.address, timeout=DEADLINE_S) as c:
+        for k in keys:
+            c.put_from([k], rng.integers(0, 256, (1, BLOCK), dtype=np.uint8))
+        forbid_grpc(c, "Lease", "Release")
+        lease = c.lease(keys[:1])
+        assert c.release([lease.lease_id]) == 1
+        wait_for(lambda: small.manager.counters["leases_granted"] == 1, "the lease's bookkeeping")
+        c.put_from([key(99, "lru")], rng.integers(0, 256, (1, BLOCK), dtype=np.uint8))
+        assert c.lookup(keys[:1]).hit_blocks == 1                 # read by the lease: kept
+        assert c.lookup(keys[1:2]).hit_blocks == 0                # the least recently used went
