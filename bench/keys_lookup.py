@@ -9,11 +9,17 @@ measured alongside (rounds interleaved, so load on the machine hits both alike):
    chained SHA-256 (the same hashlib calls over bytes encoded beforehand, untimed).
 2. **An agent turn that appends 512 tokens** to that prompt: ``TrajectoryKeyer.keys`` of
    the whole new prompt, after the previous turn (untimed).
-3. **Lookup of 8,192 stored keys** through ``KVStoreClient.lookup``, with its parts: the
-   request built and serialized on the client, the server handler called directly.
+3. **Lookup of 8,192 stored keys** through ``KVStoreClient.lookup`` (a LOOKUP control frame
+   on the arena session), next to the same lookup by gRPC (the path before control frames),
+   with its parts: the request built and serialized on the client, the server handler called
+   directly.
 4. **Lookup + get_into of a 128-block prefix of 32 KiB blocks** through the same-node
-   shared-memory path, with its parts (the Lookup and Lease round trips, the copy out of
-   the arena, issuing the background Release) and the memcpy of the same 4 MiB.
+   shared-memory path: LOOKUP and LEASE control frames (the release rides on the next lease),
+   next to the same calls by gRPC (Lookup and Lease RPCs: the path before, measured in the
+   same rounds), with its parts (the frames, the copy out of the arena) and the memcpy of the
+   same 4 MiB; and Mooncake's in-process ``batch_is_exist`` + ``batch_get_into`` of the same
+   prefix when its wheel is installed (a line says why not otherwise), with our p50 / its p50.
+   The load average before and after the rounds is printed: the machine may be shared.
 
 Daemons: in-process (``kvstore.service.startup.start_server``: client and daemon share one GIL) and
 in their own process (the sidecar as deployed); ``--daemon`` picks. Figures are p50 /
@@ -28,13 +34,11 @@ import argparse
 import hashlib
 import os
 import pathlib
-import queue
 import random
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Callable
 
@@ -201,27 +205,13 @@ def start_process(folder: pathlib.Path):
     return None, line.split()[1], stop
 
 
-class DeferredReleaseClient(KVStoreClient):
-    """What-if prototype (not the shipped client): leases are released by one long-lived
-    thread instead of a gRPC future per get_into (each future may start a thread)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self._pending: queue.Queue = queue.Queue()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _release(self, lease_id: str) -> None:
-        self._pending.put(lease_id)
-
-    def _drain(self) -> None:
-        while True:
-            ids = [self._pending.get()]
-            while not self._pending.empty():
-                ids.append(self._pending.get_nowait())
-            try:
-                self.release(ids)
-            except Exception:  # noqa: BLE001 - leases end by their TTL anyway
-                pass
+def grpc_control(c: KVStoreClient) -> KVStoreClient:
+    """``c`` with its arena mapped but its control frames off: Lookup and Lease go by gRPC,
+    the path before same-node control frames (the "before" rows, measured in the same run)."""
+    arena = c.arena()
+    if arena is not None:
+        arena.control = None
+    return c
 
 
 def bench_daemon(kind: str, reps: int) -> None:
@@ -229,20 +219,22 @@ def bench_daemon(kind: str, reps: int) -> None:
     daemon, address, stop = (start_inproc if kind == "inproc" else start_process)(folder)
     label = "in-process daemon" if kind == "inproc" else "daemon in its own process"
     try:
-        with KVStoreClient(address, timeout=60) as c, DeferredReleaseClient(address, timeout=60) as c2:
-            bench_lookup(c, daemon, label, reps)
-            bench_get(c, c2, daemon, label, reps)
+        with KVStoreClient(address, timeout=60) as c, KVStoreClient(address, timeout=60) as before:
+            bench_lookup(c, grpc_control(before), daemon, label, reps)
+            bench_get(c, before, daemon, label, reps)
     finally:
         stop()
 
 
-def bench_lookup(c: KVStoreClient, daemon, label: str, reps: int) -> None:
+def bench_lookup(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps: int) -> None:
     keys = [os.urandom(32) for _ in range(LOOKUP_BLOCKS)]
     c.put_from(keys, np.zeros(LOOKUP_BLOCKS * 64, np.uint8), sizes=64)
-    assert c.lookup(keys).hit_blocks == LOOKUP_BLOCKS
+    assert c.lookup(keys).hit_blocks == LOOKUP_BLOCKS == before.lookup(keys).hit_blocks
     fns: dict[str, Callable[[], object]] = {
         "lookup": lambda: c.lookup(keys),
+        "before": lambda: before.lookup(keys),
         "one": lambda: c.lookup(keys[:1]),
+        "one_before": lambda: before.lookup(keys[:1]),
         "request": lambda: pb.LookupRequest(keys=keys).SerializeToString(),
     }
     if daemon is not None:
@@ -250,14 +242,52 @@ def bench_lookup(c: KVStoreClient, daemon, label: str, reps: int) -> None:
         fns["handler"] = lambda: daemon.service.Lookup(pb.LookupRequest.FromString(wire), None)
     t = interleaved(fns, reps)
     header(f"Lookup of {LOOKUP_BLOCKS:,} stored keys, {label}, {reps} rounds")
-    row("KVStoreClient.lookup, end to end", t["lookup"], None, "< 3 ms")
-    row("  Lookup of 1 key (the gRPC round trip)", t["one"])
+    row("KVStoreClient.lookup, end to end (a control frame)", t["lookup"], t["before"], "< 3 ms")
+    row("  the same by gRPC (before: the Lookup RPC)", t["before"], t["before"])
+    row("  lookup of 1 key (the control frame round trip)", t["one"])
+    row("  lookup of 1 key by gRPC (the RPC round trip)", t["one_before"])
     row("  client: LookupRequest built + serialized", t["request"])
     if "handler" in t:
         row("  server: request parsed + Lookup handler (no gRPC)", t["handler"])
 
 
-def bench_get(c: KVStoreClient, c2: KVStoreClient, daemon, label: str, reps: int) -> None:
+def mooncake_batch_get(reps: int) -> list[float] | None:
+    """Seconds per ``batch_is_exist`` + ``batch_get_into`` of the prefix in an in-process
+    Mooncake store (its segment in this process), or None (printed why) without the wheel."""
+    from tiers.mooncake.client import mooncake_missing, store_class
+    why = mooncake_missing()
+    if why:
+        print(f"\n(Mooncake in-process batch get skipped: {why})")
+        return None
+    from tiers.mooncake.local_cluster import LocalMaster
+    master = LocalMaster().start()
+    try:
+        store = store_class()()
+        assert store.setup({"local_hostname": "127.0.0.1", "metadata_server": master.metadata_server,
+                            "global_segment_size": 256 << 20, "local_buffer_size": 64 << 20, "protocol": "tcp",
+                            "master_server_addr": master.address}) == 0
+        src = np.random.default_rng(1).integers(0, 256, GET_BLOCKS * GET_BLOCK_BYTES, dtype=np.uint8)
+        out = np.zeros_like(src)
+        for b in (src, out):
+            assert store.register_buffer(b.ctypes.data, b.nbytes) == 0
+        names = [f"bench/{i}" for i in range(GET_BLOCKS)]
+        ptrs = [src.ctypes.data + i * GET_BLOCK_BYTES for i in range(GET_BLOCKS)]
+        assert store.batch_put_from(names, ptrs, [GET_BLOCK_BYTES] * GET_BLOCKS) == [0] * GET_BLOCKS
+        dst = [out.ctypes.data + i * GET_BLOCK_BYTES for i in range(GET_BLOCKS)]
+
+        def get():
+            hit = next((i for i, e in enumerate(store.batch_is_exist(names)) if e != 1), GET_BLOCKS)
+            assert store.batch_get_into(names[:hit], dst[:hit], [GET_BLOCK_BYTES] * hit) == [GET_BLOCK_BYTES] * hit
+        get()
+        assert np.array_equal(out, src)
+        samples = interleaved({"get": get}, reps)["get"]
+        store.close()
+        return samples
+    finally:
+        master.stop()
+
+
+def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps: int) -> None:
     if not c.shared_memory:
         print(f"\n(no shared arena on the {label}: lookup + get_into skipped)")
         return
@@ -266,74 +296,60 @@ def bench_get(c: KVStoreClient, c2: KVStoreClient, daemon, label: str, reps: int
     c.put_from(keys, src, sizes=GET_BLOCK_BYTES)
     out = np.zeros_like(src)
     hot = np.empty_like(src)
-    arena = c.arena().array
+    arena = c.arena()
 
     def lookup_get(client: KVStoreClient):
         hit = client.lookup(keys).hit_blocks
         return client.get_into(keys[:hit], out)
 
-    assert lookup_get(c).found == GET_BLOCKS and np.array_equal(out, src)
+    assert arena.control is not None, "the daemon serves no control frames"
+    for client in (c, before):
+        out[:] = 0
+        assert lookup_get(client).found == GET_BLOCKS and np.array_equal(out, src)
     grant = c.lease(keys)
     spans = list(zip(grant.offsets, grant.sizes))
 
     def arena_copy():
         for j, (off, size) in enumerate(spans):
-            out[j * GET_BLOCK_BYTES:j * GET_BLOCK_BYTES + size] = arena[off:off + size]
+            out[j * GET_BLOCK_BYTES:j * GET_BLOCK_BYTES + size] = arena.array[off:off + size]
 
-    def lease_release():
-        c.release([c.lease(keys).lease_id])
     fns = {
         "target": lambda: lookup_get(c),
+        "before": lambda: lookup_get(before),
         "get_only": lambda: c.get_into(keys, out),
+        "get_before": lambda: before.get_into(keys, out),
         "lookup": lambda: c.lookup(keys),
-        "lease": lease_release,
+        "lease": lambda: c.release([c.lease(keys).lease_id]),
+        "lease_before": lambda: before.release([before.lease(keys).lease_id]),
         "copy": arena_copy,
         "memcpy": lambda: np.copyto(hot, src),
-        "deferred": lambda: lookup_get(c2),
-        "deferred_get": lambda: c2.get_into(keys, out),
     }
-    setup = None
     if daemon is not None:
-        m, service = daemon.manager, daemon.service
-        request = pb.LeaseRequest(keys=keys, ttl_seconds=30.0, prefix=True)
-        fns["handler"] = lambda: m.release(service.Lease(request, None).lease_id, "")
+        m = daemon.manager
         fns["manager"] = lambda: m.release(m.lease(keys, 30.0, "").lease_id, "")
-        fns["uncounted"] = fns["manager"]
-        fns["uncounted_get"] = fns["deferred_get"]
-        counting = m.counters.inc
-
-        def setup(name: str) -> None:   # what-if rows run with the daemon's counters off
-            m.counters.inc = (lambda name, n=1: None) if name.startswith("uncounted") else counting
-    try:
-        t = interleaved(fns, reps, setup)
-    finally:
-        if daemon is not None:
-            vars(m.counters).pop("inc", None)
-    futures_s = []
-    for _ in range(min(reps, 200)):
-        lease_id = c.lease(keys).lease_id
-        t0 = time.perf_counter()
-        c._arena_path.releaser.add(lease_id)
-        futures_s.append(time.perf_counter() - t0)
+    load0 = os.getloadavg()[0]
+    t = interleaved(fns, reps)
+    load1 = os.getloadavg()[0]
     c.release([grant.lease_id])
     mib = GET_BLOCKS * GET_BLOCK_BYTES / (1 << 20)
     header(f"Lookup + get_into of a {GET_BLOCKS}-block prefix of {GET_BLOCK_BYTES >> 10} KiB blocks "
-           f"({mib:.0f} MiB, shared memory), {label}, {reps} rounds")
-    row("lookup + get_into, end to end", t["target"], t["memcpy"], "p50 < 1, p99 < 5")
-    row("get_into alone (its prefix lease is the lookup)", t["get_only"], t["memcpy"])
-    row("  Lookup RPC of the 128 keys", t["lookup"])
-    row("  Lease RPC + Release RPC (synchronous)", t["lease"])
-    if "handler" in t:
-        row("  server: Lease handler + release (no gRPC)", t["handler"])
+           f"({mib:.0f} MiB, shared memory), {label}, {reps} interleaved rounds, load {load0:.1f} -> {load1:.1f}")
+    row("lookup + get_into, end to end (control frames)", t["target"], t["before"], "p50 <= 0.5, p99 <= 1.5")
+    row("  the same by gRPC (before: Lookup and Lease RPCs)", t["before"], t["before"])
+    row("get_into alone (its prefix lease is the lookup)", t["get_only"], t["get_before"])
+    row("  the same by gRPC (before)", t["get_before"], t["get_before"])
+    row("  LOOKUP frame of the 128 keys", t["lookup"])
+    row("  LEASE frame + RELEASE frame answered (synchronous)", t["lease"], t["lease_before"])
+    row("  Lease RPC + Release RPC (before)", t["lease_before"], t["lease_before"])
+    if "manager" in t:
         row("  server: manager.lease + release of the 128 blocks", t["manager"])
-        row("  what-if: manager.lease + release, counters off", t["uncounted"])
     row("  copy of the 128 blocks out of the mapped arena", t["copy"], t["memcpy"])
-    row("  issuing the background Release (a gRPC future)", futures_s)
     row("  memcpy of the same 4 MiB (np.copyto, the floor)", t["memcpy"], t["memcpy"])
-    row("what-if: lookup + get_into, releases by one thread", t["deferred"], t["memcpy"])
-    row("what-if: get_into alone, releases by one thread", t["deferred_get"], t["memcpy"])
-    if "uncounted_get" in t:
-        row("what-if: get_into alone, one release thread, counters off", t["uncounted_get"], t["memcpy"])
+    mooncake = mooncake_batch_get(reps)
+    if mooncake is not None:
+        row("Mooncake in-process batch_is_exist + batch_get_into", mooncake)
+        ours, theirs = stats_ms(t["target"])[0], stats_ms(mooncake)[0]
+        print(f"  our p50 / Mooncake's p50: {ours / theirs:.2f} (goal <= 0.6)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,9 @@ limits
     payloads held in memory like the blocks; on the unix socket, and on 127.0.0.1 as the
     limit of ``gRPC TCP``;
 kvstore, daemon in a separate process (``kvstore serve``):
-  - ``zero-copy``: same node, ``put_from`` / ``get_into`` through the shared host arena;
+  - ``zero-copy``: same node, ``put_from`` / ``get_into`` through the shared host arena
+    (leases as control frames on the arena session); ``zero-copy gRPC ctl``: the same with
+    Lookup and Lease as gRPC calls (the path before control frames);
   - ``gRPC unix`` and ``gRPC TCP``: the same calls with ``shared_memory=False`` (raw
     frames over gRPC) on the unix socket and on 127.0.0.1;
   - ``NVMe``: a host tier of a few blocks, so puts demote to NVMe and gets read NVMe
@@ -191,14 +193,17 @@ capacity = {max(nvme_bytes, 1 << 20)}
         shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
-def kv_calls(address: str, size: int, count: int, shm: bool, tag: str, nvme: bool):
-    """put and get closures moving ``count`` blocks of ``size`` bytes; each put stores new keys."""
+def kv_calls(address: str, size: int, count: int, shm: bool, tag: str, nvme: bool, control: bool = True):
+    """put and get closures moving ``count`` blocks of ``size`` bytes; each put stores new keys
+    (``control`` False: the arena's Lookup and Lease go by gRPC, not as control frames)."""
     from kvstore.client.client import KVStoreClient
 
     c = KVStoreClient(address, timeout=600, shared_memory=shm)
     c.wait_ready(30)
     if shm:
         assert c.shared_memory, f"{address}: the shared arena is not available"
+        if not control:
+            c.arena().control = None
     src = np.random.default_rng(1).integers(0, 256, (count, size), dtype=np.uint8)
     out = np.empty((count, size), dtype=np.uint8)
     state = {"round": 0, "keys": []}
@@ -261,6 +266,7 @@ def main() -> int:
             copy = memcpy_stream(size * count)
             paths = {
                 "zero-copy": kv_calls(daemons["unix"].address, size, count, True, "z", False),
+                "zero-copy gRPC ctl": kv_calls(daemons["unix"].address, size, count, True, "zg", False, False),
                 "gRPC unix": kv_calls(daemons["unix"].address, size, count, False, "u", False),
                 "gRPC TCP": kv_calls(daemons["tcp"].address, size, count, False, "t", False),
                 "NVMe zero-copy": kv_calls(daemons["nvme"].address, size, count, True, "nz", True),
@@ -321,15 +327,16 @@ def report(rows) -> None:
         print(f"{label:>14} {r['memcpy']:8.2f} {r['file write']:8.2f} {r['file read']:8.2f} {mode:>9} "
               f"{r['raw gRPC put']:9.2f} {r['raw gRPC get']:9.2f} {r['raw gRPC TCP put']:8.2f} {r['raw gRPC TCP get']:8.2f}")
     print("\nkvstore, daemon in its own process (GB/s, and the ratio to the limit it is held to):")
-    print(f"{'block':>14} {'path':>16} {'put':>7} {'get':>7}   {'put ratio':>18} {'get ratio':>18}")
+    print(f"{'block':>14} {'path':>18} {'put':>7} {'get':>7}   {'put ratio':>18} {'get ratio':>18}")
     for label, _, r, lat in rows:
         for name, ref, ref_name in (("zero-copy", ("memcpy", "memcpy"), "memcpy"),
+                                    ("zero-copy gRPC ctl", ("memcpy", "memcpy"), "memcpy"),
                                     ("gRPC unix", ("raw gRPC put", "raw gRPC get"), "raw gRPC"),
                                     ("gRPC TCP", ("raw gRPC TCP put", "raw gRPC TCP get"), "raw TCP"),
                                     ("NVMe zero-copy", ("file write", "file read"), "file"),
                                     ("NVMe gRPC", ("file write", "file read"), "file")):
             p, g = r[f"{name} put"], r[f"{name} get"]
-            print(f"{label:>14} {name:>16} {p:7.2f} {g:7.2f}   {p / r[ref[0]]:7.2f}x {ref_name:>9} "
+            print(f"{label:>14} {name:>18} {p:7.2f} {g:7.2f}   {p / r[ref[0]]:7.2f}x {ref_name:>9} "
                   f"{g / r[ref[1]]:7.2f}x {ref_name:>9}")
         if lat:
             print(f"{label:>14} {'lookup+get_into':>16} p50 {lat[0]:.2f} ms, p99 {lat[1]:.2f} ms (one batch)")

@@ -50,6 +50,8 @@ class HostTier(Tier):
             :func:`tiers.memory.allocate_host_buffer`).
         shared: back the arena by a memfd that same-node clients may map (the
             ``shared`` capability: :meth:`segment`, :meth:`extent`).
+        huge_pages: for a shared arena, ``"auto"``, ``"hugetlb"``, ``"thp"`` or ``"off"``
+            (:mod:`tiers.memory`); :attr:`huge_pages` says what it got.
 
     ``used_bytes`` counts allocated (rounded) bytes of committed blocks and open
     reservations. :meth:`fits` is exact: it accounts for fragmentation.
@@ -68,13 +70,15 @@ class HostTier(Tier):
     volatile = True
 
     def __init__(self, capacity_bytes: int, *, name: str = "host", alignment: int = 64,
-                 pinned: bool = False, shared: bool = False):
+                 pinned: bool = False, shared: bool = False, huge_pages: str = "off"):
         self.name = name
         self._alloc = ExtentAllocator(int(capacity_bytes), alignment)
         self._buffer = allocate_host_buffer(self._alloc.capacity, alignment=max(alignment, DEFAULT_ALIGNMENT),
-                                            pinned=pinned, shared=shared)
+                                            pinned=pinned, shared=shared, huge_pages=huge_pages)
         self.pinned = self._buffer.pinned
         self.shared = shared
+        self.huge_pages = self._buffer.huge_pages
+        """The arena's pages: ``"hugetlb"``, ``"thp"`` (advised) or ``""`` (4 KiB)."""
         self._arena = memoryview(self._buffer.array)          # writable, flat uint8
         self._arena_ro = self._arena.toreadonly()
         self._reserved: dict[bytes, _HostBlock] = {}
@@ -236,15 +240,20 @@ class HostTier(Tier):
         """The arena's memfd (``shared`` tiers only). Raises InvalidAccess otherwise."""
         if self._buffer.fd < 0:
             raise InvalidAccess(f"{self.name}: the arena is not shared memory")
-        return SegmentInfo(self._buffer.fd, self._buffer.nbytes, f"memfd:{self.name}")
+        return SegmentInfo(self._buffer.fd, self._buffer.mapped_bytes or self._buffer.nbytes, f"memfd:{self.name}")
 
     def extent(self, key: bytes) -> tuple[int, int]:
-        """``(offset, size)`` of a committed block or a reservation in the arena (bytes)."""
-        with self._lock:
-            block = self._blocks.get(key) or self._reserved.get(key)
+        """``(offset, size)`` of a committed block or a reservation in the arena (bytes).
+        Takes the lock only on a miss: a dict read is atomic and a block's place never
+        changes once made (a lease asks for many extents in a row); a reservation being
+        committed meanwhile is found under the lock."""
+        block = self._blocks.get(key) or self._reserved.get(key)
+        if block is None:
+            with self._lock:
+                block = self._blocks.get(key) or self._reserved.get(key)
             if block is None:
                 raise BlockNotStored(f"block {key.hex()[:16]} is not in {self.name}")
-            return block.start, block.size
+        return block.start, block.size
 
     def close(self) -> None:
         with self._lock:
@@ -261,5 +270,5 @@ class HostTier(Tier):
     def describe(self) -> str:
         kind = "pinned" if self.pinned else "pageable"
         if self.shared:
-            kind += ", shared memfd"
+            kind += ", shared memfd" + (f", {self.huge_pages} huge pages" if self.huge_pages else ", 4 KiB pages")
         return f"{self.name}(host, {self.capacity_bytes} bytes, alignment {self.alignment}, {kind})"

@@ -6,10 +6,29 @@ page-locked allocation (``cudaHostRegister``), never one per block. With
 clients receive the descriptor over the daemon's unix socket (SCM_RIGHTS) and map the
 same pages, so a block is copied once, straight between the arena and the client's
 buffer (see :mod:`kvstore.common.arena`).
+
+**Huge pages** (``huge_pages``, the ``[tiers.host] huge_pages`` key) for a shared buffer:
+
+- ``"hugetlb"``: a ``MFD_HUGETLB`` memfd, 2 MiB pages from the kernel's pool
+  (``vm.nr_hugepages``, set by the administrator); the size is rounded up to whole pages.
+  When the pool cannot hold the arena the mapping fails at once (the pages are reserved
+  when it is mapped) and the buffer falls back to ``"thp"``.
+- ``"thp"``: ``madvise(MADV_HUGEPAGE)`` on the memfd mapping before its pages are made, so
+  the kernel backs it with transparent huge pages where
+  ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows it (``advise``, ``always``,
+  ``within_size``, ``force``); with ``never`` or ``deny`` it falls back to 4 KiB pages.
+- ``"auto"`` (the default): ``"hugetlb"`` when the pool has enough free pages, else
+  ``"thp"``; ``"off"``: 4 KiB pages.
+
+:attr:`HostBuffer.huge_pages` says what the buffer got (``"hugetlb"``, ``"thp"`` or ``""``).
+The fallback costs what 4 KiB pages cost (docs/shared_memory.md): one page-table entry per
+4 KiB in the daemon and in every client that maps the arena (2 MiB of page tables per GiB
+each), the time to populate them, and TLB misses on copies.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -17,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
+log = logging.getLogger("tiers.memory")
+
 DEFAULT_ALIGNMENT = 4096
+HUGE_PAGES_CHOICES = ("auto", "hugetlb", "thp", "off")
+HUGE_PAGE_BYTES = 2 << 20
+THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)      # Linux 5.14: what MAP_POPULATE does
 
 
 @dataclass
@@ -31,6 +56,10 @@ class HostBuffer:
         pinned: page-locked for DMA to a GPU.
         owner: keeps the memory alive (mmap, PinnedRegion, numpy array).
         fd: the memfd of a shared buffer (owned: :meth:`close` closes it); -1 otherwise.
+        mapped_bytes: the mapping's length (``nbytes`` rounded up to whole huge pages for
+            ``hugetlb``; what a client maps).
+        huge_pages: the pages it got: ``"hugetlb"``, ``"thp"`` (advised, where the kernel
+            allows) or ``""`` (4 KiB).
     """
 
     array: np.ndarray
@@ -40,6 +69,8 @@ class HostBuffer:
     owner: Any
     fd: int = -1
     region: Any = None
+    mapped_bytes: int = 0
+    huge_pages: str = ""
 
     def close(self) -> None:
         """Unpin and close the descriptor. The mapping goes with the last view of it."""
@@ -52,7 +83,8 @@ class HostBuffer:
 
 
 def allocate_host_buffer(nbytes: int, *, alignment: int = DEFAULT_ALIGNMENT, pinned: bool = False,
-                         shared: bool = False, name: str = "kvstore-host-arena") -> HostBuffer:
+                         shared: bool = False, name: str = "kvstore-host-arena",
+                         huge_pages: str = "off") -> HostBuffer:
     """Allocate ``nbytes`` of host memory aligned to ``alignment`` (a power of two).
 
     Args:
@@ -61,6 +93,8 @@ def allocate_host_buffer(nbytes: int, *, alignment: int = DEFAULT_ALIGNMENT, pin
         pinned: page-lock the buffer (``cudaHostRegister`` through :mod:`tiers.gpu`).
         shared: back the buffer by a memfd mapped ``MAP_SHARED`` (Linux); ``fd`` is set.
         name: the memfd's name (shows in ``/proc/<pid>/fd``).
+        huge_pages: for a shared buffer, one of :data:`HUGE_PAGES_CHOICES` (see the module
+            docstring); a fallback is logged, never an error.
     Pages are populated up front (``MAP_POPULATE``): first touch of fresh pages runs at a
     fraction of memcpy speed, so the arena pays it once at start, not per put.
 
@@ -72,8 +106,10 @@ def allocate_host_buffer(nbytes: int, *, alignment: int = DEFAULT_ALIGNMENT, pin
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
+    if huge_pages not in HUGE_PAGES_CHOICES:
+        raise ValueError(f"huge_pages must be one of {', '.join(HUGE_PAGES_CHOICES)}, got {huge_pages!r}")
     if shared:
-        return _allocate_shared(nbytes, alignment, pinned, name)
+        return _allocate_shared(nbytes, alignment, pinned, name, huge_pages)
     if pinned:
         return _allocate_pinned(nbytes, alignment)
     if alignment <= mmap.PAGESIZE and nbytes > 0:
@@ -87,25 +123,70 @@ def allocate_host_buffer(nbytes: int, *, alignment: int = DEFAULT_ALIGNMENT, pin
     return HostBuffer(array=array, nbytes=nbytes, alignment=alignment, pinned=False, owner=raw)
 
 
-def _allocate_shared(nbytes: int, alignment: int, pinned: bool, name: str) -> HostBuffer:
+def thp_shmem_allowed() -> bool:
+    """Whether the kernel gives shared memory transparent huge pages when a mapping asks
+    (``shmem_enabled`` is ``advise``, ``always``, ``within_size`` or ``force``)."""
+    try:
+        with open(THP_SHMEM) as f:
+            text = f.read()
+    except OSError:
+        return False
+    chosen = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+    return chosen in ("advise", "always", "within_size", "force")
+
+
+def hugetlb_free_bytes() -> int:
+    """Bytes of free 2 MiB pages in the kernel's hugetlb pool (``/proc/meminfo``)."""
+    free = size = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("HugePages_Free:"):
+                    free = int(line.split()[1])
+                elif line.startswith("Hugepagesize:"):
+                    size = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return free * size if size == HUGE_PAGE_BYTES else 0
+
+
+def _allocate_shared(nbytes: int, alignment: int, pinned: bool, name: str, huge_pages: str) -> HostBuffer:
     if alignment > mmap.PAGESIZE:
         raise ValueError(f"a shared buffer is page aligned; alignment {alignment} is larger than a page")
     size = max(nbytes, 1)
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    huge = -(-size // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    modes = {"hugetlb": ["hugetlb", "thp", ""], "thp": ["thp", ""], "off": [""],
+             "auto": (["hugetlb"] if hugetlb_free_bytes() >= huge else []) + ["thp", ""]}[huge_pages]
+    if "thp" in modes and not thp_shmem_allowed():
+        modes.remove("thp")
+    for mode in modes:
+        try:
+            return _map_shared(nbytes, huge if mode == "hugetlb" else size, alignment, pinned, name, mode)
+        except OSError as e:
+            if not mode:
+                raise MemoryError(f"cannot map {size} bytes of shared memory: {e}") from e
+            log.warning("huge pages (%s) for the %d-byte arena failed (%s); falling back", mode, size, e)
+    raise AssertionError("unreachable: 4 KiB pages are always tried last")
+
+
+def _map_shared(nbytes: int, size: int, alignment: int, pinned: bool, name: str, mode: str) -> HostBuffer:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_HUGETLB if mode == "hugetlb" else 0))
     try:
         os.ftruncate(fd, size)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        try:
-            region = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise MemoryError(f"cannot map {size} bytes of shared memory: {e}") from e
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        if mode == "thp":           # advised before its pages are made, then populated
+            region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+            region.madvise(mmap.MADV_HUGEPAGE)
+            region.madvise(MADV_POPULATE_READ)
+        else:
+            region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
         array = np.frombuffer(region, dtype=np.uint8, count=nbytes)
         pinned_region = None
         if pinned:
             from tiers.gpu import PinnedRegion
             pinned_region = PinnedRegion(size, mapping=region)
         return HostBuffer(array=array, nbytes=nbytes, alignment=alignment, pinned=pinned, owner=region,
-                          fd=fd, region=pinned_region)
+                          fd=fd, region=pinned_region, mapped_bytes=size, huge_pages=mode)
     except BaseException:
         os.close(fd)
         raise

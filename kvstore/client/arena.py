@@ -7,7 +7,11 @@ first use and dropped when the daemon restarts), ``put_from`` through it (Reserv
 copy into the arena, Commit), ``get_into``'s copies out of it under a lease, and the
 background release of those leases (:class:`kvstore.client.lease_releaser.LeaseReleaser`).
 Blocks it cannot move (arena full or busy, a lease or reservation too old to use) go by
-the raw path.
+the raw path. On a daemon that serves control frames on the mapping's session
+(:mod:`kvstore.client.arena_control`) the leases, their releases and the client's lookups
+go there instead of gRPC: one unix-socket round trip each, no gRPC call on a same-node
+read; the gRPC calls stay for reservations, for HBM leases, when the channel is busy with
+another thread's call, and with a daemon that serves none.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ import threading
 import time
 
 import grpc
+import numpy as np
 
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.arena_control import ControlLost
 from kvstore.client.connection import Connection
 from kvstore.client.lease_releaser import LeaseReleaser
 from kvstore.client.raw import RawPath, block_meta_message
 from kvstore.common.arena import ARENA_CHANGED
-from kvstore.common.types import PutResult, ReserveStatus
+from kvstore.common.arena_wire import MAX_FRAME_KEYS
+from kvstore.common.transport import parts
+from kvstore.common.types import LookupResult, PutResult, ReserveStatus
 
 log = logging.getLogger("kvstore.client")
 
@@ -83,7 +91,7 @@ class ArenaPath:
         self._next_after_failure = 0.0      # ... or after a call found the daemon unavailable
         self._unavailable_seen = 0
         self._map_lock = threading.Lock()
-        self.releaser = LeaseReleaser(connection)
+        self.releaser = LeaseReleaser(connection, channel=lambda: self.channel(self._arena))
 
     @property
     def current(self):
@@ -138,6 +146,16 @@ class ArenaPath:
             self._next_check = _clock() + MAP_RETRY_S
         return self._arena
 
+    def _drop(self, arena, why: str) -> ArenaChanged:
+        """Forget ``arena`` (and the daemon's info) when it is still the mapping: the daemon
+        serves another arena, or the session it was handed out with ended."""
+        if self._arena is arena:
+            self._arena, self._checked = None, False
+            self._conn.forget_info()
+        log.info("the daemon at %s serves a new shared arena or ended the session (%s); mapping it again",
+                 self._conn.target, why)
+        return ArenaChanged(why)
+
     def call(self, method, request, timeout: float | None, arena):
         """A Lease, Reserve or Commit naming the arena ``arena`` the client maps. Raises
         :class:`ArenaChanged` (and forgets the mapping and the daemon's info) when the
@@ -150,12 +168,77 @@ class ArenaPath:
         except grpc.RpcError as e:
             error = c.error(e)
             if isinstance(error, errors.FeatureDisabled) and ARENA_CHANGED in (e.details() or ""):
-                if self._arena is arena:
-                    self._arena, self._checked = None, False
-                    c.forget_info()
-                log.info("the daemon at %s serves a new shared arena (it restarted); mapping it again", c.target)
-                raise ArenaChanged(e.details()) from None
+                raise self._drop(arena, e.details()) from None
             raise error from None
+
+    @staticmethod
+    def channel(arena):
+        """The usable control channel of mapping ``arena`` (None: none, or not usable)."""
+        ch = arena.control if arena is not None else None
+        return ch if ch is not None and ch.usable() else None
+
+    def control(self, arena, call, *args):
+        """``call(*args)`` on ``arena``'s control channel: its answer (None: the channel was
+        busy). Raises :class:`ArenaChanged` (the mapping forgotten) when the session ended,
+        and the store error the daemon answered."""
+        try:
+            return call(*args)
+        except ControlLost as e:
+            raise self._drop(arena, str(e)) from None
+        except errors.FeatureDisabled as e:
+            if ARENA_CHANGED in str(e):
+                raise self._drop(arena, str(e)) from None
+            raise
+
+    def lookup(self, keys: list[bytes], timeout: float | None) -> LookupResult | None:
+        """``lookup`` on the control channel of the arena mapped now; None when there is
+        none or it is busy (the caller asks by gRPC). Raises the store error answered."""
+        arena = self._arena
+        ch = self.channel(arena)
+        if ch is None:
+            return None
+        hit, codes = 0, b""
+        try:
+            for part in parts(keys, MAX_FRAME_KEYS) or [[]]:
+                got = self.control(arena, ch.lookup, part, timeout or self._conn.timeout)
+                if got is None:
+                    return None
+                hit, codes = hit + got[0], codes + got[1]
+                if got[0] < len(part):
+                    break
+        except ArenaChanged:
+            return None
+        return LookupResult(hit, codes)
+
+    def lease(self, request: pb.LeaseRequest, timeout: float | None, call) -> pb.LeaseReply:
+        """The client's ``lease``: on the control channel of the arena mapped now when it
+        can (not ``device``), else a gRPC Lease naming that arena, else ``call(Lease, ...)``.
+        Raises :class:`ArenaChanged`, the store error answered."""
+        arena = self._arena
+        ch = self.channel(arena)
+        if ch is not None and not request.device and len(request.keys) <= MAX_FRAME_KEYS:
+            a = self.control(arena, ch.lease, list(request.keys), request.ttl_seconds, request.prefix,
+                             request.max_bytes, [], timeout or self._conn.timeout)
+            if a is not None:
+                return pb.LeaseReply(lease_id=a.lease_id, offsets=a.offsets, sizes=a.sizes, tier_codes=a.tier_codes,
+                                     ttl_seconds=a.ttl_seconds, resume_at=a.resume_at, complete=a.complete)
+        if arena is not None:
+            return self.call(self._stub.Lease, request, timeout, arena)
+        return call(self._stub.Lease, request, timeout)
+
+    def release(self, lease_ids: list[str], timeout: float | None, call) -> int:
+        """The client's ``release``: on the control channel of the arena mapped now when it
+        can, else ``call(Release, ...)``; returns how many leases were live."""
+        arena = self._arena
+        ch = self.channel(arena)
+        if ch is not None:
+            try:
+                released = self.control(arena, ch.release, lease_ids, timeout or self._conn.timeout)
+                if released is not None:
+                    return released
+            except ArenaChanged:
+                pass
+        return call(self._stub.Release, pb.ReleaseRequest(lease_ids=lease_ids), timeout).released
 
     def close(self, wait: bool = True) -> None:
         """Send the releases still waiting (without ``wait``: only stop the release
@@ -244,33 +327,22 @@ class ArenaPath:
         rest then goes by gRPC). Raises :class:`ArenaChanged`, StoreUnavailable."""
         src = arena.array
         start, release = 0, []
-        per = self._per_request(extra=128)
+        ch = self.channel(arena)
+        per = min(self._per_request(extra=128), MAX_FRAME_KEYS)
         try:
             while start < len(keys):
                 part = keys[start:start + per]
                 sent = _clock()
-                reply = self.call(self._stub.Lease, pb.LeaseRequest(
-                    keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss,
-                    release=release + self.releaser.take()), timeout, arena)
+                ids = release + self.releaser.take()
+                reply = None
+                if ch is not None:              # one round trip on the session, no gRPC call
+                    reply = self.control(arena, ch.lease, part, self.lease_ttl_s, stop_at_miss, 0, ids,
+                                         timeout or self._conn.timeout)
+                if reply is None:
+                    reply = self.call(self._stub.Lease, pb.LeaseRequest(
+                        keys=part, ttl_seconds=self.lease_ttl_s, prefix=stop_at_miss, release=ids), timeout, arena)
                 release = [reply.lease_id] if reply.lease_id else []
-                for j, (off, size, code) in enumerate(zip(reply.offsets, reply.sizes, reply.tier_codes)):
-                    if not code:
-                        continue
-                    i = start + j
-                    if ranges:
-                        if any(r_off + n > size for r_off, n in ranges):
-                            continue                # a block too short for the ranges: a miss
-                        total = sum(n for _, n in ranges)
-                        dst = bufs.slot(i, total)
-                        pos = 0
-                        for r_off, n in ranges:
-                            dst[pos:pos + n] = src[off + r_off:off + r_off + n]
-                            pos += n
-                        sizes[i] = total
-                    else:
-                        bufs.slot(i, size)[:] = src[off:off + size]
-                        sizes[i] = size
-                    codes[i] = code
+                self._copy_out(src, reply, start, bufs, ranges, sizes, codes)
                 if _clock() - sent > min(self.lease_ttl_s, arena.max_ttl_s) * SAFE_FRACTION:
                     # the copies may have outlived the lease: the space may hold other blocks now
                     log.warning("a lease of the shared arena was too old when its copy finished (the client "
@@ -290,3 +362,32 @@ class ArenaPath:
         finally:
             for lease_id in release:
                 self.releaser.add(lease_id)
+
+    @staticmethod
+    def _copy_out(src, reply, start, bufs, ranges, sizes, codes) -> None:
+        """Copy the blocks of lease ``reply`` (its keys from ``start`` on) out of the arena
+        ``src`` into ``bufs``, setting their ``sizes`` and ``codes``."""
+        n = len(reply.tier_codes)
+        run = None if ranges or not n or 0 in reply.tier_codes else bufs.run(start, reply.sizes)
+        if run is not None:                     # whole blocks into back-to-back slots: one call
+            np.concatenate([src[off:off + size] for off, size in zip(reply.offsets, reply.sizes)], out=run)
+            sizes[start:start + n] = reply.sizes
+            codes[start:start + n] = reply.tier_codes
+            return
+        for i, off, size, code in zip(range(start, start + n), reply.offsets, reply.sizes, reply.tier_codes):
+            if not code:
+                continue
+            if ranges:
+                if any(r_off + length > size for r_off, length in ranges):
+                    continue                    # a block too short for the ranges: a miss
+                total = sum(length for _, length in ranges)
+                dst = bufs.slot(i, total)
+                pos = 0
+                for r_off, length in ranges:
+                    dst[pos:pos + length] = src[off + r_off:off + r_off + length]
+                    pos += length
+                sizes[i] = total
+            else:
+                bufs.slot(i, size)[:] = src[off:off + size]
+                sizes[i] = size
+            codes[i] = code

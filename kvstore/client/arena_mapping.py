@@ -8,7 +8,10 @@ The hand-out connection stays open for as long as the arena is mapped: it is the
 client's *session* with the daemon (hello version 2). Lease, Reserve and Commit name the
 session (:attr:`ArenaMapping.metadata`), and when this process ends, however it ends, the
 kernel closes the connection and the daemon releases at once what the session held
-(:mod:`kvstore.service.liveness`), instead of waiting for the TTLs.
+(:mod:`kvstore.service.liveness`), instead of waiting for the TTLs. With hello version 3
+the session also carries the control frames (Lookup, Lease, Release) when the daemon serves
+them: :attr:`ArenaMapping.control` (:mod:`kvstore.client.arena_control`). A daemon that does
+not know version 3 is asked with version 2, then version 1.
 """
 
 from __future__ import annotations
@@ -19,10 +22,34 @@ import socket
 
 import numpy as np
 
-from kvstore.common.arena import ARENA_HEADER, HELLO, HELLO_SESSION, SESSION_HEADER, arena_identity
+from kvstore.client.arena_control import ControlChannel
+from kvstore.common.arena import ARENA_HEADER, HELLO, HELLO_CONTROL, HELLO_SESSION, SESSION_HEADER, arena_identity
 
 MAX_LEASE_TTL_S = 600.0
 """The longest TTL assumed when a daemon does not say (hello version 1)."""
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)      # Linux 5.14
+
+
+def map_arena(fd: int, size: int) -> mmap.mmap:
+    """Map ``size`` bytes of the arena memfd ``fd`` shared and writable, every page mapped
+    now: a first touch per page later would cost a fault on the data path (16k faults per
+    64 MiB, measured as a third of a put's time). The mapping asks for huge pages
+    (``MADV_HUGEPAGE``) before it is populated (``MADV_POPULATE_READ``, what ``MAP_POPULATE``
+    does for a shared mapping, which kernels before 5.14 use instead), so an arena the
+    daemon holds in huge pages (:mod:`tiers.memory`) is mapped with 2 MiB entries here too
+    where the kernel allows it. Raises OSError."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, AttributeError):       # no transparent huge pages here, or a hugetlb arena
+        pass
+    try:
+        m.madvise(MADV_POPULATE_READ)
+    except OSError:
+        m.close()
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+    return m
 
 
 class ArenaMapping:
@@ -36,23 +63,28 @@ class ArenaMapping:
         path: the arena socket (``InfoReply.shm_socket``).
         token: bearer token, if the daemon wants one.
         timeout: seconds to wait for the daemon.
+        control: whether to ask for control frames on the session (hello version 3).
     Raises OSError (cannot connect, refused, bad reply).
+
+    ``control`` is the session's :class:`~kvstore.client.arena_control.ControlChannel`, or
+    None when the daemon serves no control frames (the client uses gRPC for them).
     """
 
-    def __init__(self, path: str, token: str = "", timeout: float = 5.0):
-        self._conn = self._hello(path, token, timeout, HELLO_SESSION)
-        try:
-            msg, fds, _, _ = socket.recv_fds(self._conn, 256, 1)
-        except OSError:
-            self._conn.close()
-            raise
-        if msg.startswith(b"ERR bad request"):          # a daemon that knows only version 1
-            self._conn.close()
-            self._conn = self._hello(path, token, timeout, HELLO)
+    def __init__(self, path: str, token: str = "", timeout: float = 5.0, *, control: bool = True):
+        for hello in (HELLO_CONTROL, HELLO_SESSION, HELLO)[0 if control else 1:]:
+            self._conn = self._hello(path, token, timeout, hello)
             try:
                 msg, fds, _, _ = socket.recv_fds(self._conn, 256, 1)
-            finally:
+            except OSError:
                 self._conn.close()
+                raise
+            if hello is HELLO:
+                self._conn.close()                      # version 1 keeps no connection
+            if not msg.startswith(b"ERR bad request") or hello is HELLO:
+                break
+            for fd in fds:                              # a daemon that does not know this version
+                os.close(fd)
+            self._conn.close()
         if not msg.startswith(b"OK ") or not fds:
             for fd in fds:
                 os.close(fd)
@@ -64,11 +96,9 @@ class ArenaMapping:
             size = int(fields[0])
             self.session = fields[1].decode("ascii") if len(fields) > 1 and fields[1] != b"-" else ""
             self.max_ttl_s = float(fields[2]) if len(fields) > 2 else MAX_LEASE_TTL_S
+            served = hello is HELLO_CONTROL and len(fields) > 3 and fields[3] == b"1" and bool(self.session)
             self.identity = arena_identity(fd)
-            # MAP_POPULATE maps every page now: a first touch per page later costs a fault
-            # on the data path (16k faults per 64 MiB, measured as a third of a put's time)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = map_arena(fd, size)
         except (ValueError, IndexError, UnicodeDecodeError) as e:
             self._conn.close()
             raise OSError(f"the daemon's arena reply does not parse: {msg[:80]!r} ({e})") from None
@@ -79,6 +109,7 @@ class ArenaMapping:
             os.close(fd)
         if not self.session:
             self._conn.close()       # nothing to keep alive
+        self.control = ControlChannel(self._conn) if served else None
         self.size = size
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.view = memoryview(self._map)
@@ -100,6 +131,8 @@ class ArenaMapping:
 
     def close(self) -> None:
         """Unmap the arena and end the session (the daemon releases what it held)."""
+        if self.control is not None:
+            self.control.lost = True
         self._conn.close()
         self.array = np.empty(0, dtype=np.uint8)
         try:

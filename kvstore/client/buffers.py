@@ -143,6 +143,17 @@ class BlockBuffers:
                                  f"{end - start}-byte slot of the {arr.size}-byte buffer")
         return arr[start:start + nbytes]
 
+    def run(self, i: int, sizes: Sequence[int]) -> np.ndarray | None:
+        """One view of the slots of blocks ``i``, ``i + 1``, ... when they lie back to back
+        and each block fills its slot (one buffer of equal slots, every size the slot's):
+        the blocks can be copied in by one call. None otherwise."""
+        if self._one is None or self.offsets is not None or not self.stride:
+            return None
+        stride = self.stride
+        if any(n != stride for n in sizes):
+            return None
+        return self._one.array[i * stride:(i + len(sizes)) * stride]
+
     def finish(self) -> None:
         """Copy staged data back to device tensors (``get_into`` of CUDA tensors)."""
         views = self._per_block if self._per_block is not None else [self._one]

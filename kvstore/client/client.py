@@ -7,7 +7,8 @@
 
 Data path: on the daemon's own unix socket the client maps the daemon's shared host
 arena once (:mod:`kvstore.client.arena_mapping`) and copies blocks straight between it and the caller's
-buffers; gRPC carries only Lease/Release and Reserve/Commit. Elsewhere (TCP, a
+buffers; Lookup, Lease and Release are control frames on the arena session
+(:mod:`kvstore.client.arena_control`), gRPC carries Reserve/Commit. Elsewhere (TCP, a
 multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
 (:mod:`kvstore.common.wire`) on gRPC. Both paths give the same results.
 
@@ -196,10 +197,12 @@ class KVStoreClient:
     # -------------------------------------------------------------- lookup, delete, stats
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
-        """Longest stored prefix of ``keys`` and the tier of each hit block."""
+        """Longest stored prefix of ``keys`` and the tier of each hit block (a control frame
+        on the mapped arena's session when the daemon serves them, else a Lookup RPC)."""
         hit, codes = 0, b""
         for part in parts(check_keys(keys), self._per_request()) or [[]]:
-            reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout)
+            reply = (self._arena_path.lookup(part, timeout)
+                     or self._call(self._stub.Lookup, pb.LookupRequest(keys=part), timeout))
             hit += reply.hit_blocks
             codes += reply.tier_codes
             if reply.hit_blocks < len(part):
@@ -331,14 +334,11 @@ class KVStoreClient:
         keys = check_keys(keys, limit=self._connection.max_keys_per_request)
         request = pb.LeaseRequest(keys=keys, ttl_seconds=ttl_s or self.lease_ttl_s, prefix=prefix,
                                   device=device, max_bytes=max_bytes)
-        arena = self._arena_path.current
-        if arena is not None:
-            return self._arena_path.call(self._stub.Lease, request, timeout, arena)
-        return self._call(self._stub.Lease, request, timeout)
+        return self._arena_path.lease(request, timeout, self._call)
 
     def release(self, lease_ids: Sequence[str], timeout: float | None = None) -> int:
         """End leases; returns how many were live."""
-        return self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=list(lease_ids)), timeout).released
+        return self._arena_path.release(list(lease_ids), timeout, self._call)
 
     def arena(self):
         """The mapped shared arena (:class:`kvstore.client.arena_mapping.ArenaMapping`), or None."""

@@ -2,8 +2,11 @@
 
 ``get_into`` copies blocks out of the shared arena under a lease and hands the lease id
 to a :class:`LeaseReleaser` instead of waiting for a Release call: the id rides on the
-next Lease call (``LeaseRequest.release``), or a background thread sends the ids that
-waited in one Release call. A lease whose release is lost ends by its TTL.
+next Lease call (``LeaseRequest.release``, or the release list of a LEASE control frame),
+or a background thread sends the ids that waited in one Release: a RELEASE control frame
+that waits for no answer when the mapping's session serves control frames
+(:mod:`kvstore.client.arena_control`), else a gRPC Release call. A lease whose release is
+lost ends by its TTL.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any, Callable
 
 import grpc
 
+from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.connection import Connection
 
@@ -28,11 +33,14 @@ class LeaseReleaser:
     Args:
         connection: the daemon's connection (its stub, metadata and timeout).
         delay_s: how long ids wait for a Lease call to carry them (seconds).
+        channel: returns the control channel to release on (None: gRPC), or None.
     """
 
-    def __init__(self, connection: Connection, delay_s: float = 0.002):
+    def __init__(self, connection: Connection, delay_s: float = 0.002,
+                 channel: Callable[[], Any] | None = None):
         self.connection = connection
         self.delay_s = delay_s
+        self._channel = channel
         self._ids: list[str] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -59,6 +67,13 @@ class LeaseReleaser:
         if not ids:
             return
         c = self.connection
+        ch = self._channel() if self._channel is not None else None
+        if ch is not None:
+            try:
+                if ch.release(ids, c.timeout, reply=False, wait=True) is not None:
+                    return
+            except (OSError, errors.KVStoreError) as e:     # the session ended, or it is slow: gRPC
+                log.debug("release of %d leases on the arena session failed: %s", len(ids), e)
         try:
             c.stub.Release(pb.ReleaseRequest(lease_ids=ids), timeout=c.timeout, metadata=c.metadata)
         except grpc.RpcError as e:      # the leases end by their TTL

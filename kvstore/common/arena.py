@@ -12,7 +12,11 @@ closes the connection. Version 2 (:data:`HELLO_SESSION`): it answers
 the client's *session*: the client holds it for as long as it maps the arena and names the
 session in :data:`SESSION_HEADER`; when the connection closes (the client unmapped, or its
 process died) the daemon ends what the session holds at once
-(:mod:`kvstore.service.liveness`).
+(:mod:`kvstore.service.liveness`). Version 3 (:data:`HELLO_CONTROL`): as version 2, with a
+fourth field, ``1`` when the daemon also serves control frames on the connection (Lookup,
+Lease, Release without gRPC: :mod:`kvstore.common.arena_wire`), ``0`` when it does not (the
+client then uses gRPC for them). A daemon that knows only versions 1 and 2 answers a
+version-3 hello ``ERR bad request``; the client says version 2 instead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 
 HELLO = b"KVSTORE-ARENA 1 "
 HELLO_SESSION = b"KVSTORE-ARENA 2 "
+HELLO_CONTROL = b"KVSTORE-ARENA 3 "
 MAX_HELLO_LINE = 4096
 
 SESSION_HEADER = "kvstore-session"

@@ -19,6 +19,8 @@ EVICTION_CHOICES = ("lru", "arc", "s3fifo", "next_use")
 WRITE_CHOICES = ("write_back", "write_through")
 IO_CHOICES = ("auto", "gds", "posix")
 PINNED_CHOICES = ("auto", "true", "false")
+HUGE_PAGES_CHOICES = ("auto", "hugetlb", "thp", "off")
+"""``[tiers.host] huge_pages``: the arena's pages (:mod:`tiers.memory`)."""
 REMOTE_KINDS = ("mooncake",)
 PROTOCOL_CHOICES = ("tcp", "rdma")
 HOP_TIERS = ("hbm", "host", "nvme", "remote")
@@ -95,6 +97,7 @@ class HostConfig:
     capacity: int = 1 << 30
     pinned: str = "auto"
     shared: bool = True
+    huge_pages: str = "auto"
     policy: TierPolicyConfig | None = None
 
 
@@ -257,7 +260,7 @@ TIER_SECTIONS = (HBMConfig, HostConfig, NVMeConfig, RemoteConfig)
 """The ``[tiers.X]`` tables: each may have a ``[tiers.X.policy]`` override."""
 
 __all__ = ["BlocksConfig", "Config", "EVICTION_CHOICES", "EventsConfig", "HBMConfig", "HOP_TIERS", "HealthConfig",
-           "HostConfig", "IO_CHOICES", "MAX_SIZE", "MetricsConfig", "NVMeConfig", "PINNED_CHOICES",
+           "HostConfig", "HUGE_PAGES_CHOICES", "IO_CHOICES", "MAX_SIZE", "MetricsConfig", "NVMeConfig", "PINNED_CHOICES",
            "PROTOCOL_CHOICES", "PUBLISH_CHOICES", "PolicyConfig", "PrefetchConfig", "REMOTE_KINDS", "RemoteConfig",
            "SIZE_KEYS", "ServerConfig", "SessionsConfig", "StoreConfig", "TIER_SECTIONS", "TierPolicyConfig",
            "TiersConfig"]

@@ -22,8 +22,8 @@ import os
 
 from kvstore.common.errors import ConfigError
 from kvstore.common.units import format_size
-from kvstore.config.node import (EVICTION_CHOICES, HOP_TIERS, IO_CHOICES, PINNED_CHOICES, PROTOCOL_CHOICES,
-                                 PUBLISH_CHOICES, REMOTE_KINDS, WRITE_CHOICES, Config, PolicyConfig,
+from kvstore.config.node import (EVICTION_CHOICES, HOP_TIERS, HUGE_PAGES_CHOICES, IO_CHOICES, PINNED_CHOICES,
+                                 PROTOCOL_CHOICES, PUBLISH_CHOICES, REMOTE_KINDS, WRITE_CHOICES, Config, PolicyConfig,
                                  PrefetchConfig, RemoteConfig, ServerConfig, TierPolicyConfig)
 
 _LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
@@ -183,6 +183,9 @@ def _validate_tiers(cfg: Config) -> None:
     t = cfg.tiers
     if t.host.pinned not in PINNED_CHOICES:
         raise ConfigError(f"tiers.host.pinned: {t.host.pinned!r} is not one of {', '.join(PINNED_CHOICES)}")
+    if t.host.huge_pages not in HUGE_PAGES_CHOICES:
+        raise ConfigError(f"tiers.host.huge_pages: {t.host.huge_pages!r} is not one of "
+                          f"{', '.join(HUGE_PAGES_CHOICES)}")
     if t.nvme.io not in IO_CHOICES:
         raise ConfigError(f"tiers.nvme.io: {t.nvme.io!r} is not one of {', '.join(IO_CHOICES)}")
     if t.nvme.enabled and not t.nvme.path:

@@ -9,7 +9,12 @@ carries only control (Lease/Release for reads, Reserve/Commit for writes;
 :mod:`kvstore.client`). A client that says hello version 2 (``KVSTORE-ARENA 2``) gets
 ``OK <bytes> <session> <longest lease TTL>`` and keeps the connection open: it is the
 client's session (:mod:`kvstore.service.liveness`), and what the session holds is
-reclaimed when it closes.
+reclaimed when it closes. Hello version 3 (``KVSTORE-ARENA 3``) gets
+``OK <bytes> <session> <longest lease TTL> <control>``: with ``control`` 1 the session has a
+thread of its own that answers Lookup, Lease and Release frames on the connection
+(:mod:`kvstore.service.arena_control`), so a same-node read makes no gRPC call; ``0`` when
+the daemon serves no control frames (none configured, or :data:`~kvstore.service.liveness.MAX_SERVED`
+sessions served already).
 
 Security: only processes that can open the 0600 socket (the daemon's user) get the
 descriptor, and a configured bearer token is checked (constant time). A mapped client
@@ -25,6 +30,7 @@ dropped), so slow peers cannot exhaust the daemon's descriptors.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -33,8 +39,9 @@ import socket
 import threading
 import time
 
-from kvstore.common.arena import HELLO, HELLO_SESSION, MAX_HELLO_LINE, arena_identity
-from kvstore.service.auth import Authenticator
+from kvstore.common.arena import HELLO, HELLO_CONTROL, HELLO_SESSION, MAX_HELLO_LINE, arena_identity
+from kvstore.service.arena_control import ArenaControl
+from kvstore.service.auth import SHARED, Authenticator, KeySpace
 from kvstore.service.listen import check_socket_free
 from kvstore.service.liveness import ClientSessions
 
@@ -69,12 +76,14 @@ class ArenaServer:
         max_ttl_s: the longest lease or reservation TTL the daemon grants (seconds), told
             to version-2 clients.
         hello_deadline_s: seconds a client has to send its whole hello line.
+        control: answers the control frames of version-3 sessions (None: version-3
+            clients are told ``control`` 0).
     Raises OSError when the socket cannot be bound.
     """
 
     def __init__(self, path: str | os.PathLike, fd: int, size: int, auth: Authenticator | None = None,
                  sessions: ClientSessions | None = None, max_ttl_s: float = 600.0,
-                 hello_deadline_s: float = HELLO_DEADLINE_S):
+                 hello_deadline_s: float = HELLO_DEADLINE_S, control: ArenaControl | None = None):
         self.path = pathlib.Path(path)
         self.fd = fd
         self.size = size
@@ -82,6 +91,7 @@ class ArenaServer:
         self.sessions = sessions
         self.max_ttl_s = max_ttl_s
         self.hello_deadline_s = hello_deadline_s
+        self.control = control
         self.identity = arena_identity(fd)
         self.handed_out = 0
         self.refused = 0
@@ -165,21 +175,29 @@ class ArenaServer:
             self._close(sel, p)
 
     def _answer(self, conn: socket.socket, line: bytes) -> None:
-        if not line.startswith((HELLO, HELLO_SESSION)):
+        if not line.startswith((HELLO, HELLO_SESSION, HELLO_CONTROL)):
             self.refused += 1
             conn.send(b"ERR bad request\n")
             return
         token = line[len(HELLO):].strip().decode("ascii", "replace")
+        space = SHARED
         if self.auth is not None:
             meta = [("authorization", f"Bearer {token}")] if token != "-" else []
-            if self.auth.tenant_for(meta) is None:
+            tenant = self.auth.tenant_for(meta)
+            if tenant is None:
                 self.refused += 1
                 conn.send(b"ERR missing or wrong bearer token\n")
                 return
+            space = KeySpace(tenant)
         reply = b"OK %d\n" % self.size
-        if line.startswith(HELLO_SESSION):
-            session = self.sessions.open(conn) if self.sessions is not None else None
-            reply = b"OK %d %s %g\n" % (self.size, (session or "-").encode("ascii"), self.max_ttl_s)
+        if line.startswith((HELLO_SESSION, HELLO_CONTROL)):
+            session = served = None
+            if self.sessions is not None and self.control is not None and line.startswith(HELLO_CONTROL):
+                session = served = self.sessions.open_served(conn, functools.partial(self.control.serve, space=space))
+            if session is None and self.sessions is not None:
+                session = self.sessions.open(conn)
+            reply = b"OK %d %s %g" % (self.size, (session or "-").encode("ascii"), self.max_ttl_s)
+            reply += (b" %d\n" % bool(served)) if line.startswith(HELLO_CONTROL) else b"\n"
         socket.send_fds(conn, [reply], [self.fd])
         self.handed_out += 1
 

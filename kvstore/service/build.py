@@ -96,7 +96,8 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
             if pinned and not has_gpu:
                 raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
             try:
-                out.append(("host", HostTier(t.host.capacity, pinned=pinned, shared=t.host.shared)))
+                out.append(("host", HostTier(t.host.capacity, pinned=pinned, shared=t.host.shared,
+                                             huge_pages=t.host.huge_pages)))
             except (MemoryError, OSError) as e:
                 raise ConfigError(f"tiers.host.capacity: cannot allocate {format_size(t.host.capacity)} of host "
                                   f"memory ({e}); lower it") from None

@@ -12,7 +12,11 @@ passes. A Lease or Reserve naming a session that is not open is refused.
 
 One thread watches every open connection (``selectors``); at most :data:`MAX_SESSIONS`
 are open at once: past it a client is handed the arena without a session and what it
-holds ends by its TTL only.
+holds ends by its TTL only. A *served* session (:meth:`ClientSessions.open_served`: a
+client that sends control frames on its connection, :mod:`kvstore.service.arena_control`)
+has a thread of its own instead, blocked reading that connection; it ends the session the
+same way when the connection reaches end-of-file. At most :data:`MAX_SERVED` are served at
+once; past it a client gets a watched session and uses gRPC for control.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ log = logging.getLogger("kvstore.service.liveness")
 
 MAX_SESSIONS = 4096
 """Most same-node client sessions open at once (one socket each)."""
+MAX_SERVED = 256
+"""Most of them served at once (one thread each)."""
 
 
 class ClientSessions:
@@ -50,6 +56,7 @@ class ClientSessions:
         self._lock = threading.Lock()
         self._pending: list[tuple[socket.socket, str]] = []
         self._open = 0
+        self._served: dict[str, tuple[socket.socket, threading.Thread]] = {}
         self.ended = 0
         """Sessions ended so far (their connection closed)."""
         self._stop = threading.Event()
@@ -82,6 +89,49 @@ class ClientSessions:
         self._wake_w.send(b"x")
         return session
 
+    def open_served(self, conn: socket.socket, serve: Callable[[socket.socket, str], None]) -> str | None:
+        """Start a session kept alive by ``conn`` (its own duplicate of it, as :meth:`open`)
+        whose connection is read by a thread of its own running ``serve(conn, session)``
+        (blocking socket) until it returns; then the connection is closed and the session
+        ended. Returns the session id, or None when :data:`MAX_SERVED` are served, the
+        sessions are full, or the watcher stopped (the caller may :meth:`open` instead)."""
+        with self._lock:
+            if self._stop.is_set() or self._open >= MAX_SESSIONS or len(self._served) >= MAX_SERVED:
+                return None
+            self._open += 1
+        session = secrets.token_hex(16)
+        try:
+            self._on_open(session)
+            served = conn.dup()
+            served.setblocking(True)
+        except BaseException:
+            with self._lock:
+                self._open -= 1
+            raise
+        thread = threading.Thread(target=self._serve, args=(served, session, serve), daemon=True,
+                                  name=f"kvstore-arena-session-{session[:8]}")
+        with self._lock:
+            self._served[session] = (served, thread)
+        thread.start()
+        return session
+
+    @property
+    def served_sessions(self) -> int:
+        return len(self._served)
+
+    def _serve(self, conn: socket.socket, session: str, serve: Callable[[socket.socket, str], None]) -> None:
+        try:
+            serve(conn, session)
+        except Exception:  # noqa: BLE001 - the session still ends below
+            log.exception("serving client session %s failed", session[:8])
+        finally:
+            conn.close()
+            with self._lock:
+                self._served.pop(session, None)
+                stopping = self._stop.is_set()
+            if not stopping:
+                self._end(session)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._selector.select(timeout=1.0):
@@ -111,6 +161,9 @@ class ClientSessions:
             pass                             # reset: the client is gone too
         self._selector.unregister(conn)
         conn.close()
+        self._end(session)
+
+    def _end(self, session: str) -> None:
         with self._lock:
             self._open -= 1
         self.ended += 1
@@ -122,9 +175,18 @@ class ClientSessions:
     def stop(self) -> None:
         """Stop watching and close every connection (their sessions are not ended: the
         daemon is stopping)."""
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            served = list(self._served.values())
+        for conn, _ in served:               # their threads' reads return at once
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._wake_w.send(b"x")
         self._thread.join(timeout=5.0)
+        for _, thread in served:
+            thread.join(timeout=5.0)
         for key in list(self._selector.get_map().values()):
             key.fileobj.close()
         self._selector.close()

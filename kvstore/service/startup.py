@@ -186,8 +186,10 @@ def _start_events(cfg: Config, manager: TierManager):
     return pub.start()
 
 
-def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, auth: Authenticator | None):
-    """The shared-arena hand-out socket, or None and the reason the path is off."""
+def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, auth: Authenticator | None,
+                 control=None):
+    """The shared-arena hand-out socket, or None and the reason the path is off. ``control``
+    (:class:`kvstore.service.arena_control.ArenaControl`) answers its sessions' control frames."""
     from kvstore.service.arena_server import ArenaServer
     shared = manager.shared_tier
     if shared is None:
@@ -201,7 +203,7 @@ def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, aut
     sessions = ClientSessions(manager.open_session, manager.end_session)    # a dead client's hold ends with it
     try:
         arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth, sessions=sessions,
-                            max_ttl_s=cfg.server.lease_ttl_s).start()
+                            max_ttl_s=cfg.server.lease_ttl_s, control=control).start()
     except OSError as e:
         sessions.stop()
         log.warning("shared arena socket unavailable (%s); same-node clients use gRPC", e)
@@ -267,7 +269,10 @@ def start_server(cfg: Config) -> Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address, sock = bind(server, cfg)
         try:
-            arena, refused = _start_arena(cfg, manager, sock, auth)
+            from kvstore.service.arena_control import ArenaControl
+            control = ArenaControl(manager, lease_ttl_s=cfg.server.lease_ttl_s, hints=hints,
+                                   tally=service.tally, observe=metrics.observe if metrics is not None else None)
+            arena, refused = _start_arena(cfg, manager, sock, auth, control)
             if arena is not None:
                 background += [arena, arena.sessions]
                 service.arena_id = arena.identity

@@ -349,10 +349,19 @@ class Catalogue:
         return ended
 
     def _unpin_all(self, lease: Lease) -> None:
+        """End ``lease``'s pins (lock held): :meth:`unpin` of each entry, waking the waiters
+        once for the whole lease."""
         if lease.session in self._sessions:
             self._sessions[lease.session].discard(lease.lease_id)
+        unpinned = False
         for e in lease.entries:
-            self.unpin(e)
+            e.pins -= 1
+            if e.pins == 0:
+                if e.deleted:
+                    self._on_unpinned(e)
+                unpinned = True
+        if unpinned:
+            self.changed.notify_all()
         lease.entries = []
 
     @property

@@ -18,9 +18,10 @@ is committed or aborted (:class:`kvstore.store.writes.Writes`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from tiers.base import IpcHandle, TierKind
 
@@ -35,7 +36,7 @@ from kvstore.common.errors import (
     WriteConflict,
 )
 from kvstore.common.arena import ARENA_CHANGED
-from kvstore.common.types import ReserveStatus
+from kvstore.common.types import KEY_BYTES, ReserveStatus
 from kvstore.store.catalogue import Catalogue, Claim, Entry
 from kvstore.store.counters import Counters
 from kvstore.store.media import TierAdapter
@@ -60,8 +61,7 @@ def _session_ended(session: str) -> FeatureDisabled:
                            "connection closed); map the arena again")
 
 
-@dataclass(frozen=True)
-class LeasedBlock:
+class LeasedBlock(NamedTuple):
     """Where one leased block is (``found`` False: a miss; nothing else is set).
 
     ``tier`` is the tier the client reads from; ``offset``/``size`` are bytes in the
@@ -76,20 +76,27 @@ class LeasedBlock:
     ipc: IpcHandle | None = None
 
 
+_MISS = (False, None, 0, 0, None)
+
+
 @dataclass(frozen=True)
 class LeaseGrant:
-    """A granted lease: its id, one :class:`LeasedBlock` per key looked at (in order; with
-    ``prefix`` the list ends at the first miss, which is included), its TTL, and
-    ``resume_at``: the index of the first key not looked at when the grant stopped early
-    for lack of room or budget (None: every key was looked at)."""
+    """A granted lease: its id, one :class:`LeasedBlock` per key looked at (:attr:`blocks`,
+    in order; with ``prefix`` the list ends at the first miss, which is included), its TTL,
+    and ``resume_at``: the index of the first key not looked at when the grant stopped early
+    for lack of room or budget (None: every key was looked at). ``rows`` holds the same as
+    plain tuples in :class:`LeasedBlock`'s field order (what a grant of many blocks is made
+    of: a plain tuple costs a twentieth of a named one)."""
 
     lease_id: str
-    blocks: tuple[LeasedBlock, ...]
+    rows: tuple[tuple, ...]
     ttl_s: float
     resume_at: int | None = None
 
-
-
+    @property
+    def blocks(self) -> tuple[LeasedBlock, ...]:
+        make = LeasedBlock._make
+        return tuple(make(r) for r in self.rows)
 
 
 class Leases:
@@ -120,7 +127,8 @@ class Leases:
         self._device = next((i for i, t in enumerate(self.tiers) if t.on_device), None)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
-              device: bool = False, max_bytes: int | None = None, session: str = "") -> LeaseGrant:
+              device: bool = False, max_bytes: int | None = None, session: str = "",
+              defer: list | None = None) -> LeaseGrant:
         """Pin blocks for a client that reads them in place, for ``ttl_s`` seconds.
 
         A block in HBM is located by its IPC handle when ``device`` (the client is on the
@@ -131,13 +139,18 @@ class Leases:
         room: the client releases, then asks for the rest. A grant that holds no block creates
         no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
         (``resume_at`` 0). ``session``: the client's open session (:meth:`end_session`
-        ends the lease with it; "": the TTL only). Raises InvalidRequest (bad key, TTL),
-        FeatureDisabled when no tier can be mapped by clients or ``session`` is not open.
+        ends the lease with it; "": the TTL only). ``defer``: a list to which the
+        bookkeeping the grant does not need (the policies' touches of blocks that were in place
+        already, the counters) is appended as one callable, for a caller that answers its
+        client first (the blocks are pinned, so nothing evicts them meanwhile); None: done
+        before returning. Raises InvalidRequest (bad key, TTL), FeatureDisabled when no tier
+        can be mapped by clients or ``session`` is not open.
         """
         if not 0.0 < ttl_s <= MAX_LEASE_TTL_S:   # also rejects NaN
             raise InvalidRequest(f"lease ttl must be in (0, {MAX_LEASE_TTL_S}] seconds, got {ttl_s}")
-        for k in keys:
-            check_key(k)
+        if keys and set(map(len, keys)) != {KEY_BYTES}:     # one C-level pass; the loop names the culprit
+            for k in keys:
+                check_key(k)
         if self._shared is None and not (device and self._device is not None):
             raise FeatureDisabled("no tier can be read in place by clients (no shared host arena or HBM tier)")
         cat = self.catalogue
@@ -147,28 +160,28 @@ class Leases:
         self._page_in(keys, prefix=prefix)    # blocks only in the cluster: one batch
         if max_bytes is None:
             max_bytes = self.tiers[self._shared].capacity_bytes // 4 if self._shared is not None else 1 << 62
-        blocks: list[LeasedBlock] = []
+        blocks: list[tuple] = []       # LeasedBlock rows
         held: list[Entry] = []
-        state = {"leased": 0, "resume_at": None}
+        state = {"leased": 0, "resume_at": None, "touch": []}
         try:
             n = 0
             while n < len(keys):
                 n = self._grant_run(keys, n, device, prefix, max_bytes, blocks, held, state)
-                if n >= len(keys) or state["resume_at"] is not None or (prefix and blocks and not blocks[-1].found):
+                if n >= len(keys) or state["resume_at"] is not None or (prefix and blocks and not blocks[-1][1]):
                     break
                 got = self._lease_promoted(keys[n], state, max_bytes, bool(held))   # needs a promotion first
                 if got is _NO_ROOM:
                     state["resume_at"] = n
                     break
                 if got is None:
-                    blocks.append(LeasedBlock(keys[n], False))
+                    blocks.append((keys[n], *_MISS))
                     self.counters.inc("get_misses")
                     if prefix:
                         break
                 else:
                     held.append(got[0])
                     blocks.append(got[1])
-                    state["leased"] += got[1].size
+                    state["leased"] += got[1][4]
                 n += 1
             if not held:                 # misses only (or no room yet): nothing to hold
                 return LeaseGrant("", tuple(blocks), ttl_s, state["resume_at"])
@@ -180,51 +193,69 @@ class Leases:
             for e in held:
                 cat.unpin(e)
             raise
-        self.counters.inc("leases_granted")
-        self.counters.inc("leased_blocks", len(held))
-        self.counters.inc("leased_bytes", state["leased"])
+        account = functools.partial(self._account, state["touch"], len(held), state["leased"])
+        if defer is None:
+            account()
+        else:
+            defer.append(account)
         return LeaseGrant(lease.lease_id, tuple(blocks), ttl_s, state["resume_at"])
+
+    def _account(self, touch: list[Entry], n_held: int, nbytes: int) -> None:
+        """A grant's bookkeeping: the policies see a hit on each block leased in place (its
+        current tiers: one that left meanwhile is not touched), and the counters."""
+        if touch:
+            with self.catalogue.lock:
+                self._placement.touch_all(touch)
+        self.counters.inc("leases_granted")
+        self.counters.inc("leased_blocks", n_held)
+        self.counters.inc("leased_bytes", nbytes)
 
     def _grant_run(self, keys, n, device, prefix, max_bytes, blocks, held, state) -> int:
         """Grant keys from index ``n`` on while they are already where the client reads them
-        (one catalogue lock for the run); returns the index of the first key that needs a
-        promotion (or ``len(keys)``, or where the grant stopped)."""
-        cat, placement = self.catalogue, self._placement
+        (one catalogue lock for the run; their touches are left in ``state["touch"]``);
+        returns the index of the first key that needs a promotion (or ``len(keys)``, or
+        where the grant stopped)."""
+        cat = self.catalogue
         shared, dev = self._shared, self._device if device else None
         extent = self.tiers[shared].extent if shared is not None else None
         kind = self.tiers[shared].kind if shared is not None else None
-        with cat.lock:
-            while n < len(keys):
-                key = keys[n]
-                e = cat.get(key)
-                if e is None:
-                    blocks.append(LeasedBlock(key, False))
-                    self.counters.inc("get_misses")
-                    n += 1
-                    if prefix:
+        touch, add_block, hold, get = state["touch"].append, blocks.append, held.append, cat.get
+        leased, end = state["leased"], len(keys)
+        try:
+            with cat.lock:
+                while n < end:
+                    key = keys[n]
+                    e = get(key)
+                    if e is None:
+                        add_block((key, *_MISS))
+                        self.counters.inc("get_misses")
+                        n += 1
+                        if prefix:
+                            return n
+                        continue
+                    if held and leased + e.size > max_bytes:
+                        state["resume_at"] = n
                         return n
-                    continue
-                if held and state["leased"] + e.size > max_bytes:
-                    state["resume_at"] = n
-                    return n
-                if dev is not None and dev in e.tiers:
-                    tier = self.tiers[dev]
-                    block = LeasedBlock(key, True, tier.kind, 0, e.size, tier.ipc_handle(key))
-                elif shared is not None and shared in e.tiers:
-                    offset, size = extent(key)
-                    block = LeasedBlock(key, True, kind, offset, size)
-                else:
-                    return n
-                e.pins += 1
-                placement.touch(e)
-                held.append(e)
-                blocks.append(block)
-                state["leased"] += e.size
-                n += 1
-        return n
+                    if dev is not None and dev in e.tiers:
+                        tier = self.tiers[dev]
+                        block = (key, True, tier.kind, 0, e.size, tier.ipc_handle(key))
+                    elif shared in e.tiers:
+                        offset, size = extent(key)
+                        block = (key, True, kind, offset, size, None)
+                    else:
+                        return n
+                    e.pins += 1
+                    touch(e)
+                    hold(e)
+                    add_block(block)
+                    leased += e.size
+                    n += 1
+            return n
+        finally:
+            state["leased"] = leased
 
     def _lease_promoted(self, key: bytes, state: dict, max_bytes: int, holding: bool):
-        """Promote ``key`` into the shared arena and pin it: ``(entry, LeasedBlock)``, None
+        """Promote ``key`` into the shared arena and pin it: ``(entry, LeasedBlock row)``, None
         (a miss) or ``_NO_ROOM`` (no room without evicting pinned blocks, or over budget)."""
         cat = self.catalogue
         entry = cat.pin(key)
@@ -246,7 +277,7 @@ class Leases:
             if not t.ok or s not in entry.tiers:
                 raise BlockNotFound("promotion into the shared arena failed")
             offset, size = self.tiers[s].extent(key)
-            return entry, LeasedBlock(key, True, self.tiers[s].kind, offset, size)
+            return entry, (key, True, self.tiers[s].kind, offset, size, None)
         except KVStoreError as e:            # a miss: the block is not where the client reads
             log.debug("lease of %s: %s", key.hex()[:16], e)
             cat.unpin(entry)

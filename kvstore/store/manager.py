@@ -277,13 +277,16 @@ class TierManager:
     # ------------------------------------------------------------------ same-node path
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
-              device: bool = False, max_bytes: int | None = None, session: str = "") -> LeaseGrant:
+              device: bool = False, max_bytes: int | None = None, session: str = "",
+              defer: list | None = None) -> LeaseGrant:
         """Pin ``keys`` for ``ttl_s`` seconds for a client of tenant ``owner`` that reads
         them in place (the shared arena, or HBM by CUDA IPC with ``device``); at most
-        ``max_bytes`` per grant; ended early with the client's open ``session``. Returns a
+        ``max_bytes`` per grant; ended early with the client's open ``session``; ``defer``:
+        a list the bookkeeping the answer does not need is appended to, for the caller to run
+        after answering (:meth:`kvstore.store.leases.Leases.lease`). Returns a
         :class:`LeaseGrant`. Raises InvalidRequest, FeatureDisabled (no tier clients can map)."""
         return self.leases.lease(keys, ttl_s, owner, prefix=prefix, device=device, max_bytes=max_bytes,
-                                 session=session)
+                                 session=session, defer=defer)
 
     def open_session(self, session: str) -> None:
         """Accept leases and reservations of same-node client ``session`` until it ends."""

@@ -146,6 +146,18 @@ class Placement:
         if d >= 0 and entry.key in self._dirty_keys[d]:
             self._dirty_keys[d].move_to_end(entry.key)
 
+    def touch_all(self, entries: Iterable[Entry]) -> None:
+        """:meth:`touch` of each of ``entries`` at one time (lock held): a lease's blocks."""
+        now = self.clock()
+        policies, dirty_keys = self.policies, self._dirty_keys
+        for entry in entries:
+            key = entry.key
+            for i in entry.tiers:
+                policies[i].access(key, now)
+            d = self._dirty_tier(entry)
+            if d >= 0 and key in dirty_keys[d]:
+                dirty_keys[d].move_to_end(key)
+
     def count_read(self, tier: TierAdapter, nbytes: int, block: bool = True) -> None:
         """Count ``nbytes`` served from ``tier``; ``block``: and one block read (False for
         the further pieces of a block read in several)."""

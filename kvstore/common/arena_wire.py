@@ -1,0 +1,152 @@
+"""The same-node control frames: Lookup, Lease and Release without gRPC, on the arena session.
+
+A client that says hello version 3 (:data:`kvstore.common.arena.HELLO_CONTROL`) keeps its
+arena hand-out connection as its session (as version 2 does) and, when the daemon answers
+``control`` 1, also sends control frames on it: a daemon thread of that session reads each
+frame, calls the store and answers on the same connection. This replaces the two gRPC round
+trips of a same-node read (Lookup, then Lease: about 1 ms each in transport and thread
+wake-ups) with one unix-socket round trip each; a Release is sent without waiting for its
+answer (:data:`NO_REPLY`) or rides on the next Lease.
+
+Every frame, both ways, is little-endian::
+
+    u32 length      bytes that follow (the rest of the header and the payload)
+    u8  op          LOOKUP 1, LEASE 2, RELEASE 3; an answer is op | REPLY (0x80); ERROR 0xFF
+    u8  flags       PREFIX (1): a lease stops at the first miss; NO_REPLY (2): no answer
+    u8  key_bytes   length of each key in the payload (32; anything else is refused)
+    u8  reserved    0
+    u32 seq         chosen by the client, echoed by the answer
+    u32 count       keys (LOOKUP, LEASE), lease ids (RELEASE); in an answer: blocks answered
+
+Payloads (``count`` = n):
+
+==============  ==============================================================================
+LOOKUP          n keys
+  answer        n = hit blocks; n tier codes (u8)
+LEASE           f64 TTL s, u64 max bytes (0: a quarter of the arena), u32 r, 4 bytes 0,
+                r lease ids to release first (16 bytes each), n keys
+  answer        16-byte lease id (zeros: none), f64 TTL s, u32 resume_at, u8 complete,
+                3 bytes 0, n offsets (u64), n sizes (u64), n tier codes (u8; 0: a miss)
+RELEASE         n lease ids (16 bytes each)
+  answer        n = leases that were live
+ERROR           u8 length, the name of a :mod:`kvstore.common.errors` class, the message (UTF-8)
+==============  ==============================================================================
+
+A frame over :data:`MAX_FRAME_BYTES`, or shorter than its header, cannot be resynchronised:
+the daemon answers ERROR and closes the connection (which ends the session). A frame that
+parses but says something wrong (unknown op, key length not 32, a count that does not match
+the payload) is answered ERROR (InvalidRequest) and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from kvstore.common import errors
+from kvstore.common.types import KEY_BYTES
+
+HEADER = struct.Struct("<IBBBBII")
+"""length, op, flags, key_bytes, reserved, seq, count."""
+HEADER_BYTES = HEADER.size
+LENGTH = struct.Struct("<I")
+LEASE_ARGS = struct.Struct("<dQI4x")
+"""A LEASE request's fixed part: TTL (s), max bytes, lease ids to release first."""
+LEASE_ANSWER = struct.Struct("<16sdIB3x")
+"""A LEASE answer's fixed part: lease id, TTL (s), resume_at, complete."""
+LEASE_ID_BYTES = 16
+
+LOOKUP, LEASE, RELEASE = 1, 2, 3
+REPLY = 0x80
+ERROR = 0xFF
+PREFIX, NO_REPLY = 1, 2
+
+MAX_FRAME_KEYS = 1 << 16
+"""Most keys one LOOKUP or LEASE frame may carry (the client splits longer lists)."""
+MAX_FRAME_RELEASES = 4096
+"""Most lease ids one frame may carry."""
+MAX_FRAME_BYTES = 4 << 20
+"""Largest frame either side accepts (bytes after the length field)."""
+
+
+class FrameError(errors.InvalidRequest):
+    """A control frame that does not parse (or says something impossible)."""
+
+
+def header(op: int, flags: int, seq: int, count: int, payload_bytes: int) -> bytes:
+    """The 16-byte header of a frame whose payload has ``payload_bytes`` bytes."""
+    return HEADER.pack(HEADER_BYTES - LENGTH.size + payload_bytes, op, flags, KEY_BYTES, 0, seq, count)
+
+
+def lookup_frame(seq: int, keys: list[bytes]) -> bytes:
+    """A LOOKUP of ``keys`` (32 bytes each, checked by the caller)."""
+    return header(LOOKUP, 0, seq, len(keys), len(keys) * KEY_BYTES) + b"".join(keys)
+
+
+def lease_frame(seq: int, keys: list[bytes], ttl_s: float, max_bytes: int, prefix: bool,
+                release: list[bytes]) -> bytes:
+    """A LEASE of ``keys`` for ``ttl_s`` seconds that first releases ``release`` (16-byte ids)."""
+    payload = LEASE_ARGS.size + len(release) * LEASE_ID_BYTES + len(keys) * KEY_BYTES
+    return b"".join((header(LEASE, PREFIX if prefix else 0, seq, len(keys), payload),
+                     LEASE_ARGS.pack(ttl_s, max_bytes, len(release)), *release, *keys))
+
+
+def release_frame(seq: int, ids: list[bytes], reply: bool) -> bytes:
+    """A RELEASE of ``ids`` (16 bytes each); without ``reply`` the daemon sends no answer."""
+    return header(RELEASE, 0 if reply else NO_REPLY, seq, len(ids), len(ids) * LEASE_ID_BYTES) + b"".join(ids)
+
+
+def error_frame(seq: int, exc: BaseException) -> bytes:
+    """An ERROR answer naming ``exc``'s class in :mod:`kvstore.common.errors` (the nearest
+    one it derives from; KVStoreError for anything that is not a store error)."""
+    cls = next((k for k in type(exc).__mro__ if getattr(errors, k.__name__, None) is k), errors.KVStoreError)
+    if not issubclass(cls, errors.KVStoreError):
+        cls = errors.KVStoreError
+    raw = cls.__name__.encode("ascii")[:255]
+    message = f"{exc}" if isinstance(exc, errors.KVStoreError) else f"internal error: {type(exc).__name__}: {exc}"
+    body = bytes((len(raw),)) + raw + message.encode("utf-8", "replace")[:4096]
+    return header(ERROR, 0, seq, 0, len(body)) + body
+
+
+def decode_error(payload: bytes | memoryview) -> errors.KVStoreError:
+    """The store error an ERROR answer names (KVStoreError when the name is not one)."""
+    payload = bytes(payload)
+    n = payload[0] if payload else 0
+    name = payload[1:1 + n].decode("ascii", "replace")
+    message = payload[1 + n:].decode("utf-8", "replace")
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.KVStoreError)):
+        cls = errors.KVStoreError
+    return cls(message)
+
+
+def split_keys(payload, count: int, key_bytes: int, start: int = 0) -> list[bytes]:
+    """``count`` keys of ``key_bytes`` bytes from ``payload[start:]``, which must hold exactly
+    them. Raises FrameError naming what is wrong."""
+    if key_bytes != KEY_BYTES:
+        raise FrameError(f"the frame's keys have {key_bytes} bytes; block keys are {KEY_BYTES} bytes")
+    if count > MAX_FRAME_KEYS:
+        raise FrameError(f"{count} keys in one frame; at most {MAX_FRAME_KEYS}")
+    if len(payload) - start != count * KEY_BYTES:
+        raise FrameError(f"the frame says {count} keys but carries {len(payload) - start} bytes of keys")
+    raw = bytes(payload[start:])
+    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+
+def split_ids(payload, count: int, start: int = 0) -> list[str]:
+    """``count`` 16-byte lease ids from ``payload[start:]`` as the store names them (hex)."""
+    if count > MAX_FRAME_RELEASES:
+        raise FrameError(f"{count} lease ids in one frame; at most {MAX_FRAME_RELEASES}")
+    end = start + count * LEASE_ID_BYTES
+    if len(payload) < end:
+        raise FrameError(f"the frame says {count} lease ids but carries {max(len(payload) - start, 0)} bytes of them")
+    raw = bytes(payload[start:end])
+    return [raw[i:i + LEASE_ID_BYTES].hex() for i in range(0, len(raw), LEASE_ID_BYTES)]
+
+
+def lease_id_bytes(lease_id: str) -> bytes | None:
+    """The 16 bytes of a store lease id (32 hex digits); None when it is not one."""
+    try:
+        raw = bytes.fromhex(lease_id)
+    except (ValueError, TypeError):
+        return None
+    return raw if len(raw) == LEASE_ID_BYTES else None
