@@ -51,9 +51,10 @@ class LeaseReleaser:
         """Release ``lease_id`` soon, without waiting (starts the thread on first use)."""
         with self._lock:
             self._ids.append(lease_id)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
-                self._thread.start()
+            if self._thread is None:        # published once started: close() may join it at any time
+                thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
+                thread.start()
+                self._thread = thread
         self._wake.set()
 
     def take(self) -> list[str]:
