@@ -76,7 +76,9 @@ def test_a_step_back_of_an_hour_does_not_postpone_the_page_back(node, wall):
         assert abs(predicted - time.time()) < 60
         wall.offset = -HOUR
         assert abs(c.tool_call_start("U", "other", []) - time.time()) < 60   # replies follow the step
-        wait_for(lambda: d.manager.tier_of(K) == TierKind.HOST, "the page-back (due ~1 s after the call)")
+        # the block reaches host before the page-back counts it: wait for both
+        wait_for(lambda: d.manager.tier_of(K) == TierKind.HOST and d.service.hints.stats.promoted_blocks >= 1,
+                 "the page-back (due ~1 s after the call)")
         assert d.service.hints.stats.promoted_blocks == 1
         known, observed = c.resume("T")                       # the client's time is stepped too
         assert known and 0 <= observed < 60
