@@ -23,10 +23,10 @@ from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 from engine_adapter.vllm.worker import WorkerTransfers
 from kvstore.client.client import KVStoreClient
 from kvstore.client.leased_read import LeasedRead
-from kvstore.common.types import TierKind
 from kvstore.service.startup import start_server
 
 from support.daemon import daemon_config
+from support.store_checks import only_on_nvme, rpcs
 
 BS, H, HD = 16, 2, 16
 
@@ -37,26 +37,6 @@ def layout_of(layers: int) -> BlockLayout:
 
 def names(layers: int) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-
-
-def only_on_nvme(d, c, keys) -> None:
-    """Demote ``keys`` out of the host tier until the daemon says they are only on NVMe (a
-    block being written back or copied at that moment is not demoted: tried again)."""
-    deadline = time.monotonic() + 60
-    while True:
-        d.manager.drain()
-        for k in keys:
-            d.manager.demote(k, 0)
-        d.manager.drain()
-        if c.lookup(keys).tiers == (TierKind.NVME,) * len(keys):
-            return
-        assert time.monotonic() < deadline, c.lookup(keys).tiers
-        time.sleep(0.05)
-
-
-def rpcs(d, method: str) -> int:
-    return int(d.metrics.registry.get_sample_value("kvstore:request_seconds_count",
-                                                   {"method": method, "tenant": ""}) or 0)
 
 
 def start(tmp_path, host: str = "64MiB"):

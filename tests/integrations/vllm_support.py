@@ -16,6 +16,9 @@ import time
 from kvstore.client.client import KVStoreClient
 from kvstore.common.errors import KVStoreError
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # runners outside pytest: tests/support
+from support.toml_config import write_toml  # noqa: E402
+
 
 def tiny_llama_dir(path: pathlib.Path, *, layers: int = 2, kv_heads: int = 2, heads: int = 4,
                    hidden: int = 256, vocab: int = 32000, seed: int = 0) -> pathlib.Path:
@@ -92,28 +95,8 @@ def request(req_id: str, tokens: list[int], block_size: int, max_tokens: int = 4
 
 # ------------------------------------------------------------------ a daemon in its own process
 
-def write_daemon_toml(path: pathlib.Path, data: dict) -> pathlib.Path:
-    """Write a daemon config (nested dicts of str / int / float / bool) as TOML tables."""
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-    lines: list[str] = []
-
-    def table(prefix: str, d: dict) -> None:
-        if prefix:
-            lines.append(f"[{prefix}]")
-        lines.extend(f"{k} = {value(v)}" for k, v in d.items() if not isinstance(v, dict))
-        for k, v in d.items():
-            if isinstance(v, dict):
-                table(f"{prefix}.{k}" if prefix else k, v)
-
-    table("", data)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+write_daemon_toml = write_toml
+"""A daemon config (nested dicts of str / int / float / bool) as TOML tables."""
 
 
 class DaemonProcess:

@@ -20,9 +20,9 @@ from kvstore.client.arena import ArenaChanged
 from kvstore.client.client import KVStoreClient
 from kvstore.client.leased_read import LeasedRead, ReadStage
 from kvstore.common.errors import InvalidRequest, StoreUnavailable
-from kvstore.common.types import TierKind
 from kvstore.service.startup import start_server
 from support.daemon import daemon_config
+from support.store_checks import only_on_nvme, rpcs
 
 BLOCK = 32 << 10
 STAGES = 8                                  # 8 stages of 4 KiB: two 2 KiB ranges each, far apart
@@ -36,26 +36,6 @@ def stage_ranges(s: int) -> list[tuple[int, int]]:
 
 def expected(data: np.ndarray, s: int) -> np.ndarray:
     return np.concatenate([data[:, o:o + n] for o, n in stage_ranges(s)], axis=1)
-
-
-def only_on_nvme(d, c, keys) -> None:
-    """Demote ``keys`` out of the host tier until the daemon says they are only on NVMe (a
-    block being written back or copied at that moment is not demoted: tried again)."""
-    deadline = time.monotonic() + 60
-    while True:
-        d.manager.drain()
-        for k in keys:
-            d.manager.demote(k, 0)
-        d.manager.drain()
-        if c.lookup(keys).tiers == (TierKind.NVME,) * len(keys):
-            return
-        assert time.monotonic() < deadline, c.lookup(keys).tiers
-        time.sleep(0.05)
-
-
-def rpcs(d, method: str) -> int:
-    return int(d.metrics.registry.get_sample_value("kvstore:request_seconds_count",
-                                                   {"method": method, "tenant": ""}) or 0)
 
 
 def start(tmp_path, host: str = "16MiB", nvme: str | None = None):

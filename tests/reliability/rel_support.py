@@ -27,6 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.common.errors import TierFull, TierIOError
 from tiers.base import Tier, TierKind, check_ranges
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # workers run outside pytest
+from support.toml_config import write_toml  # noqa: E402,F401  (the suite's one TOML writer)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INDEX_VALUE = struct.Struct("<QQd")      # tiers/nvme/tier.py's index value: size, xxh3_64, time
 PAGE = 4096
@@ -57,35 +60,6 @@ def is_payload_of(k: bytes, data: bytes, n: int | None = None) -> bool:
 
 
 # ---------------------------------------------------------------------------- config files
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
-def write_toml(path: pathlib.Path, data: dict) -> pathlib.Path:
-    """Write nested dicts of str/int/bool as TOML tables (enough for daemon configs)."""
-    lines: list[str] = []
-
-    def table(prefix: str, d: dict) -> None:
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
-        if prefix:
-            lines.append(f"[{prefix}]")
-        for k, v in scalars.items():
-            lines.append(f'"{k}" = {_toml_value(v)}')
-        for k, v in d.items():
-            if isinstance(v, dict):
-                table(f"{prefix}.{k}" if prefix else k, v)
-
-    table("", data)
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
 
 def short_socket_dir() -> pathlib.Path:
     """A short folder for unix sockets (their paths are limited to ~107 bytes)."""
@@ -206,7 +180,6 @@ def nvme_audit(path: pathlib.Path, verify_checksums: bool = True) -> dict:
 
 # ---------------------------------------------------------------------------- in-memory tiers
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # workers run outside pytest
 from support.fake_tiers import MemTier  # noqa: E402,F401  (the suite's one fake tier)
 
 
