@@ -41,6 +41,7 @@ from kvstore.store.counters import Counters
 from kvstore.store.media import TierAdapter
 from kvstore.store.moves import Moves
 from kvstore.store.placement import Placement
+from kvstore.store.transfers import Transfer
 from kvstore.store.writes import PutOutcome, check_key
 
 log = logging.getLogger("kvstore.store.leases")
@@ -128,7 +129,9 @@ class Leases:
         cluster) is brought into the arena first. With ``prefix`` the grant ends at the
         first miss. The grant also ends early (``LeaseGrant.resume_at``) once
         ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
-        room: the client releases, then asks for the rest. A grant that holds no block creates
+        room: the client releases, then asks for the rest. The blocks it promotes are read
+        together, with those of one more grant read ahead while the client copies
+        (:meth:`_read_ahead`). A grant that holds no block creates
         no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
         (``resume_at`` 0). ``session``: the client's open session (:meth:`end_session`
         ends the lease with it; "": the TTL only). Raises InvalidRequest (bad key, TTL),
@@ -150,13 +153,21 @@ class Leases:
         blocks: list[LeasedBlock] = []
         held: list[Entry] = []
         state = {"leased": 0, "resume_at": None}
+        ahead: dict[bytes, tuple[Entry, Transfer | None]] | None = None   # paged back together, pinned
         try:
             n = 0
             while n < len(keys):
                 n = self._grant_run(keys, n, device, prefix, max_bytes, blocks, held, state)
                 if n >= len(keys) or state["resume_at"] is not None or (prefix and blocks and not blocks[-1].found):
                     break
-                got = self._lease_promoted(keys[n], state, max_bytes, bool(held))   # needs a promotion first
+                if ahead is None and self._shared is not None:
+                    ahead = {e.key: (e, t) for e, t in self._read_ahead(keys[n:], max_bytes - state["leased"],
+                                                                         max_bytes)}
+                t = ahead.get(keys[n], (None, None))[1] if ahead else None
+                if t is not None and t.done.is_set() and not t.ok:
+                    got = None                    # its read failed in this call already: a miss, not a retry
+                else:
+                    got = self._lease_promoted(keys[n], state, max_bytes, bool(held))   # a promotion first
                 if got is _NO_ROOM:
                     state["resume_at"] = n
                     break
@@ -180,10 +191,23 @@ class Leases:
             for e in held:
                 cat.unpin(e)
             raise
+        finally:
+            for e, _ in (ahead or {}).values():
+                cat.unpin(e)
         self.counters.inc("leases_granted")
         self.counters.inc("leased_blocks", len(held))
         self.counters.inc("leased_bytes", state["leased"])
         return LeaseGrant(lease.lease_id, tuple(blocks), ttl_s, state["resume_at"])
+
+    def _read_ahead(self, keys: Sequence[bytes], left: int, max_bytes: int) -> list[tuple[Entry, Transfer | None]]:
+        """Start the promotions of ``keys`` this grant still needs (``left`` bytes) and of
+        one more grant, together: a quarter of the arena at most ahead, half of it in all
+        (:meth:`kvstore.store.moves.Moves.promote_ahead`). Returns their entries, pinned
+        so that the promotions of this call do not evict each other (the caller unpins),
+        with their transfers."""
+        cap = self.tiers[self._shared].capacity_bytes
+        budget = min(max(0, left) + min(max_bytes, cap // 4), cap // 2)
+        return self._moves.promote_ahead(keys, self._shared, budget)
 
     def _grant_run(self, keys, n, device, prefix, max_bytes, blocks, held, state) -> int:
         """Grant keys from index ``n`` on while they are already where the client reads them
