@@ -306,8 +306,11 @@ class BlockIndex:
 
     def _open_env(self, map_size: int) -> None:
         try:
+            # metasync off: a commit flushes once (its pages), not twice; a power loss may then
+            # undo the last transaction, whose blocks' files and names are already flushed
+            # and are adopted from their headers at the next start (tiers.nvme.recover)
             self._env = lmdb.open(self.dir, map_size=map_size, subdir=True, lock=False, sync=self._fsync,
-                                  metasync=self._fsync, readahead=False, meminit=False, max_dbs=0)
+                                  metasync=False, readahead=False, meminit=False, max_dbs=0)
         except lmdb.Error as e:
             raise IndexDamaged(f"LMDB cannot open it: {e}") from None
 
