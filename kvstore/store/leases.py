@@ -153,7 +153,8 @@ class Leases:
         blocks: list[LeasedBlock] = []
         held: list[Entry] = []
         state = {"leased": 0, "resume_at": None}
-        ahead: dict[bytes, tuple[Entry, Transfer | None]] | None = None   # paged back together, pinned
+        ahead: list[tuple[Entry, Transfer | None]] | None = None   # paged back together, pinned
+        moving: dict[bytes, Transfer | None] = {}
         try:
             n = 0
             while n < len(keys):
@@ -161,9 +162,9 @@ class Leases:
                 if n >= len(keys) or state["resume_at"] is not None or (prefix and blocks and not blocks[-1].found):
                     break
                 if ahead is None and self._shared is not None:
-                    ahead = {e.key: (e, t) for e, t in self._read_ahead(keys[n:], max_bytes - state["leased"],
-                                                                         max_bytes)}
-                t = ahead.get(keys[n], (None, None))[1] if ahead else None
+                    ahead = self._read_ahead(keys[n:], max_bytes - state["leased"], max_bytes)
+                    moving = {e.key: t for e, t in ahead}
+                t = moving.get(keys[n])
                 if t is not None and t.done.is_set() and not t.ok:
                     got = None                    # its read failed in this call already: a miss, not a retry
                 else:
@@ -192,7 +193,7 @@ class Leases:
                 cat.unpin(e)
             raise
         finally:
-            for e, _ in (ahead or {}).values():
+            for e, _ in ahead or ():
                 cat.unpin(e)
         self.counters.inc("leases_granted")
         self.counters.inc("leased_blocks", len(held))

@@ -29,8 +29,8 @@ network put runs here, on the copy queue without the lock, so the commit that fo
 
 With ``async_moves`` each pair has its own worker threads (several into or out of a
 persistent tier: a disk takes several writes at once, and a page-back keeps several
-reads in flight), so a slow NVMe write never delays a host-to-HBM promotion. Without it (the simulator) copies run
-inline, deterministically.
+reads in flight), so a slow NVMe write never delays a host-to-HBM promotion. Without
+it (the simulator) copies run inline, deterministically.
 """
 
 from __future__ import annotations

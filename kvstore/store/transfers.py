@@ -7,8 +7,9 @@ and reserved in the destination by the caller's ``reserve`` (the room-making of
 through the :class:`kvstore.store.mover.Mover` (inline, or on the ``(src, dst)`` queue
 with the lock dropped) and commits or aborts; into a disk (a persistent local tier) the
 commit runs with the bytes, without the lock (commits in flight then share the flushes
-of an fsync'ed tier), and a copy found deleted or timed out afterwards is freed. A copy waited on past
-``transfer_timeout_s`` is abandoned. Copies are deduplicated per ``(block,
+of an fsync'ed tier), and a copy found deleted or timed out afterwards is freed. A
+failed promotion is judged as a read: a failed checksum drops the source copy. A copy
+waited on past ``transfer_timeout_s`` is abandoned. Copies are deduplicated per ``(block,
 destination)``: a second request for the same copy joins the one in flight.
 """
 

@@ -165,3 +165,16 @@ def test_a_failed_read_in_a_batch_is_a_miss_for_that_block_only(on_nvme, monkeyp
     assert m.lookup([bad]).hit_blocks == 1 and bad in m.tiers[1]       # kept: EIO proves nothing
     reads.fail.clear()
     assert lease_all(m, [bad]) == {bad: payload(bad)}
+
+
+def test_a_lease_listing_blocks_twice_pages_them_back_once_and_leaves_no_pin(on_nvme, monkeypatch):
+    m = on_nvme
+    reads = InFlight(m.tiers[1], monkeypatch)
+    keys = [K(0), K(0), K(1), K(1)]                           # one grant: a quarter of the arena
+    grant = m.lease(keys, 30.0)
+    assert [b.found for b in grant.blocks] == [True] * len(keys) and grant.resume_at is None
+    assert all(bytes(m.tiers[0].view(b.key)) == payload(b.key) for b in grant.blocks)
+    assert reads.calls == 2 and m.counters["promotions"] == 2
+    m.release(grant.lease_id)
+    m.drain()
+    assert all(e.pins == 0 for e in m.catalogue.entries())
