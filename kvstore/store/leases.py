@@ -130,8 +130,8 @@ class Leases:
         first miss. The grant also ends early (``LeaseGrant.resume_at``) once
         ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
         room: the client releases, then asks for the rest. The blocks it promotes are read
-        together, with those of one more grant read ahead while the client copies
-        (:meth:`_read_ahead`). A grant that holds no block creates
+        together, and a grant that ends on ``max_bytes`` has the blocks of the next one
+        read while the client copies (:meth:`_read_ahead`). A grant that holds no block creates
         no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
         (``resume_at`` 0). ``session``: the client's open session (:meth:`end_session`
         ends the lease with it; "": the TTL only). Raises InvalidRequest (bad key, TTL),
@@ -182,6 +182,9 @@ class Leases:
                     blocks.append(got[1])
                     state["leased"] += got[1].size
                 n += 1
+            if ahead is None and state.get("full") and self._shared is not None:
+                # the grant is full: the next one's blocks are read while the client copies
+                ahead = self._read_ahead(keys[state["resume_at"]:], 0, max_bytes)
             if not held:                 # misses only (or no room yet): nothing to hold
                 return LeaseGrant("", tuple(blocks), ttl_s, state["resume_at"])
             with cat.lock:
@@ -230,7 +233,7 @@ class Leases:
                         return n
                     continue
                 if held and state["leased"] + e.size > max_bytes:
-                    state["resume_at"] = n
+                    state["resume_at"], state["full"] = n, True
                     return n
                 if dev is not None and dev in e.tiers:
                     tier = self.tiers[dev]
@@ -258,6 +261,7 @@ class Leases:
         try:
             if holding and state["leased"] + entry.size > max_bytes:
                 cat.unpin(entry)
+                state["full"] = True
                 return _NO_ROOM
             s = self._shared
             if s is None:
