@@ -10,15 +10,19 @@ the raw figure it is compared with run over the same blocks in alternating slice
   read in one call from/into a page-aligned buffer (buffered I/O where the filesystem
   refuses O_DIRECT): the limit;
 - ``put``: ``reserve`` + ``write`` (the whole block from a page-aligned buffer, as the
-  host arena demotes) + ``commit``, reserve and commit under one lock as the manager
-  serialises them; ``put bytes`` (1 thread): the same from a ``bytes`` object (unaligned:
-  one bounce copy), into recycled spare files;
+  host arena demotes) + ``commit``, reserve under one lock as the manager serialises it
+  (the commit runs without it, as a copy into a disk does); ``put bytes`` (1 thread): the
+  same from a ``bytes`` object (unaligned: one bounce copy), into recycled spare files;
 - ``get``: ``read_into`` of the whole block into a page-aligned buffer, every chunk
   verified; ``get bytearray`` (1 thread): into a ``bytearray`` (unaligned: a bounce copy);
 - ``get 1/16``: a contiguous sixteenth of the block (one of 16 rotating slices), next to
   ``raw read 1/16``: an O_DIRECT read of those bytes alone;
 - ``get TP rank``: what TP rank 0 of 8 reads of a block laid out
   ``[32 layers][k|v][8 KV heads][...]``: 64 ranges, an eighth of the block.
+
+With ``--fsync`` the tier flushes every commit (``fsync=True``: commits in flight share
+their flushes, :mod:`tiers.nvme.group`) and each raw write ends with ``fdatasync`` of its
+file and ``fsync`` of its folder, the same promise.
 
 GB/s are payload bytes served per second (1e9 B/s), medians over the rounds; ``x raw`` is
 the median over the rounds of each round's ratio to the raw figure of the same
@@ -27,7 +31,7 @@ direction, size and threads (so it need not equal the ratio of the two medians);
 included) per byte served.
 
     python bench/nvme_tier.py [--sizes 256KiB,1MiB,4MiB] [--threads 1,4] [--total 256MiB]
-                              [--rounds 3] [--chunk 16KiB] [--header-cache 32MiB] [--dir DIR]
+                              [--rounds 3] [--chunk 16KiB] [--header-cache 32MiB] [--dir DIR] [--fsync]
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def tp_ranges(size: int, layers: int = 32, heads: int = 8, tp: int = 8) -> list[
 
 
 def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: int, direct: bool,
-              header_cache: int) -> dict:
+              header_cache: int, fsync: bool = False) -> dict:
     """Seconds per figure (``(seconds, bytes served per block)``) and read amplification."""
     src = filled(size)
     src_bytes = bytes(src[:size])
@@ -120,7 +124,7 @@ def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: 
     (folder / "raw").mkdir()
     paths = [str(folder / "raw" / f"{i:08d}") for i in range(count)]
     t = NVMeTier(folder / "tier", count * (size + (64 << 10)) + (64 << 20), direct=None if direct else False,
-                 chunk_bytes=chunk, header_cache_bytes=header_cache)
+                 chunk_bytes=chunk, header_cache_bytes=header_cache, fsync=fsync)
     lock = threading.Lock()
     workers = Workers(threads)
     slice_blocks = 8 * threads
@@ -131,7 +135,13 @@ def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: 
     def raw_write(i, th):
         fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
         os.pwrite(fd, src[:size], 0)
+        if fsync:
+            os.fdatasync(fd)
         os.close(fd)
+        if fsync:
+            folder_fd = os.open(folder / "raw", os.O_RDONLY)
+            os.fsync(folder_fd)
+            os.close(folder_fd)
 
     def raw_read(i, th, offset=0, n=size):
         fd = os.open(paths[i], os.O_RDONLY | flags)
@@ -142,8 +152,7 @@ def one_round(folder: pathlib.Path, size: int, count: int, threads: int, chunk: 
         with lock:
             t.reserve(key(i), size)
         t.write(key(i), 0, data)
-        with lock:
-            t.commit(key(i))
+        t.commit(key(i))
 
     def get(i, th, ranges=None, out=outs):
         t.read_into(key(i), out[th], ranges)
@@ -189,6 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp folder)")
     ap.add_argument("--header-cache", default="32MiB",
                     help="the tier's header cache (0: every read also reads and checks the block's header)")
+    ap.add_argument("--fsync", action="store_true", help="flush every commit (and every raw write)")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(x) for x in args.threads.split(",")]
@@ -197,7 +207,7 @@ def main(argv=None) -> int:
     direct = probe_direct(str(base))
     print(f"# folder {base} ({'O_DIRECT' if direct else 'buffered: the filesystem refuses O_DIRECT'}), "
           f"{format_size(total)} per figure, chunk {format_size(chunk)}, header cache {format_size(cache)}, "
-          f"median of {args.rounds} rounds, "
+          f"median of {args.rounds} rounds, {'fsync, ' if args.fsync else ''}"
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     print(f"{'block':>10} {'thr':>3} {'what':<14} {'GB/s':>6} {'raw GB/s':>8} {'x raw':>6} {'disk/served':>11}")
     try:
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
                 for _ in range(args.rounds):
                     folder = base / "run"
                     folder.mkdir()
-                    rounds.append(one_round(folder, size, count, nthreads, chunk, direct, cache))
+                    rounds.append(one_round(folder, size, count, nthreads, chunk, direct, cache, args.fsync))
                     shutil.rmtree(folder)
                 report(size, count, nthreads, rounds)
     finally:

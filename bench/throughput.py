@@ -8,7 +8,10 @@ machine hits them alike):
 limits
   - ``memcpy``: streaming copy of ``--total`` bytes between two buffers that large (the
     physical limit of one copy; a cache-resident copy is several times faster);
-  - ``file``: raw O_DIRECT write and read of the same blocks (aligned buffer);
+  - ``file``: raw O_DIRECT write (+ one fsync) and read of the same blocks (aligned
+    buffer), the write over the blocks of the previous round; ``file new``: the same
+    write into newly allocated space (the file cut to 0 first, untimed), what a put of
+    new blocks asks of the disk (ext4 on this team's VMs: about half as fast);
   - ``raw gRPC``: a bare grpcio server in a separate process streaming the same bytes as
     generic byte messages (a client stream for put, a server stream for get), distinct
     payloads held in memory like the blocks; on the unix socket, and on 127.0.0.1 as the
@@ -25,7 +28,11 @@ kvstore, daemon in a separate process (``kvstore serve``):
 Figures are GB/s (1e9 B/s); ratios compare with the limits of the same run. For the
 128 x 32 KiB batch the p50/p99 latency of one ``get_into`` (lookup included) is printed too.
 
+With ``--nvme-fsync`` the NVMe tier flushes every put (``[tiers.nvme] fsync = true``, group
+commit), like the raw write's fsync; ``--paths`` runs some kvstore paths only.
+
     python bench/throughput.py [--sizes 256KiB,1MiB,4MiB] [--total 256MiB] [--rounds 3] [--dir DIR]
+                               [--paths "NVMe zero-copy,NVMe gRPC"] [--nvme-fsync]
 """
 
 from __future__ import annotations
@@ -120,6 +127,11 @@ class RawFile:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.view = memoryview(self.buf)
 
+    def fresh(self) -> None:
+        """Cut the file to 0 bytes: the next write allocates its space anew."""
+        os.ftruncate(self.fd, 0)
+        os.fsync(self.fd)
+
     def write(self) -> None:
         for i in range(self.count):
             os.pwrite(self.fd, self.view, i * self.aligned)
@@ -166,7 +178,8 @@ def echo_calls(address: str, size: int, count: int):
 class Daemon:
     """``kvstore serve`` in its own process with a config for this measurement."""
 
-    def __init__(self, folder: pathlib.Path, name: str, host_bytes: int, nvme_bytes: int, listen: str):
+    def __init__(self, folder: pathlib.Path, name: str, host_bytes: int, nvme_bytes: int, listen: str,
+                 fsync: bool = False):
         self.sock_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvsb-"))
         self.listen = listen.replace("SOCK", str(self.sock_dir / "kvstore.sock"))
         self.data = folder / f"nvme-{name}"
@@ -181,6 +194,7 @@ capacity = {host_bytes}
 enabled = {"true" if nvme_bytes else "false"}
 path = "{self.data}"
 capacity = {max(nvme_bytes, 1 << 20)}
+fsync = {"true" if fsync else "false"}
 """)
         self.proc, banner = start([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(cfg)],
                                   "kvstore serving on")
@@ -239,7 +253,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-latency", type=int, default=200, help="get_into calls timed for the 32 KiB batch")
     ap.add_argument("--dir", default="kvstore-data/bench", help="scratch folder (on the NVMe to measure)")
+    ap.add_argument("--paths", default="", help="kvstore paths to run, comma-separated (default: all)")
+    ap.add_argument("--nvme-fsync", action="store_true", help="the NVMe tier flushes every put (fsync = true)")
     args = ap.parse_args()
+    only = {p.strip() for p in args.paths.split(",") if p.strip()}
     sizes = [(parse_size(s.strip()), None) for s in args.sizes.split(",")] + [(32 << 10, 128)]
     total = parse_size(args.total)
     folder = pathlib.Path(args.dir).resolve()
@@ -249,11 +266,14 @@ def main() -> int:
     echo_tcp, banner = start([sys.executable, "-c", _ECHO_SERVER, "127.0.0.1:0"], "ready")
     echo_tcp_address = f"127.0.0.1:{banner.split()[1]}"
     arena = total * 2 + (64 << 20)
+    wanted = {"unix": ("zero-copy", "gRPC unix"), "tcp": ("gRPC TCP",), "nvme": ("NVMe zero-copy", "NVMe gRPC")}
+    wanted = {d: names for d, names in wanted.items() if not only or only & set(names)}
     daemons = {
-        "unix": Daemon(folder, "host", arena, 0, "unix:SOCK"),
-        "tcp": Daemon(folder, "tcp", arena, 0, "127.0.0.1:0"),
-        "nvme": Daemon(folder, "nvme", 16 << 20, total * 8 + (256 << 20), "unix:SOCK"),
+        "unix": lambda: Daemon(folder, "host", arena, 0, "unix:SOCK"),
+        "tcp": lambda: Daemon(folder, "tcp", arena, 0, "127.0.0.1:0"),
+        "nvme": lambda: Daemon(folder, "nvme", 16 << 20, total * 8 + (256 << 20), "unix:SOCK", fsync=args.nvme_fsync),
     }
+    daemons = {d: start_daemon() for d, start_daemon in daemons.items() if d in wanted}
     rows = []
     try:
         for size, batch in sizes:
@@ -265,13 +285,14 @@ def main() -> int:
             et_put, et_get, ch_tcp = echo_calls(echo_tcp_address, size, count)
             copy = memcpy_stream(size * count)
             paths = {
-                "zero-copy": kv_calls(daemons["unix"].address, size, count, True, "z", False),
-                "zero-copy gRPC ctl": kv_calls(daemons["unix"].address, size, count, True, "zg", False, False),
-                "gRPC unix": kv_calls(daemons["unix"].address, size, count, False, "u", False),
-                "gRPC TCP": kv_calls(daemons["tcp"].address, size, count, False, "t", False),
-                "NVMe zero-copy": kv_calls(daemons["nvme"].address, size, count, True, "nz", True),
-                "NVMe gRPC": kv_calls(daemons["nvme"].address, size, count, False, "ng", True),
+                "zero-copy": lambda: kv_calls(daemons["unix"].address, size, count, True, "z", False),
+                "zero-copy gRPC ctl": lambda: kv_calls(daemons["unix"].address, size, count, True, "zg", False, False),
+                "gRPC unix": lambda: kv_calls(daemons["unix"].address, size, count, False, "u", False),
+                "gRPC TCP": lambda: kv_calls(daemons["tcp"].address, size, count, False, "t", False),
+                "NVMe zero-copy": lambda: kv_calls(daemons["nvme"].address, size, count, True, "nz", True),
+                "NVMe gRPC": lambda: kv_calls(daemons["nvme"].address, size, count, False, "ng", True),
             }
+            paths = {name: calls() for name, calls in paths.items() if not only or name in only}
             best: dict[str, float] = {}
 
             def note(name: str, seconds: float) -> None:
@@ -280,6 +301,8 @@ def main() -> int:
                 note("memcpy", timed(copy))
                 note("file write", timed(raw.write))
                 note("file read", timed(raw.read))
+                raw.fresh()
+                note("file write new", timed(raw.write))
                 note("raw gRPC put", timed(e_put))
                 note("raw gRPC get", timed(e_get))
                 note("raw gRPC TCP put", timed(et_put))
@@ -290,7 +313,7 @@ def main() -> int:
             nbytes = size * count
             rates = {k: gbps(nbytes, v) for k, v in best.items()}
             lat = None
-            if batch:
+            if batch and "zero-copy" in paths:
                 put, get, _, c = paths["zero-copy"]
                 put()
                 times = []
@@ -302,6 +325,7 @@ def main() -> int:
                 times.sort()
                 lat = (times[len(times) // 2] * 1e3, times[int(len(times) * 0.99)] * 1e3)
             rows.append((label, raw.mode, rates, lat))
+            print(f"  load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
             raw.close()
             ch.close()
             ch_tcp.close()
@@ -321,11 +345,12 @@ def main() -> int:
 
 def report(rows) -> None:
     print("\nLimits measured in this run (GB/s):")
-    print(f"{'block':>14} {'memcpy':>8} {'file wr':>8} {'file rd':>8} {'(mode)':>9} {'gRPC put':>9} {'gRPC get':>9}"
-          f" {'TCP put':>8} {'TCP get':>8}")
+    print(f"{'block':>14} {'memcpy':>8} {'file wr':>8} {'file new':>8} {'file rd':>8} {'(mode)':>9} "
+          f"{'gRPC put':>9} {'gRPC get':>9} {'TCP put':>8} {'TCP get':>8}")
     for label, mode, r, _ in rows:
-        print(f"{label:>14} {r['memcpy']:8.2f} {r['file write']:8.2f} {r['file read']:8.2f} {mode:>9} "
-              f"{r['raw gRPC put']:9.2f} {r['raw gRPC get']:9.2f} {r['raw gRPC TCP put']:8.2f} {r['raw gRPC TCP get']:8.2f}")
+        print(f"{label:>14} {r['memcpy']:8.2f} {r['file write']:8.2f} {r['file write new']:8.2f} "
+              f"{r['file read']:8.2f} {mode:>9} {r['raw gRPC put']:9.2f} {r['raw gRPC get']:9.2f} "
+              f"{r['raw gRPC TCP put']:8.2f} {r['raw gRPC TCP get']:8.2f}")
     print("\nkvstore, daemon in its own process (GB/s, and the ratio to the limit it is held to):")
     print(f"{'block':>14} {'path':>18} {'put':>7} {'get':>7}   {'put ratio':>18} {'get ratio':>18}")
     for label, _, r, lat in rows:
@@ -335,9 +360,13 @@ def report(rows) -> None:
                                     ("gRPC TCP", ("raw gRPC TCP put", "raw gRPC TCP get"), "raw TCP"),
                                     ("NVMe zero-copy", ("file write", "file read"), "file"),
                                     ("NVMe gRPC", ("file write", "file read"), "file")):
+            if f"{name} put" not in r:
+                continue
             p, g = r[f"{name} put"], r[f"{name} get"]
             print(f"{label:>14} {name:>18} {p:7.2f} {g:7.2f}   {p / r[ref[0]]:7.2f}x {ref_name:>9} "
                   f"{g / r[ref[1]]:7.2f}x {ref_name:>9}")
+            if name.startswith("NVMe"):
+                print(f"{label:>14} {name:>16} put {p / r['file write new']:.2f}x a write into new space")
         if lat:
             print(f"{label:>14} {'lookup+get_into':>16} p50 {lat[0]:.2f} ms, p99 {lat[1]:.2f} ms (one batch)")
 

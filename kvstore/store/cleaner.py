@@ -120,13 +120,15 @@ class Cleaner:
 
     def _clean(self, i: int, cap: int) -> int:
         """Copy tier ``i``'s coldest dirty blocks down, several copies in flight, until its
-        free and clean bytes reach ``1 - low`` of ``cap``. Returns blocks cleaned."""
+        free and clean bytes reach ``1 - low`` of ``cap`` (at least the bytes of ``width``
+        blocks, so that a disk has ``width`` writes in flight). Returns blocks cleaned."""
         room, p, transfers = self.room, self.placement, self.transfers
         tier = room.tiers[i]
         chosen: set[bytes] = set()
         inflight: list = []
         width = 1 if room.tiers[i + 1].volatile else max(1, self.disk_workers)
         done = {"cleaned": 0, "moving": 0}               # blocks cleaned, bytes being copied
+        goal = (1.0 - room.low) * cap
 
         def settle(t) -> None:
             transfers.run(t, wait=True)
@@ -140,7 +142,7 @@ class Cleaner:
                 while not self._stop.is_set():
                     free = cap - tier.used_bytes
                     clean = p.resident_bytes(i) - p.dirty_bytes(i) + done["moving"]
-                    if free + clean >= (1.0 - room.low) * cap:
+                    if free + clean >= goal:
                         break
                     victim = room.dirty_victim(i, chosen)
                     if victim is None:
@@ -154,6 +156,8 @@ class Cleaner:
                     transfers.run(t, wait=False)
                     inflight.append(t)
                     done["moving"] += t.entry.size
+                    # room for ``width`` copies in flight, even in a tier of a few large blocks
+                    goal = max(goal, min(cap, width * t.entry.size))
                     if len(inflight) >= width:
                         settle(inflight.pop(0))
                 while inflight:

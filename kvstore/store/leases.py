@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
-
-from tiers.base import IpcHandle, TierKind
+from typing import Callable, Sequence
 
 from kvstore.common.errors import (
     BlockNotFound,
@@ -39,9 +36,11 @@ from kvstore.common.arena import ARENA_CHANGED
 from kvstore.common.types import KEY_BYTES, ReserveStatus
 from kvstore.store.catalogue import Catalogue, Claim, Entry
 from kvstore.store.counters import Counters
+from kvstore.store.lease_grant import _MISS, LeaseGrant
 from kvstore.store.media import TierAdapter
 from kvstore.store.moves import Moves
 from kvstore.store.placement import Placement
+from kvstore.store.transfers import Transfer
 from kvstore.store.writes import PutOutcome, check_key
 
 log = logging.getLogger("kvstore.store.leases")
@@ -59,44 +58,6 @@ _NO_ROOM = object()
 def _session_ended(session: str) -> FeatureDisabled:
     return FeatureDisabled(f"{ARENA_CHANGED}: client session {session[:8]} is not open (its arena "
                            "connection closed); map the arena again")
-
-
-class LeasedBlock(NamedTuple):
-    """Where one leased block is (``found`` False: a miss; nothing else is set).
-
-    ``tier`` is the tier the client reads from; ``offset``/``size`` are bytes in the
-    shared host arena, or ``ipc`` locates it in HBM (CUDA IPC).
-    """
-
-    key: bytes
-    found: bool
-    tier: TierKind | None = None
-    offset: int = 0
-    size: int = 0
-    ipc: IpcHandle | None = None
-
-
-_MISS = (False, None, 0, 0, None)
-
-
-@dataclass(frozen=True)
-class LeaseGrant:
-    """A granted lease: its id, one :class:`LeasedBlock` per key looked at (:attr:`blocks`,
-    in order; with ``prefix`` the list ends at the first miss, which is included), its TTL,
-    and ``resume_at``: the index of the first key not looked at when the grant stopped early
-    for lack of room or budget (None: every key was looked at). ``rows`` holds the same as
-    plain tuples in :class:`LeasedBlock`'s field order (what a grant of many blocks is made
-    of: a plain tuple costs a twentieth of a named one)."""
-
-    lease_id: str
-    rows: tuple[tuple, ...]
-    ttl_s: float
-    resume_at: int | None = None
-
-    @property
-    def blocks(self) -> tuple[LeasedBlock, ...]:
-        make = LeasedBlock._make
-        return tuple(make(r) for r in self.rows)
 
 
 class Leases:
@@ -136,7 +97,9 @@ class Leases:
         cluster) is brought into the arena first. With ``prefix`` the grant ends at the
         first miss. The grant also ends early (``LeaseGrant.resume_at``) once
         ``max_bytes`` (default a quarter of the arena) are leased or a promotion finds no
-        room: the client releases, then asks for the rest. A grant that holds no block creates
+        room: the client releases, then asks for the rest. The blocks it promotes are read
+        together, and a grant that ends on ``max_bytes`` has the blocks of the next one
+        read while the client copies (:meth:`_read_ahead`). A grant that holds no block creates
         no lease (``lease_id`` empty); with :data:`MAX_LEASES` alive it grants nothing
         (``resume_at`` 0). ``session``: the client's open session (:meth:`end_session`
         ends the lease with it; "": the TTL only). ``defer``: a list to which the
@@ -163,13 +126,22 @@ class Leases:
         blocks: list[tuple] = []       # LeasedBlock rows
         held: list[Entry] = []
         state = {"leased": 0, "resume_at": None, "touch": []}
+        ahead: list[tuple[Entry, Transfer | None]] | None = None   # paged back together, pinned
+        moving: dict[bytes, Transfer | None] = {}
         try:
             n = 0
             while n < len(keys):
                 n = self._grant_run(keys, n, device, prefix, max_bytes, blocks, held, state)
                 if n >= len(keys) or state["resume_at"] is not None or (prefix and blocks and not blocks[-1][1]):
                     break
-                got = self._lease_promoted(keys[n], state, max_bytes, bool(held))   # needs a promotion first
+                if ahead is None and self._shared is not None:
+                    ahead = self._read_ahead(keys[n:], max_bytes - state["leased"], max_bytes)
+                    moving = {e.key: t for e, t in ahead}
+                t = moving.get(keys[n])
+                if t is not None and t.done.is_set() and not t.ok:
+                    got = None                    # its read failed in this call already: a miss, not a retry
+                else:
+                    got = self._lease_promoted(keys[n], state, max_bytes, bool(held))   # a promotion first
                 if got is _NO_ROOM:
                     state["resume_at"] = n
                     break
@@ -183,6 +155,9 @@ class Leases:
                     blocks.append(got[1])
                     state["leased"] += got[1][4]
                 n += 1
+            if ahead is None and state.get("full") and self._shared is not None:
+                # the grant is full: the next one's blocks are read while the client copies
+                ahead = self._read_ahead(keys[state["resume_at"]:], 0, max_bytes)
             if not held:                 # misses only (or no room yet): nothing to hold
                 return LeaseGrant("", tuple(blocks), ttl_s, state["resume_at"])
             with cat.lock:
@@ -193,6 +168,9 @@ class Leases:
             for e in held:
                 cat.unpin(e)
             raise
+        finally:
+            for e, _ in ahead or ():
+                cat.unpin(e)
         account = functools.partial(self._account, state["touch"], len(held), state["leased"])
         if defer is None:
             account()
@@ -209,6 +187,16 @@ class Leases:
         self.counters.inc("leases_granted")
         self.counters.inc("leased_blocks", n_held)
         self.counters.inc("leased_bytes", nbytes)
+
+    def _read_ahead(self, keys: Sequence[bytes], left: int, max_bytes: int) -> list[tuple[Entry, Transfer | None]]:
+        """Start the promotions of ``keys`` this grant still needs (``left`` bytes) and of
+        one more grant, together: a quarter of the arena at most ahead, half of it in all
+        (:meth:`kvstore.store.moves.Moves.promote_ahead`). Returns their entries, pinned
+        so that the promotions of this call do not evict each other (the caller unpins),
+        with their transfers."""
+        cap = self.tiers[self._shared].capacity_bytes
+        budget = min(max(0, left) + min(max_bytes, cap // 4), cap // 2)
+        return self._moves.promote_ahead(keys, self._shared, budget)
 
     def _grant_run(self, keys, n, device, prefix, max_bytes, blocks, held, state) -> int:
         """Grant keys from index ``n`` on while they are already where the client reads them
@@ -234,7 +222,7 @@ class Leases:
                             return n
                         continue
                     if held and leased + e.size > max_bytes:
-                        state["resume_at"] = n
+                        state["resume_at"], state["full"] = n, True
                         return n
                     if dev is not None and dev in e.tiers:
                         tier = self.tiers[dev]
@@ -264,6 +252,7 @@ class Leases:
         try:
             if holding and state["leased"] + entry.size > max_bytes:
                 cat.unpin(entry)
+                state["full"] = True
                 return _NO_ROOM
             s = self._shared
             if s is None:

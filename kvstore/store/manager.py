@@ -32,7 +32,8 @@ from kvstore.store.catalogue import Catalogue, Claim, Entry
 from kvstore.store.cleaner import Cleaner, CleanerSignal
 from kvstore.store.cluster_port import ClusterPort
 from kvstore.store.counters import Counters
-from kvstore.store.leases import MAX_LEASE_TTL_S, MAX_LEASES, LeasedBlock, LeaseGrant, Leases
+from kvstore.store.lease_grant import LeasedBlock, LeaseGrant
+from kvstore.store.leases import MAX_LEASE_TTL_S, MAX_LEASES, Leases
 from kvstore.store.media import TierAdapter
 from kvstore.store.mover import Mover
 from kvstore.store.moves import Moves

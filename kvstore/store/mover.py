@@ -27,10 +27,10 @@ network put runs here, on the copy queue without the lock, so the commit that fo
 (under the lock) is only bookkeeping. A plan raises store errors
 (:func:`kvstore.store.media.translating`).
 
-With ``async_moves`` each pair has its own worker threads (several into a persistent
-tier: a disk takes several writes at once), so a slow NVMe write never delays a
-host-to-HBM promotion. Without it (the simulator) copies run
-inline, deterministically.
+With ``async_moves`` each pair has its own worker threads (several into or out of a
+persistent tier: a disk takes several writes at once, and a page-back keeps several
+reads in flight), so a slow NVMe write never delays a host-to-HBM promotion. Without
+it (the simulator) copies run inline, deterministically.
 """
 
 from __future__ import annotations
@@ -218,9 +218,9 @@ class Mover:
     Args:
         tiers: the store's tiers, fastest first.
         async_moves: run copies on worker threads per (source, destination) pair.
-        disk_workers: copies in flight per pair whose destination is persistent (NVMe,
-            remote: the medium serves several writes at once, and file I/O and checksums
-            run without the GIL); pairs into memory get one worker.
+        disk_workers: copies in flight per pair with a persistent end (NVMe, remote:
+            the medium serves several writes, or reads of a page-back, at once, and file
+            I/O and checksums run without the GIL); pairs between memories get one worker.
     """
 
     def __init__(self, tiers: Sequence[Tier], async_moves: bool, disk_workers: int = 4):
@@ -259,7 +259,8 @@ class Mover:
                 raise RuntimeError("the mover is stopped")
             q = self._queues.get((src, dst))
             if q is None:
-                workers = 1 if self.tiers[dst].volatile else self.disk_workers
+                memory = self.tiers[dst].volatile and self.tiers[src].volatile
+                workers = 1 if memory else self.disk_workers
                 q = self._queues[(src, dst)] = _Queue(f"{self.tiers[src].name}-to-{self.tiers[dst].name}", workers)
         q.submit(job)
 

@@ -6,6 +6,8 @@ opposed to the demotions that making room runs (:mod:`kvstore.store.room`):
 - **promote**: copy a block up into a faster tier from its fastest copy; the lower
   copy stays, so a later demotion is free. The one promotion path: after a read from
   a lower tier, by prefetch, for a lease, for a block only the cluster holds.
+  :meth:`Moves.promote_ahead` starts the promotions of a run of blocks together (a
+  lease's page-back: several NVMe reads in flight).
 - **copy** (:meth:`Moves.copy_locked`): copy a committed block down and wait for it
   (write-through, persist on a graceful stop).
 
@@ -70,6 +72,52 @@ class Moves:
                 self.counters.inc("promotions")
             self.transfers.run(t, wait=wait)
             return t
+
+    def promote_ahead(self, keys: Sequence[bytes], to: int, budget: int) -> list[tuple[Entry, Transfer | None]]:
+        """Start promotions into tier ``to`` of the blocks of ``keys`` that are not there,
+        in order, without waiting, until ``budget`` bytes are on their way: a page-back
+        then has several reads in flight (the ``(src, to)`` queue's workers), and the
+        :meth:`promote` of each block that follows joins its transfer. Stops at the first
+        key not stored and when no room can be made without evicting pinned blocks
+        (counted in ``promotions_skipped``). Blocks already in ``to`` or on their way count
+        in the budget (a window of ``budget`` bytes from the first key, however often it
+        is asked). Returns the window: each entry, pinned once for the caller, who unpins
+        it (so that later promotions do not evict it before it is used), with its
+        transfer (None: it was in ``to`` already)."""
+        window: list[tuple[Entry, Transfer | None]] = []
+        with self.cat.lock:
+            try:
+                self._window_locked(keys, to, budget, window)
+            except BaseException:
+                for entry, _ in window:
+                    self.cat.unpin(entry)
+                raise
+        return window
+
+    def _window_locked(self, keys: Sequence[bytes], to: int, budget: int,
+                       window: list[tuple[Entry, Transfer | None]]) -> None:
+        started = 0
+        for key in keys:
+            if started >= budget:
+                return
+            entry = self.cat.get(key)
+            if entry is None:
+                return
+            if not entry.tiers:
+                continue
+            t = None if to in entry.tiers else self.transfers.moving(key, to)
+            if to not in entry.tiers and t is None:
+                try:
+                    t = self.room.start_copy_locked(entry, entry.tiers[0], to, "promoted")
+                except (TierFull, NoVictim, TierIOError) as e:
+                    self.counters.inc("promotions_skipped")
+                    log.debug("promotion of %s ahead skipped: %s", key.hex()[:16], e)
+                    return
+                self.counters.inc("promotions")
+                self.transfers.run(t, wait=False)
+            entry.pins += 1
+            window.append((entry, t))
+            started += entry.size
 
     def promote_key(self, key: bytes, to: int = 0, wait: bool = True) -> bool:
         """:meth:`promote` the stored block ``key``: True when it is in tier ``to`` now

@@ -5,8 +5,11 @@
 and reserved in the destination by the caller's ``reserve`` (the room-making of
 :class:`kvstore.store.room.Room`); phase two (:meth:`Transfers.run`) copies the bytes
 through the :class:`kvstore.store.mover.Mover` (inline, or on the ``(src, dst)`` queue
-with the lock dropped) and commits or aborts. A copy waited on past
-``transfer_timeout_s`` is abandoned. Copies are deduplicated per ``(block,
+with the lock dropped) and commits or aborts; into a disk (a persistent local tier) the
+commit runs with the bytes, without the lock (commits in flight then share the flushes
+of an fsync'ed tier), and a copy found deleted or timed out afterwards is freed. A
+failed promotion is judged as a read: a failed checksum drops the source copy. A copy
+waited on past ``transfer_timeout_s`` is abandoned. Copies are deduplicated per ``(block,
 destination)``: a second request for the same copy joins the one in flight.
 """
 
@@ -18,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvstore.common.errors import BlockNotFound, TierIOError
+from kvstore.common.errors import BlockNotFound, CorruptBlock, KVStoreError, TierIOError
 from kvstore.policy import EvictionPolicy
 from kvstore.store.catalogue import Catalogue, Entry
 from kvstore.store.counters import Counters
@@ -162,31 +165,46 @@ class Transfers:
 
     def _copy_bytes(self, t: Transfer) -> None:
         err: BaseException | None = None
+        committed = False
+        dst = self.tiers[t.dst]
         try:
             self.mover.copy(t.key, t.src, t.dst)
+            if not dst.volatile and dst.remote is None:
+                # A disk's commit (rename, index, and with fsync the flushes) runs without
+                # the lock, so commits of the copies in flight share one flush.
+                dst.commit(t.key)
+                committed = True
         except BaseException as e:  # noqa: BLE001 - reported through the transfer
             err = e
         with self.cat.lock:
-            self._finish_locked(t, err)
+            self._finish_locked(t, err, committed)
 
-    def _finish_locked(self, t: Transfer, err: BaseException | None) -> None:
+    def _finish_locked(self, t: Transfer, err: BaseException | None, committed: bool = False) -> None:
         self._moving.pop((t.key, t.dst), None)
         dst = self.tiers[t.dst]
         entry = t.entry
         gone = self.cat.raw(t.key) is not entry or entry.deleted     # deleted during the copy
-        if err is None and not t.abandoned and not gone:
+        if err is None and not t.abandoned and not gone and not committed:
             try:
                 dst.commit(t.key)
             except BaseException as e:  # noqa: BLE001
                 err = e
         if err is not None or t.abandoned or gone:
-            dst.abort(t.key)
+            if committed:                    # committed without the lock, then deleted or timed out
+                try:
+                    dst.free(t.key)
+                except KVStoreError as e:
+                    log.warning("cannot free the copy of block %s in %s: %s", t.key.hex()[:16], dst.name, e)
+            else:
+                dst.abort(t.key)
             t.error = err or (TierIOError(f"transfer exceeded {self.transfer_timeout_s}s")
                               if t.abandoned else BlockNotFound("the block was deleted during the copy"))
             if err is not None or t.abandoned:
                 self.counters.inc("transfers_failed")
                 log.warning("copy of block %s from %s to %s failed: %s", t.key.hex()[:16],
                             self.tiers[t.src].name, dst.name, t.error)
+            if t.reason == "promoted" and not gone and self.tiers[t.src].remote is None:
+                self._promotion_failed_locked(t, err)
         else:
             self.policies[t.dst].insert(t.key, entry.size, self.clock())
             self.placement.add_copy(entry, t.dst, t.reason)
@@ -195,6 +213,19 @@ class Transfers:
             self.cat.unpin(entry)
         t.done.set()
         self.cat.changed.notify_all()
+
+    def _promotion_failed_locked(self, t: Transfer, err: BaseException | None) -> None:
+        """A promotion reads its (local) source copy, so its failure is judged as a read's
+        (:mod:`kvstore.store.reads`): a failed checksum or malformed header proves the
+        copy bad (dropped, ``corrupt_blocks``); a medium failing (TierIOError) proves
+        nothing (kept, ``read_errors``)."""
+        entry = t.entry
+        if isinstance(err, CorruptBlock) and t.src in entry.tiers:
+            log.warning("dropping %s copy of block %s: %s", self.tiers[t.src].name, t.key.hex()[:16], err)
+            self.counters.inc("corrupt_blocks")
+            self.placement.drop_copy(entry, t.src, "corrupt")
+        elif isinstance(err, TierIOError):
+            self.counters.inc("read_errors")
 
     def _abandon_locked(self, t: Transfer) -> None:
         if t.abandoned or t.done.is_set():

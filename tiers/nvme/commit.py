@@ -5,14 +5,18 @@
     reserve(key, n)      capacity counted (Space.take); nothing on disk yet
     write(key, off, b)   first call opens blocks/ab/cd/<hex>.tmp (a spare file renamed
                          into place, or a new file); bytes go through BlockWriter
-    commit(key)          header written; spare leftovers cut; [fsync]; close;
-                         rename .tmp -> <hex>; [fsync folder]; index put
+    commit(key)          header written; spare leftovers cut; close;
+                         rename .tmp -> <hex>; index put
+                         (with fsync: fdatasync; close; rename; fsync folder; one
+                         synchronous index transaction for the commits in flight
+                         together: :mod:`tiers.nvme.group`)
     abort(key)           temp file removed, capacity returned
 
 A failure anywhere drops the reservation and its files (a renamed file too, when the
 index update failed), so a failed commit leaves nothing. A crash leaves a temp file
 (removed at the next start) or a complete, renamed file (indexed from its header at the
-next start if the index update was lost).
+next start if the index update was lost). With fsync a block is indexed only once its
+bytes and its name are on the device, and a commit returns only once its index entry is.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import lmdb
 from tiers.buffers import check_chunk
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
+from tiers.nvme.group import GroupCommit, fdatasync, fsync_folder
 from tiers.nvme.index import BlockIndex
 from tiers.nvme.read import HeaderCache
 from tiers.nvme.space import DISK_FULL_ERRNOS, Space
@@ -60,6 +65,8 @@ class Reservations:
         self._fsync = fsync
         self._headers = headers
         self._dirs: set[str] = set()
+        self.group = GroupCommit(self._index_batch) if fsync else None
+        """The shared index transactions of fsync'ed commits (None without fsync)."""
         o_direct = os.O_DIRECT if direct else 0
         self._reuse_flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | o_direct
         self._new_flags = self._reuse_flags | os.O_CREAT | os.O_TRUNC
@@ -88,7 +95,12 @@ class Reservations:
         path = p.path
         folder = os.path.dirname(path)
         if folder not in self._dirs:
+            created = not os.path.isdir(folder)
             os.makedirs(folder, mode=0o700, exist_ok=True)
+            if created and self._fsync:        # the new folders' names: blocks/ab, blocks/ab/cd
+                parent = os.path.dirname(folder)
+                fsync_folder(parent)
+                fsync_folder(os.path.dirname(parent))
             self._dirs.add(folder)
         temp = path + ".tmp"
         spare = self._spares.take() if self._spares is not None else None
@@ -145,6 +157,7 @@ class Reservations:
                 raise InvalidAccess(f"block {key.hex()[:16]}: {p.written} of {p.size} bytes written")
         final = p.path
         renamed = False
+        err: BaseException | None = None
         try:
             if p.fd < 0:                       # a zero-byte block: no write call came
                 p.fd = self.open_temp(p)
@@ -152,22 +165,38 @@ class Reservations:
             if p.reused > p.disk:              # a spare file: cut stale bytes past the block
                 os.ftruncate(p.fd, p.disk)
             if self._fsync:
-                os.fsync(p.fd)
+                fdatasync(p.fd)                # the bytes, then the name, then the index entry
             fd, p.fd = p.fd, -1
             os.close(fd)
             os.rename(final + ".tmp", final)
             renamed = True
-            if self._fsync:
+            if self.group is not None:
                 fsync_folder(os.path.dirname(final))
-            with self._lock:
-                self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
-                del self.pending[key]
-            self._headers.put(key, p.size, p.chunk, tuple(p.sums))
+                err = self.group.commit(p)     # one index transaction for the commits in flight
+            else:
+                with self._lock:
+                    self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
+                    del self.pending[key]
         except (OSError, lmdb.Error) as e:
-            self.discard(p, final if renamed else None)
-            raise self.io_error("committing", key, e) from e
+            err = e
         finally:
             self._writer.release(p)
+        if err is not None:
+            self.discard(p, final if renamed else None)
+            raise self.io_error("committing", key, err) from err
+        self._headers.put(key, p.size, p.chunk, tuple(p.sums))
+
+    def _index_batch(self, batch: list[PendingBlock]) -> list[BaseException | None]:
+        """Index ``batch`` (durable, named blocks) in one synchronous LMDB transaction;
+        the same error (or None) for each block."""
+        try:                                   # outside the tier's lock: it may take a few ms
+            self._index.put_many([(p.key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len)) for p in batch])
+        except lmdb.Error as e:
+            return [e] * len(batch)
+        with self._lock:
+            for p in batch:
+                del self.pending[p.key]
+        return [None] * len(batch)
 
     def abort(self, key: bytes) -> None:
         p = self.pending.get(key)
@@ -212,14 +241,6 @@ class Reservations:
             return MediaIOError(f"{self.name}: block {key.hex()[:16]}: the index update failed ({e}); "
                                f"if it persists, {REPAIR_HINT.format(path=self.folder)}")
         return MediaIOError(f"{self.name}: {doing} block {key.hex()[:16]} failed: {e}")
-
-
-def fsync_folder(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["REPAIR_HINT", "Reservations", "fsync_folder"]

@@ -36,6 +36,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import lmdb
@@ -228,6 +229,7 @@ class BlockIndex:
         self.moved_to: str | None = None
         self.absent = not os.path.exists(os.path.join(self.dir, "data.mdb"))
         self._env: lmdb.Environment | None = None
+        self._writing = threading.RLock()    # one write transaction at a time (LMDB's own lock is off)
         self._open(rebuild)
         self.kept_aside, self.deleted_aside = prune_moved_indexes(folder)
         if self.deleted_aside:
@@ -304,8 +306,11 @@ class BlockIndex:
 
     def _open_env(self, map_size: int) -> None:
         try:
+            # metasync off: a commit flushes once (its pages), not twice; a power loss may then
+            # undo the last transaction, whose blocks' files and names are already flushed
+            # and are adopted from their headers at the next start (tiers.nvme.recover)
             self._env = lmdb.open(self.dir, map_size=map_size, subdir=True, lock=False, sync=self._fsync,
-                                  metasync=self._fsync, readahead=False, meminit=False, max_dbs=0)
+                                  metasync=False, readahead=False, meminit=False, max_dbs=0)
         except lmdb.Error as e:
             raise IndexDamaged(f"LMDB cannot open it: {e}") from None
 
@@ -322,8 +327,12 @@ class BlockIndex:
 
     def _txn(self, apply) -> None:
         """Run ``apply(txn)`` in one write transaction, growing the map when it is full.
-        The caller serialises calls (no other transaction of this process is open, as
-        ``set_mapsize`` requires). Raises lmdb.Error."""
+        Transactions run one at a time (no other transaction of this process is open,
+        as ``set_mapsize`` requires). Raises lmdb.Error."""
+        with self._writing:
+            self._txn_serialised(apply)
+
+    def _txn_serialised(self, apply) -> None:
         while True:
             try:
                 with self._env.begin(write=True) as txn:
@@ -337,23 +346,28 @@ class BlockIndex:
     def put(self, key: bytes, entry: IndexEntry) -> None:
         """Index one block. Raises lmdb.Error (the in-memory copy is then unchanged)."""
         value = entry.pack()
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.put(key, value)
-        except lmdb.MapFullError:
-            self._txn(lambda txn: txn.put(key, value))
-        self.entries[key] = entry
+        with self._writing:
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.put(key, value)
+            except lmdb.MapFullError:
+                self._txn(lambda txn: txn.put(key, value))
+            self.entries[key] = entry
 
     def put_many(self, items: list[tuple[bytes, IndexEntry]]) -> None:
+        """Index several blocks in one transaction (thread-safe, like every write here).
+        Raises lmdb.Error (the in-memory copy is then unchanged)."""
         packed = [(k, e.pack()) for k, e in items]
-        self._txn(lambda txn: [txn.put(k, v) for k, v in packed])
-        self.entries.update(items)
+        with self._writing:
+            self._txn(lambda txn: [txn.put(k, v) for k, v in packed])
+            self.entries.update(items)
 
     def delete(self, keys: list[bytes]) -> None:
         """Drop entries (unknown keys are skipped). Raises lmdb.Error."""
-        self._txn(lambda txn: [txn.delete(k) for k in keys])
-        for k in keys:
-            self.entries.pop(k, None)
+        with self._writing:
+            self._txn(lambda txn: [txn.delete(k) for k in keys])
+            for k in keys:
+                self.entries.pop(k, None)
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]

@@ -8,6 +8,7 @@ Modules (one responsibility each):
 :mod:`tiers.nvme.folder`    the folder opened: lock, O_DIRECT probe, index reconciled, removal
 :mod:`tiers.nvme.format`    on-disk format: folder layout, block header, index values
 :mod:`tiers.nvme.commit`    the two-phase write protocol: reservations, temp files, commit
+:mod:`tiers.nvme.group`     group commit: fsync'ed commits in flight share their flushes
 :mod:`tiers.nvme.write`     writing a block file (chunk checksums, O_DIRECT staging)
 :mod:`tiers.nvme.read`      ranged, verified reads straight into the caller's buffer
 :mod:`tiers.nvme.files`     folder lock, aligned buffers, O_DIRECT probe, vectored I/O
@@ -26,7 +27,9 @@ entry, so a freed block never comes back. At start (:mod:`tiers.nvme.recover`) t
 files are deleted and every other file is checked against the index; a block file the
 index does not know (a crash between rename and index update, a lost or damaged index)
 is indexed from its header. With ``fsync=True`` files, folders and the index are also
-flushed before a block is visible (power-loss safety), at a large cost in put latency.
+flushed before a block is visible (power-loss safety), in that order; commits in flight
+together share one index transaction and issue their flushes together
+(:mod:`tiers.nvme.group`), so the cost is per batch of commits rather than per block.
 
 Reads verify every byte they serve: the header (magic, checksum, key, size) and the
 xxh3_64 of every chunk read; a missing, truncated, misplaced or altered file raises
@@ -93,7 +96,8 @@ class NVMeTier(Tier):
             kvikio, declared as ``capabilities.device_files``; needs a CUDA GPU and
             kvikio) or ``"auto"`` (gds when :func:`tiers.gds.gds_available`). Host
             writes and reads use POSIX I/O in every mode.
-        fsync: flush files, folders and the index to the device before a commit returns.
+        fsync: flush files, folders and the index to the device before a commit returns
+            (commits from several threads share the flushes: :mod:`tiers.nvme.group`).
         direct: None probes the filesystem and uses O_DIRECT when it is accepted; False
             forces buffered I/O; True requires O_DIRECT.
         chunk_bytes: checksum granularity of new blocks (a power of two >= 4096 bytes):
