@@ -125,16 +125,19 @@ def test_a_get_read_slowly_is_ended_at_stream_timeout(tmp_path, raw):
         "server": {"workers": 4, "stream_timeout_s": 1.0, "max_chunk_bytes": "64KiB"}}))
     try:
         with KVStoreClient(d.address, timeout=DEADLINE, shared_memory=False) as c:
-            c.put([(K(3), np.zeros(8 << 20, dtype=np.uint8))])
+            c.put([(K(3), np.zeros(32 << 20, dtype=np.uint8))])
         request = pb.GetRequest(keys=[K(3)])
-        with grpc.insecure_channel(d.address, options=[("grpc.max_receive_message_length", 8 << 20)]) as ch:
+        # no BDP probe: the receive window stays small, so the daemon cannot push the whole
+        # block into the transport's buffers before its stream timeout, however slow the machine
+        with grpc.insecure_channel(d.address, options=[("grpc.max_receive_message_length", 8 << 20),
+                                                       ("grpc.http2.bdp_probe", 0)]) as ch:
             if raw:
                 call = ch.unary_stream("/kvstore.v1.KVStoreData/GetRaw", request_serializer=pb.GetRequest.SerializeToString)(
                     request, timeout=DEADLINE)
             else:
                 call = pb_grpc.KVStoreStub(ch).Get(request, timeout=DEADLINE)
             with pytest.raises(grpc.RpcError) as failure:
-                for _ in call:                   # one 64 KiB message every 0.1 s: 128 messages take 13 s
+                for _ in call:                   # one 64 KiB message every 0.1 s: 512 messages take 51 s
                     time.sleep(0.1)
         assert failure.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         assert "stream_timeout_s" in failure.value.details()
