@@ -43,7 +43,8 @@ def wait_for(cond, what: str, deadline_s: float = 60.0) -> None:
 
 @pytest.fixture
 def rig(tmp_path):
-    cfg = daemon_config(tmp_path, host="1MiB", nvme="16MiB", extra={"prefetch": {"enabled": True, "confidence": 0.0}})
+    cfg = daemon_config(tmp_path, host="1MiB", nvme="16MiB", extra={"prefetch": {"enabled": True, "confidence": 0.0,
+                                                                                  "expire_factor": 1000.0}})   # a loaded machine: never expired
     daemon = start_server(cfg)
     client = KVStoreClient(daemon.address, timeout=30)
     client.wait_ready(30)
