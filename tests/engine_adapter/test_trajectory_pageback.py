@@ -42,9 +42,12 @@ def wait_for(cond, what: str, deadline_s: float = 60.0) -> None:
 
 
 @pytest.fixture
-def rig(tmp_path):
+def rig(tmp_path, request):
+    # expire_factor: the expiry test's own (10); elsewhere large, so that a loaded machine's
+    # slow steps never expire a wait the test expects back
+    factor = getattr(request, "param", 1000.0)
     cfg = daemon_config(tmp_path, host="1MiB", nvme="16MiB", extra={"prefetch": {"enabled": True, "confidence": 0.0,
-                                                                                  "expire_factor": 1000.0}})   # a loaded machine: never expired
+                                                                                  "expire_factor": factor}})
     daemon = start_server(cfg)
     client = KVStoreClient(daemon.address, timeout=30)
     client.wait_ready(30)
@@ -130,6 +133,7 @@ def test_without_hints_a_waiting_prefix_is_paged_back_from_nvme_before_it_resume
     assert rig.agent.stats()["resumed_prefix"] == 4
 
 
+@pytest.mark.parametrize("rig", [10.0], indirect=True)
 def test_a_trajectory_that_never_comes_back_expires(rig):
     p = rig.prefetch
     tokens = SYSTEM + list(range(300, 300 + BS + 1))
