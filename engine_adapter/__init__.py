@@ -9,8 +9,12 @@ weights' fingerprint, the attention config fields), :mod:`~engine_adapter.store_
 plug-ins' one data path to the store: lookup, load, save, and the start-up block size
 check, through a client behind the circuit breaker of :mod:`~engine_adapter.breaker`, so
 a store that is slow or gone costs a bounded miss) and :mod:`~engine_adapter.background`
-(the background job runner that puts new blocks off the engine step). They import only ``kvstore.common``, ``kvstore.client``
-and ``kernels``.
+(the background job runner that puts new blocks off the engine step); agent hints:
+:mod:`~engine_adapter.agent_hints` (what a request may carry: ``kv_transfer_params["kvstore"]``,
+vLLM's ``kv_hints`` envelope), :mod:`~engine_adapter.trajectories` (which wait a request starts
+or resumes, with a hint or without one) and :mod:`~engine_adapter.hint_sender` (those calls to
+the daemon, off the scheduler thread; docs/agent_hints.md). They import only ``kvstore.common``,
+``kvstore.client`` and ``kernels``.
 
 :mod:`engine_adapter.reference` is the reference tensor-parallel runner (a Llama-style
 decoder over a paged KV cache, TP over ``torch.distributed``) and its page-back adapter,

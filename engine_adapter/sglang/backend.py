@@ -29,6 +29,10 @@ so SGLang recomputes and its prefetch and backup threads keep running. The clien
 behind a circuit breaker (:class:`engine_adapter.store_io.GuardedStore`): after a store
 failure no call is made until the store answers a probe, and the breaker logs the outage
 once and one summary at its end; other store errors are logged once until a call works.
+
+Agent hints: SGLang 0.5.23 hands a storage backend no per-request parameter (its calls carry
+page hashes and ``extra_info.prefix_keys`` only) and no request's end, so no session hint,
+tool call or trajectory reaches the daemon from here (docs/agent_hints.md, "SGLang").
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@
 ``auth_token``, ``timeout_s``, ``lookup_timeout_s``, ``load_timeout_s``, ``backoff_s``,
 ``max_backoff_s``, ``model_id``, ``weights_revision``, ``tenant``,
 ``key_scheme`` (``auto`` | ``block_hash`` | ``tokens``), ``kv_layout`` (``auto`` |
-``token`` | ``cpu`` | ``kv_first``).
+``token`` | ``cpu`` | ``kv_first``); agent hints and trajectories (docs/agent_hints.md):
+``agent_hints``, ``trajectories``, ``max_trajectories``, ``trajectory_ttl_s``,
+``trajectory_class_blocks``, ``hint_queue``, ``hint_timeout_s``.
 
 At start the scheduler half builds the namespace (weights fingerprint, attention config,
 quantization, KV dtype, block size, layout: :func:`~engine_adapter.vllm.settings.namespace_of`,
@@ -36,7 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from engine_adapter import store_io
+from engine_adapter.hint_sender import HintSender
 from engine_adapter.layout import BlockLayout
+from engine_adapter.trajectories import AgentTracker
 from engine_adapter.vllm.kv_views import detect_layout
 from engine_adapter.vllm.plan import StepPlan
 from engine_adapter.vllm.scheduler import SchedulerPlanner
@@ -86,12 +90,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.warning("kv_load_failure_policy is not 'recompute': a block that fails to load from kvstore "
                         "fails its request instead of being recomputed")
         self.namespace = None                          # only the scheduler half derives keys
+        self.agent: AgentTracker | None = None
         if role == KVConnectorRole.SCHEDULER:
             cache = vllm_config.cache_config
             self.namespace = namespace_of(vllm_config, self.settings)
+            self.agent = agent_tracker(self.settings, self.store)
             self.planner = SchedulerPlanner(
                 self.namespace, self.block_size, self.store, self.settings.lookup_timeout_s,
-                hashes_per_block=getattr(cache, "hash_block_size", None) in (None, cache.block_size))
+                hashes_per_block=getattr(cache, "hash_block_size", None) in (None, cache.block_size),
+                agent=self.agent)
 
     # ------------------------------------------------------------ worker side
 
@@ -146,6 +153,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self.worker is not None:
             self.worker.flush(self.settings.timeout_s)
+        if self.agent is not None:
+            self.agent.close()
         self.store.close()
         self.client.close()
 
@@ -164,6 +173,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.finished(request)
         return False, None
+
+
+def agent_tracker(settings: ConnectorSettings, store) -> AgentTracker | None:
+    """The scheduler half's agent-hint and trajectory tracker (None when both are off)."""
+    if not (settings.agent_hints or settings.trajectories):
+        return None
+    sender = HintSender(store, max_pending=settings.hint_queue, timeout_s=settings.hint_timeout_s)
+    return AgentTracker(sender, hints=settings.agent_hints, trajectories=settings.trajectories,
+                        max_trajectories=settings.max_trajectories, ttl_s=settings.trajectory_ttl_s,
+                        class_blocks=settings.trajectory_class_blocks)
 
 
 def _cache_torch_dtype(vllm_config) -> torch.dtype | None:

@@ -16,18 +16,28 @@ is learnt from the daemon itself (a Lookup), never from worker memory. Per reque
    own hash of each block, its parent's and the blocks' token ids, which the daemon's
    KV events announce them under.
 
+Agent hints and trajectories (:class:`engine_adapter.trajectories.AgentTracker`, when given):
+on a request's first ``num_new_matched_tokens`` its keys, ``request.kv_transfer_params`` and
+``request.kv_hints`` go to the tracker (which tells the daemon what wait it resumes), and
+when it finishes (``finished``, or its id in a step's ``finished_req_ids``) its stored prefix
+(the blocks before ``stored_blocks``) does; every call to the daemon is queued, never waited on.
+
 At start the planner checks that the daemon's ``[blocks] block_tokens`` (when it publishes
 one) is vLLM's block size, and refuses to start otherwise (``store_io.check_block_tokens``).
 
 Nothing here imports vLLM: requests and scheduler outputs are read by attribute
 (``request.request_id``, ``.all_token_ids``, ``.num_tokens``, ``.block_hashes``,
-``.lora_request``, ``.cache_salt``; ``scheduler_output.scheduled_new_reqs``,
+``.lora_request``, ``.cache_salt``, ``.kv_transfer_params``, ``.kv_hints``, ``.session_id``,
+``.arrival_time``;
+``scheduler_output.scheduled_new_reqs``,
 ``.scheduled_cached_reqs``, ``.num_scheduled_tokens``, ``.finished_req_ids``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 
 from kvstore.common.errors import KVStoreError, StoreUnavailable
@@ -35,6 +45,7 @@ from kvstore.common.keys import Namespace, encode_tokens
 
 from engine_adapter import store_io
 from engine_adapter.engine_keys import IncrementalKeys
+from engine_adapter.trajectories import AgentTracker, RequestHints
 from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 
 log = logging.getLogger("engine_adapter.vllm")
@@ -48,6 +59,7 @@ class _Tracked:
     stored_blocks: int = 0           # leading full blocks known to be in the store
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    agent: RequestHints | None = None    # what the tracker learnt on arrival (None: not arrived yet)
 
 
 class SchedulerPlanner:
@@ -62,6 +74,7 @@ class SchedulerPlanner:
         hashes_per_block: vLLM's ``request.block_hashes`` are one per ``block_size`` tokens
             (``cache_config.hash_block_size`` unset or equal): saves then carry them for the
             daemon's KV events.
+        agent: the agent-hint and trajectory tracker (None: no hint or trajectory is sent).
     Raises:
         ValueError: the daemon is configured for another block size (``[blocks] block_tokens``).
 
@@ -70,7 +83,7 @@ class SchedulerPlanner:
     """
 
     def __init__(self, namespace: Namespace, block_size: int, client, timeout_s: float, *,
-                 hashes_per_block: bool = True):
+                 hashes_per_block: bool = True, agent: AgentTracker | None = None):
         if namespace.block_tokens != block_size:
             raise ValueError(f"namespace block_tokens {namespace.block_tokens} != block size {block_size}")
         store_io.check_block_tokens(client, block_size, "vLLM block_size")
@@ -82,6 +95,7 @@ class SchedulerPlanner:
         self._reqs: dict[str, _Tracked] = {}
         self._loads: list[BlockTransfer] = []
         self._lookup_failing = False
+        self.agent = agent
 
     # ------------------------------------------------------------ keys
 
@@ -134,7 +148,10 @@ class SchedulerPlanner:
         is logged once until a lookup succeeds."""
         st = self._track(request)
         st.local_computed = num_computed_tokens
-        usable = self.request_keys(st)[:max(0, (request.num_tokens - 1) // self.block_size)]
+        keys = self.request_keys(st)
+        if st.agent is None and self.agent is not None:
+            st.agent = self._arrived(request, keys)
+        usable = keys[:max(0, (request.num_tokens - 1) // self.block_size)]
         try:
             hit = store_io.lookup_prefix(self.client, usable, self.timeout_s)
         except StoreUnavailable:
@@ -194,9 +211,35 @@ class SchedulerPlanner:
                 plan.saves.append(self._save(st, req_id, keys, st.stored_blocks, full))
                 st.stored_blocks = full
         for req_id in scheduler_output.finished_req_ids:
-            self._reqs.pop(req_id, None)
+            self._finish(req_id)
         return plan
 
     def finished(self, request) -> None:
-        """Forget a finished request (its stores were planned in earlier steps)."""
-        self._reqs.pop(request.request_id, None)
+        """Forget a finished request (its stores were planned in earlier steps); its
+        session or trajectory starts to wait."""
+        self._finish(request.request_id)
+
+    # ------------------------------------------------------------ agent hints
+
+    def _arrived(self, request, keys: list[bytes]) -> RequestHints:
+        """Hand a new request to the agent tracker (never raises: a hint is advice)."""
+        at = getattr(request, "arrival_time", None)
+        now = time.time()
+        if not isinstance(at, (int, float)) or not math.isfinite(at) or abs(now - at) > 3600:
+            at = now
+        try:
+            return self.agent.arrived(request.request_id, list(keys), getattr(request, "kv_transfer_params", None),
+                                      getattr(request, "kv_hints", None), at, getattr(request, "session_id", None))
+        except Exception:  # noqa: BLE001 - a bug in the hint path must never fail a request
+            log.exception("kvstore agent hints of request %s failed; the request is served without them",
+                          request.request_id)
+            return RequestHints()
+
+    def _finish(self, req_id: str) -> None:
+        st = self._reqs.pop(req_id, None)
+        if st is None or st.agent is None or self.agent is None:
+            return
+        try:
+            self.agent.finished(st.agent, self.request_keys(st)[:st.stored_blocks])
+        except Exception:  # noqa: BLE001 - as in _arrived
+            log.exception("kvstore agent hints of finished request %s failed", req_id)

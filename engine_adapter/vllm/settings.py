@@ -53,6 +53,18 @@ class ConnectorSettings:
             across processes, i.e. ``sha256`` / ``sha256_cbor``; else tokens),
             ``block_hash`` or ``tokens``.
         kv_layout: ``auto`` or one of ``engine_adapter.vllm.kv_views.KV_LAYOUTS``.
+        agent_hints: send the daemon each request's agent hint (``kv_transfer_params``
+            ``"kvstore"`` entry, ``kv_hints`` envelope; docs/agent_hints.md).
+        trajectories: a request without a hint starts an anonymous trajectory's wait when it
+            finishes, and a later request extending its blocks is its resume
+            (:mod:`engine_adapter.trajectories`).
+        max_trajectories: waiting trajectories and sessions the scheduler remembers (LRU;
+            about 200 bytes each).
+        trajectory_ttl_s: a waiting trajectory is forgotten after this many seconds.
+        trajectory_class_blocks: leading blocks that name an anonymous trajectory's class,
+            whose gaps the daemon learns together (0: one class for all).
+        hint_queue: hint calls queued at most (more are dropped and counted).
+        hint_timeout_s: deadline of one hint call, seconds (made off the scheduler thread).
     """
 
     target: str
@@ -67,6 +79,13 @@ class ConnectorSettings:
     tenant: str = ""
     key_scheme: str = "auto"
     kv_layout: str = "auto"
+    agent_hints: bool = True
+    trajectories: bool = True
+    max_trajectories: int = 4096
+    trajectory_ttl_s: float = 3600.0
+    trajectory_class_blocks: int = 1
+    hint_queue: int = 1024
+    hint_timeout_s: float = 1.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> "ConnectorSettings":
@@ -79,7 +98,15 @@ class ConnectorSettings:
             raise ValueError("kv_connector_extra_config needs 'target', the kvstore daemon address "
                              "(e.g. 'unix:/run/kvstore/kvstore.sock')")
         s = cls(**dict(extra))
-        for name in ("timeout_s", "lookup_timeout_s", "load_timeout_s", "backoff_s", "max_backoff_s"):
+        for name in ("agent_hints", "trajectories"):
+            if not isinstance(getattr(s, name), bool):
+                raise ValueError(f"kv_connector_extra_config {name!r} must be true or false, got {getattr(s, name)!r}")
+        for name, low in (("max_trajectories", 1), ("hint_queue", 1), ("trajectory_class_blocks", 0)):
+            value = getattr(s, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"kv_connector_extra_config {name!r} must be an integer >= {low}, got {value!r}")
+        for name in ("timeout_s", "lookup_timeout_s", "load_timeout_s", "backoff_s", "max_backoff_s",
+                     "trajectory_ttl_s", "hint_timeout_s"):
             value = getattr(s, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"kv_connector_extra_config {name!r} must be a positive number, got {value!r}")

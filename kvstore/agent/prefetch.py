@@ -256,7 +256,11 @@ class PrefetchScheduler:
             raise ValueError(f"resume time {now!r} is not a finite number of seconds")
         with self._lock:
             self._expire(now)
-            return self._resume(trajectory_id, now)
+            w = self.waits.get(trajectory_id)
+            known, observed = self._resume(trajectory_id, now)
+            if w is not None and w.tool == SESSION_TOOL:    # a session's wait: its return is now, not
+                self.sessions.returned(trajectory_id, now)  # at its next hint (after the request ran)
+            return known, observed
 
     def _resume(self, trajectory_id: str, now: float) -> tuple[bool, float]:
         w = self.waits.pop(trajectory_id)

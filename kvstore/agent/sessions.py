@@ -100,6 +100,7 @@ class _Session:
     exact: bool = False            # a commitment (kept until used), not a prediction
     believed: bool = True          # its source is trusted: the hint moves placement
     pending: _Pending | None = None
+    back: bool = False             # its return was seen (returned()): the next hint is no second return
 
 
 @dataclass
@@ -189,7 +190,7 @@ class SessionTable:
             self.stats.hints += 1
             self._came_back(sid, t)
             old = self._sessions.get(sid)
-            if old is not None and hint.state != SessionState.ABANDONED:   # it came back
+            if old is not None and not old.back and hint.state != SessionState.ABANDONED:   # it came back
                 self._returned(old, t)
             keys = hint.keys or (old.keys if old is not None else ())
             self.owners.name(sid, keys)
@@ -252,12 +253,13 @@ class SessionTable:
     def returned(self, session_id: str, t: float) -> None:
         """The session's next request arrived at ``t`` (a tool call's resume): learn from
         the hint's outcome and drop it (the blocks are in use; the policy's own order
-        takes over until the next hint)."""
+        takes over until the next hint, which is then not counted as a second return)."""
         with self._lock:
             self._came_back(session_id, t)
             s = self._sessions.get(session_id)
-            if s is not None:
+            if s is not None and not s.back:
                 self._returned(s, t)
+                s.back = True
                 self.owners.clear_hints(self.owners.private(session_id, s.keys), t)
 
     def _returned(self, s: _Session, t: float) -> None:

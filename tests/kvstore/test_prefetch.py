@@ -210,3 +210,22 @@ def test_low_confidence_holds_a_promotion_back_and_an_abandoned_session_is_dropp
     s.session_hint(SessionHint("T", "abandoned", ()))
     assert s.next_due() == float("inf") and s.stats.resumes == 0
     assert all(m.policies[0].is_let_go(k) for k in keys)
+
+
+def test_a_resume_of_a_session_wait_is_its_return_counted_once():
+    from kvstore.agent.sessions import SessionHint, SessionState
+
+    clock = Clock()
+    tiers = [NullTier(TierKind.HBM, 4 * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
+    m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock)
+    s = PrefetchScheduler(m, PrefetchConfig(enabled=True), clock=clock, measure_bandwidth=False)
+    keys = tuple(put(m, "ab"))
+    clock.t = 100.0
+    s.session_hint(SessionHint("S", SessionState.CONTINUES, keys, expected_back_s=10.0, time=100.0))
+    clock.t = 105.0
+    assert s.resume("S", 105.0) == (True, 5.0)        # the engine's Resume when its next request arrives
+    assert s.sessions.stats.returns == 1
+    clock.t = 108.0                                    # that request ran 3 s; it continues again
+    s.session_hint(SessionHint("S", SessionState.CONTINUES, keys, expected_back_s=10.0, time=108.0))
+    assert s.sessions.stats.returns == 1               # not a second return
+    assert s.sessions.expected_gap() == 5.0            # the gap is to the arrival, not to the next hint

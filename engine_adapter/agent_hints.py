@@ -1,0 +1,165 @@
+"""What an agent framework says about a request, as an engine plug-in receives it.
+
+Two carriers reach a plug-in with a request (the contract is docs/agent_hints.md):
+
+- ``kv_transfer_params`` (vLLM's OpenAI server, ``/v1/completions`` and
+  ``/v1/chat/completions``; the engine gets it as ``Request.kv_transfer_params``), under the
+  key ``"kvstore"``::
+
+      {"kvstore": {"session_id": "agent-7", "state": "tool_call", "tool": "web_search",
+                   "expected_back_s": 3.5, "ttl_s": 300}}
+
+  ``session_id`` (required, a non-empty string of at most :data:`MAX_NAME_CHARS`
+  characters), ``state`` (one of :data:`STATES`; default ``"tool_call"`` when ``tool`` is
+  given, else ``"continues"``), ``tool`` (a string, ``tool_call`` only), ``expected_back_s``
+  and ``ttl_s`` (finite numbers of seconds >= 0, at most :data:`MAX_SECONDS`). Other keys
+  are ignored (forward compatible);
+- vLLM's typed ``Request.kv_hints`` (a ``vllm.v1.kv_hints.KvHintsEnvelope``, or the same
+  envelope as a JSON object): forwarded whole to the daemon, which reads the action types
+  it implements (``kvstore.session``, ``agent_hint``: :mod:`kvstore.agent.kv_hints`).
+
+:func:`parse_kvstore_params` and :func:`envelope_of` raise :class:`HintError` for what is
+malformed; the plug-in logs it once and serves the request as if it carried no hint.
+Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+PARAMS_KEY = "kvstore"
+"""The key of our hint inside a request's ``kv_transfer_params``."""
+
+TOOL_CALL, CONTINUES, FINISHED, ABANDONED = "tool_call", "continues", "finished", "abandoned"
+STATES = (TOOL_CALL, CONTINUES, FINISHED, ABANDONED)
+"""What happens to the session once this request finishes."""
+
+MAX_NAME_CHARS = 1024
+"""Longest session id or tool name (the daemon's limit, :data:`kvstore.service.hints.MAX_NAME_CHARS`)."""
+
+MAX_SECONDS = 86400.0
+"""Largest ``expected_back_s`` / ``ttl_s`` accepted (one day: the daemon's clock-skew bound)."""
+
+MAX_ENVELOPE_CHARS = 65536
+"""Largest ``kv_hints`` envelope forwarded (characters of its JSON)."""
+
+_SESSION_ACTIONS = ("kvstore.session", "agent_hint")
+
+
+class HintError(ValueError):
+    """A request's hint is malformed (the message says what); the request is served without it."""
+
+
+@dataclass(frozen=True)
+class AgentHint:
+    """One request's ``kv_transfer_params["kvstore"]``, checked.
+
+    Attributes:
+        session_id: the agent session (trajectory) the request belongs to.
+        state: one of :data:`STATES`: what the session does after this request.
+        tool: the tool it waits on (``tool_call``; ``""`` otherwise or when not named).
+        expected_back_s: seconds from the request's end to the session's next request
+            (None: not said).
+        ttl_s: keep the session's blocks near at most this many seconds (None: no limit).
+    """
+
+    session_id: str
+    state: str
+    tool: str = ""
+    expected_back_s: float | None = None
+    ttl_s: float | None = None
+
+
+def _seconds(p: Mapping, name: str) -> float | None:
+    v = p.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_SECONDS:
+        raise HintError(f"kv_transfer_params.kvstore.{name} must be a number of seconds in [0, {MAX_SECONDS:g}], "
+                        f"got {v!r}")
+    return float(v)
+
+
+def _name(p: Mapping, name: str, required: bool) -> str:
+    v = p.get(name)
+    if v is None and not required:
+        return ""
+    if not isinstance(v, str) or (required and not v) or len(v) > MAX_NAME_CHARS:
+        need = "a non-empty string" if required else "a string"
+        raise HintError(f"kv_transfer_params.kvstore.{name} must be {need} of at most {MAX_NAME_CHARS} "
+                        f"characters, got {v!r:.80}")
+    return v
+
+
+def parse_kvstore_params(params: Any) -> AgentHint | None:
+    """The hint in a request's ``kv_transfer_params`` (a dict, or None).
+
+    Returns None when there is none (no params, or no ``"kvstore"`` key).
+    Raises:
+        HintError: the ``"kvstore"`` entry is not an object, lacks a session id, names an
+            unknown state, or has a time that is not a finite number of seconds in range.
+    """
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise HintError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    p = params.get(PARAMS_KEY)
+    if p is None:
+        return None
+    if not isinstance(p, Mapping):
+        raise HintError(f"kv_transfer_params.kvstore must be an object, got {type(p).__name__}")
+    sid = _name(p, "session_id", required=True)
+    tool = _name(p, "tool", required=False)
+    state = p.get("state", TOOL_CALL if tool else CONTINUES)
+    if state not in STATES:
+        raise HintError(f"kv_transfer_params.kvstore.state must be one of {list(STATES)}, got {state!r:.80}")
+    return AgentHint(sid, state, tool if state == TOOL_CALL else "", _seconds(p, "expected_back_s"),
+                     _seconds(p, "ttl_s"))
+
+
+def _plain(value: Any) -> Any:
+    """A msgspec Struct (vLLM's ``KvHintsEnvelope`` / ``KvHintAction``) as plain JSON values."""
+    fields = getattr(value, "__struct_fields__", None)
+    if fields is not None:
+        return {f: _plain(getattr(value, f)) for f in fields}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def envelope_of(kv_hints: Any) -> dict | None:
+    """A request's ``kv_hints`` as the JSON object the daemon takes (None when absent).
+
+    Accepts vLLM's ``KvHintsEnvelope`` (read by its fields, vLLM is not imported) or a dict.
+    Raises:
+        HintError: not an object with a list of ``actions``, not JSON, or larger than
+            :data:`MAX_ENVELOPE_CHARS`.
+    """
+    if kv_hints is None:
+        return None
+    env = _plain(kv_hints)
+    if not isinstance(env, dict) or not isinstance(env.get("actions"), list):
+        raise HintError("kv_hints must be an envelope object with a list of actions")
+    try:
+        text = json.dumps(env, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise HintError(f"kv_hints is not JSON: {e}") from None
+    if len(text) > MAX_ENVELOPE_CHARS:
+        raise HintError(f"kv_hints is {len(text)} characters of JSON; at most {MAX_ENVELOPE_CHARS} are forwarded")
+    return env
+
+
+def envelope_session(env: Mapping | None) -> str:
+    """The session id the envelope's first session action names (``""``: none): a later
+    request of that session is its resume."""
+    for a in (env or {}).get("actions", ()):
+        if isinstance(a, Mapping) and a.get("action_type") in _SESSION_ACTIONS:
+            sid = (a.get("payload") or {}).get("session_id") if isinstance(a.get("payload"), Mapping) else None
+            if isinstance(sid, str) and 0 < len(sid) <= MAX_NAME_CHARS:
+                return sid
+    return ""
