@@ -78,117 +78,11 @@ def ensure_venv() -> None:
 # ------------------------------------------------------------------ one arm: a daemon, a vLLM server
 
 
-def model_dir(scratch: pathlib.Path) -> pathlib.Path:
-    import vllm_support
-    return vllm_support.tiny_llama_dir(scratch / "model")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: bool, options: list[str]) -> str:
-    """The daemon's config: host tier then NVMe, KV events on a unix socket, metrics on."""
-    extra = "\n".join(options) if prefetch else ""
-    return f"""[server]
-listen = "unix:{scratch}/kvstore.sock"
-stop_grace_s = 1.0
-[blocks]
-block_tokens = {BLOCK}
-[tiers.host]
-capacity = {host_bytes}
-[tiers.nvme]
-enabled = true
-path = "{scratch}/nvme"
-capacity = "1GiB"
-[policy]
-eviction = "{policy}"
-[store]
-stop_persist_s = 0.0
-[prefetch]
-enabled = {"true" if prefetch else "false"}
-{extra}
-[events]
-enabled = true
-endpoint = "ipc://{scratch}/events.sock"
-[metrics]
-listen = "127.0.0.1:{free_port()}"
-"""
-
-
-def start(cmd: list[str], logfile: pathlib.Path, env: dict) -> subprocess.Popen:
-    """A child in its own process group (vLLM's engine core and workers are its children)."""
-    return subprocess.Popen(cmd, stdout=logfile.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                            start_new_session=True)
-
-
-def stop(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
-    """SIGTERM to the child's process group, SIGKILL after ``grace_s``."""
-    import signal
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def wait_http(port: int, proc: subprocess.Popen, logfile: pathlib.Path, deadline_s: float = 900.0) -> None:
-    import http.client
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited ({proc.returncode}): {logfile.read_text()[-3000:]}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"vLLM server not up after {deadline_s:.0f} s; log in {logfile}")
-
-
-def scrape(address: str) -> dict[str, float]:
-    """The daemon's prefetch gauges from its /metrics (empty when absent)."""
-    import urllib.request
-    out = {}
-    try:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        if line.startswith(("kvstore:prefetch_ready_rate", "kvstore:prefetch_waste")):
-            name, value = line.split()[:2]
-            out[name.removeprefix("kvstore:")] = float(value)
-    return out
-
-
-def vllm_metrics(port: int) -> dict[str, float]:
-    """vLLM's prefix-cache counters (local and through the connector), from its /metrics."""
-    import urllib.request
-    out: dict[str, float] = {}
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name.startswith(("vllm:prefix_cache_", "vllm:external_prefix_cache_")) and name.endswith("_total"):
-            out[name.removeprefix("vllm:")] = out.get(name.removeprefix("vllm:"), 0.0) + float(line.split()[-1])
-    return out
-
-
 def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, args, *, host_bytes: int,
             policy: str | None, prefetch: bool, hints: bool, progress) -> dict:
-    """One arm (see the module docstring): returns ``{"records", "daemon"}``."""
+    """One arm (see the module docstring): returns ``{"records", "engine", "daemon"}``."""
     import agent_serving_loop as loop
+    import agent_serving_procs as procs
     from kvstore.client.client import KVStoreClient
 
     scratch.mkdir(parents=True, exist_ok=True)
@@ -196,62 +90,55 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
                VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus), VLLM_CACHE_ROOT=str(scratch.parent / "vllm-cache"),
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     daemon = server = client = store = engine = None
+    target = f"unix:{scratch}/kvstore.sock"
     out: dict = {"records": [], "daemon": None}
     try:
         if policy is not None:
             toml = scratch / "kvstore.toml"
-            toml.write_text(daemon_toml(scratch, host_bytes, policy, prefetch, args.prefetch))
-            daemon = start([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(toml)],
-                           scratch / "daemon.log", env)
-            client = KVStoreClient(f"unix:{scratch}/kvstore.sock", timeout=30)
+            toml.write_text(procs.daemon_toml(scratch, host_bytes, policy, prefetch,
+                                               args.daemon + (["prefetch." + o for o in args.prefetch] if prefetch else [])))
+            daemon = procs.start([sys.executable, str(ROOT / "bench" / "agent_serving_procs.py"), "daemon", str(toml),
+                                  str(scratch / "daemon-stats.json")], scratch / "daemon.log", env)
+            client = KVStoreClient(target, timeout=30)
             client.wait_ready(timeout=120)
             store = loop.Holdings(f"ipc://{scratch}/events.sock", "kvstore")
             if not store.cleared.wait(60):
                 raise RuntimeError("the daemon's KV events never arrived")
-        port = free_port()
+        port = procs.free_port()
         events = f"ipc://{scratch}/vllm-events.sock"          # vLLM binds ipc:// (it connects to tcp://host:port)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", "tiny", "--skip-tokenizer-init", "--enable-prefix-caching",
-               "--max-model-len", str(args.max_model_len), "--block-size", str(BLOCK), "--dtype", "float32",
-               "--seed", "0", "--num-gpu-blocks-override", str(args.engine_blocks),
-               "--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
-               "--enable-prompt-tokens-details", "--kv-events-config",
-               json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                           "endpoint": events, "topic": "vllm"})]
-        if policy is not None:
-            cmd += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm.connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"target": f"unix:{scratch}/kvstore.sock",
-                                              "lookup_timeout_s": args.lookup_timeout_s}})]
         engine = loop.Holdings(events, "vllm")
+        if store is not None:
+            store.peer = engine
         t0 = time.monotonic()
-        server = start(cmd, scratch / "vllm.log", env)
-        wait_http(port, server, scratch / "vllm.log")
+        server = procs.start(procs.vllm_command(model, port, events, args, target if policy else None),
+                             scratch / "vllm.log", env)
+        procs.wait_http(port, server, scratch / "vllm.log")
         progress(f"arm {name}: vLLM serving after {time.monotonic() - t0:.0f} s")
         for _ in range(2):                      # warm-up: no full block, so nothing is stored
             loop.complete(port, list(range(1000, 1031)), workload.output_tokens)
-        before = client.stats() if client is not None else None
+        before = client.stats()["counters"] if client is not None else {}
         t0 = time.monotonic()
         out["records"] = loop.run_agents(workload, port, store=store, engine=engine, hints=hints, progress=progress)
         out["seconds"] = round(time.monotonic() - t0, 1)
-        out["engine"] = {"event_gaps": engine.gaps, "event_batches": engine.batches, **vllm_metrics(port)}
+        out["engine"] = {"event_gaps": engine.gaps, "event_batches": engine.batches, **procs.vllm_metrics(port)}
         if client is not None:
             after = client.stats()
-            counters = {k: v - before["counters"].get(k, 0) for k, v in after["counters"].items()
-                        if v - before["counters"].get(k, 0)}
-            metrics = next((line.split("http://")[1].split("/")[0] for line in (scratch / "daemon.log").read_text()
-                            .splitlines() if "Prometheus metrics on" in line), "")
-            out["daemon"] = {"counters": counters, "tiers": after["tiers"], "event_gaps": store.gaps,
-                             **(scrape(metrics) if metrics else {})}
+            out["daemon"] = {"counters": {k: v - before.get(k, 0) for k, v in after["counters"].items()
+                                          if v != before.get(k, 0)},
+                             "tiers": after["tiers"], "event_gaps": store.gaps, "promoted": store.promoted,
+                             "promoted_held_by_vllm": store.promoted_held_by_peer}
     finally:
         for h in (engine, store):
             if h is not None:
                 h.close()
         if client is not None:
             client.close()
-        stop(server)
-        stop(daemon)
+        procs.stop(server)
+        procs.stop(daemon)
+    stats = scratch / "daemon-stats.json"
+    if out["daemon"] is not None and stats.exists():
+        saved = json.loads(stats.read_text())
+        out["daemon"].update(prefetch=saved.get("prefetch"), bandwidth=saved.get("bandwidth"))
     return out
 
 
@@ -277,6 +164,16 @@ def summarise(records: list[dict], reference: list[dict] | None) -> dict:
            "resumed_from_host_share": round(fast / blocks, 4) if blocks else None,
            "resumed_blocks_local": sum(r["local"] for r in resumed),
            "resumed_blocks_lost": sum(r["lost"] for r in resumed),
+           "resumed_blocks_paged_back": sum(r.get("paged_back", 0) for r in resumed),
+           "resumed_blocks_nvme_left_host_during_wait": sum(r.get("nvme_left_host_during_wait", 0) for r in resumed),
+           "nvme_left_host_after_s_p50": percentile([g for r in resumed for g in r.get("nvme_left_host_s", ())], 0.5),
+           # what vLLM says it did not compute (usage.prompt_tokens_details.cached_tokens) against
+           # the blocks held at send time: short when a lookup missed its deadline, a load failed
+           # or vLLM evicted blocks of its own before the request was scheduled
+           "resumed_blocks_short": sum(max(0, max(r["local"], r["stored"]) - r["cached_tokens"] // BLOCK)
+                                       for r in resumed if r.get("cached_tokens") is not None),
+           "resumed_turns_short": sum(1 for r in resumed if r.get("cached_tokens") is not None
+                                      and r["cached_tokens"] // BLOCK < max(r["local"], r["stored"])),
            "resumed_turns_all_from_host": sum(1 for r in resumed if r["loaded"] and r["loaded_fast"] == r["loaded"]),
            "ttft_resumed_p50_ms": percentile(ttft, 0.5), "ttft_resumed_p90_ms": percentile(ttft, 0.9),
            "ttft_resumed_mean_ms": statistics.fmean(ttft) if ttft else None,
@@ -315,33 +212,34 @@ def report(results: dict) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a short run: 4 agents x 3 turns, pauses at most 5 s")
+    p.add_argument("--quick", action="store_true", help="a short run: 6 agents x 3 turns, pauses at most 5 s")
     p.add_argument("--arms", default=",".join(ARMS), help=f"arms to run, in order (of {', '.join(ARMS)}, {HINT_ARM})")
     p.add_argument("--hints", action="store_true", help=f"also run {HINT_ARM} (agents send kvstore hints)")
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--system-tokens", type=int, default=320)
-    p.add_argument("--task-tokens", type=int, default=160)
+    p.add_argument("--task-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per turn")
-    p.add_argument("--observation-scale", type=float, default=0.25, help="times the tools' observation sizes")
+    p.add_argument("--observation-scale", type=float, default=0.12, help="times the tools' observation sizes")
     p.add_argument("--time-scale", type=float, default=1.0, help="times the tools' durations")
     p.add_argument("--max-pause-s", type=float, default=60.0, help="longest tool pause (the tail is cut here)")
     p.add_argument("--stagger-s", type=float, default=3.0, help="agents start uniformly within this many seconds")
     p.add_argument("--host-share", type=float, default=0.3, help="host tier as a share of the agents' working set")
     p.add_argument("--engine-blocks", type=int, default=0,
-                   help="vLLM's own KV cache, in blocks (0: a third of the working set, at least its longest "
-                        "sequence's blocks + 4)")
+                   help="vLLM's own KV cache, in blocks (0: its longest sequence's blocks + 8)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--lookup-timeout-s", type=float, default=0.5, help="the connector's Lookup deadline")
+    p.add_argument("--daemon", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config key of every arm's daemon (TOML value), e.g. tiers.host.shared=false")
     p.add_argument("--prefetch", action="append", default=[], metavar="KEY=VALUE",
-                   help="a [prefetch] option of the daemons with prefetch on (TOML value), e.g. lead_time_s=0.2")
+                   help="a [prefetch] key of the daemons with prefetch on (TOML value), e.g. lead_time_s=0.2")
     p.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU in every arm")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, configs)")
     args = p.parse_args()
     if args.quick:
-        args.agents, args.turns, args.max_pause_s, args.stagger_s = min(args.agents, 4), min(args.turns, 3), 5.0, 1.0
+        args.agents, args.turns, args.max_pause_s, args.stagger_s = min(args.agents, 6), min(args.turns, 3), 5.0, 1.0
     return args
 
 
@@ -350,6 +248,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT / "tests" / "integrations"))
     import agent_serving_loop as loop
+    import agent_serving_procs as procs
     from agent_placement import TOOLS
 
     args = parse_args()
@@ -371,14 +270,14 @@ def main() -> int:
     # vLLM's longest sequence: the longest transcript and its output (its cache must hold one)
     args.max_model_len = min(MAX_MODEL_LEN, (math.ceil((workload.prompt_tokens() + args.output_tokens) / BLOCK) + 1) * BLOCK)
     if not args.engine_blocks:
-        args.engine_blocks = max(args.max_model_len // BLOCK + 4, ws // 3)
+        args.engine_blocks = args.max_model_len // BLOCK + 8
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvs-agent-serving-"))
     log(f"{args.agents} agents x {args.turns} turns, prompts up to {workload.prompt_tokens()} tokens, "
         f"working set {ws} blocks ({ws * BLOCK_BYTES >> 20} MiB), host tier {host_bytes >> 10} KiB, vLLM "
         f"{args.engine_blocks} blocks; pauses: "
         f"median {statistics.median(pauses):.2f} s, {sum(p <= 1 for p in pauses) / len(pauses):.0%} <= 1 s, "
         f"{sum(p <= 10 for p in pauses) / len(pauses):.0%} <= 10 s, max {max(pauses):.1f} s; scratch {scratch}")
-    model = model_dir(scratch)
+    model = procs.model_dir(scratch)
     results = {"config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
                "load_before": os.getloadavg()[0], "working_set_blocks": ws, "host_bytes": host_bytes,
                "host_share": host_bytes / (ws * BLOCK_BYTES),
@@ -394,6 +293,16 @@ def main() -> int:
             if name == "vllm":
                 reference = run["records"]
             run["summary"] = summarise(run["records"], reference if name != "vllm" else None)
+            if run.get("daemon"):
+                c, pf = run["daemon"]["counters"], run["daemon"].get("prefetch") or {}
+                run["summary"]["daemon"] = {
+                    **{k: c.get(k, 0) for k in ("blocks_put", "puts_not_admitted", "promotions", "demotions",
+                                                "evictions_host", "leased_blocks")},
+                    "promoted_while_in_vllm": run["daemon"].get("promoted_held_by_vllm"),
+                    **{k: pf.get(k) for k in ("tool_calls", "session_hints", "resumes", "resumes_unknown",
+                                              "expired", "ready_rate", "ready_token_rate", "promoted_blocks",
+                                              "waste", "promotions_blocked", "prediction_median_abs_error_s")
+                       if k in pf}}
             results["arms"][name] = run
             log(f"arm {name}: {json.dumps(run['summary'])}")
     finally:

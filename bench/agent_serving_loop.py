@@ -148,10 +148,15 @@ class Holdings:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(endpoint)
         self._where: dict[int, set[str]] = {}
+        self._left_fast: dict[int, float] = {}     # block -> when it last left host / HBM (monotonic s)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.cleared = threading.Event()           # an AllBlocksCleared arrived (a snapshot: joined)
         self.batches = self.gaps = 0
+        # copies made in host / HBM of blocks already on NVMe (promotions: page backs and the
+        # loads that lease a block), and of those, blocks ``peer`` (vLLM's holdings) held then
+        self.peer: "Holdings | None" = None
+        self.promoted = self.promoted_held_by_peer = 0
         self._seq: int | None = None
         self._thread = threading.Thread(target=self._run, name=f"events {endpoint}", daemon=True)
         self._thread.start()
@@ -183,9 +188,17 @@ class Holdings:
         for h in e["block_hashes"]:
             key = short_hash(h)
             if kind == "BlockStored":
-                self._where.setdefault(key, set()).add(medium)
+                media = self._where.setdefault(key, set())
+                if medium in FAST_MEDIA and "STORAGE" in media and not media & FAST_MEDIA:
+                    self.promoted += 1
+                    peer = self.peer
+                    if peer is not None and peer.media([key])[0]:
+                        self.promoted_held_by_peer += 1
+                media.add(medium)
             elif kind == "BlockRemoved":
                 media = self._where.get(key)
+                if medium in FAST_MEDIA:
+                    self._left_fast[key] = time.monotonic()
                 if media is not None:
                     media.discard(medium)
                     if not media:
@@ -195,6 +208,11 @@ class Holdings:
         """The media holding each block now (empty: none)."""
         with self._lock:
             return [frozenset(self._where.get(h, ())) for h in hashes]
+
+    def left_fast(self, hashes: Sequence[int]) -> list[float | None]:
+        """When each block last left host or HBM (``time.monotonic``, as received), None: never."""
+        with self._lock:
+            return [self._left_fast.get(h) for h in hashes]
 
     def held(self) -> int:
         with self._lock:
@@ -277,8 +295,11 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
     ``blocks`` (the full blocks of what the previous turn computed, which this prompt
     reuses), ``local`` (of those, vLLM's own prefix), ``stored`` (the daemon's stored
     prefix), ``loaded`` (stored beyond local: what the connector pages in), ``loaded_fast``
-    (of those, held on host or faster) and ``lost`` (held by neither: computed again). An
-    agent that fails records ``error``."""
+    (of those, held on host or faster), ``lost`` (held by neither: computed again) and, of
+    the loaded blocks, ``paged_back`` (on host again after leaving it during the wait),
+    ``nvme_left_host_during_wait`` (on NVMe only, having left host during the wait) and
+    ``nvme_left_host_s`` (when each block on NVMe only left host, seconds after the previous
+    turn finished; negative: before). An agent that fails records ``error``."""
     hasher = PrefixHashes()
     records: list[dict] = []
     lock = threading.Lock()
@@ -289,7 +310,7 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
     def agent_loop(agent: AgentPlan) -> None:
         time.sleep(agent.start_s)
         transcript = list(workload.system) + list(agent.task)
-        pause, computed = 0.0, 0
+        pause, computed, finished = 0.0, 0, 0.0
         for turn in range(len(agent.gaps) + 1):
             rec = {"agent": agent.name, "turn": turn, "prompt_tokens": len(transcript), "pause_s": pause}
             if turn:
@@ -303,6 +324,15 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
                 rec.update(blocks=len(usable), local=local, stored=stored, loaded=len(loaded),
                            loaded_fast=sum(1 for i in loaded if where[i] & FAST_MEDIA),
                            lost=len(usable) - max(local, stored))
+                if store is not None and loaded:
+                    # how the loaded blocks fared while the agent waited: left host during the
+                    # wait and back by now (paged back), or still on NVMe only (and since when)
+                    left = store.left_fast([usable[i] for i in loaded])
+                    fast = [bool(where[i] & FAST_MEDIA) for i in loaded]
+                    rec["paged_back"] = sum(1 for f, t in zip(fast, left) if f and t is not None and t > finished)
+                    gone = [t - finished for f, t in zip(fast, left) if not f and t is not None]
+                    rec["nvme_left_host_during_wait"] = sum(1 for g in gone if g > 0)
+                    rec["nvme_left_host_s"] = sorted(round(g, 3) for g in gone)
             params = kvstore_hints(agent, turn) if hints else None
             try:
                 out = complete(port, transcript, workload.output_tokens, params)
@@ -312,6 +342,7 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
                     records.append(rec)
                 progress(f"{agent.name} turn {turn}: {e}")
                 return
+            finished = time.monotonic()
             rec.update(ttft_ms=out["ttft_s"] * 1e3 if out["ttft_s"] is not None else None, tokens=out["tokens"],
                        cached_tokens=out["cached_tokens"], sent_at_s=round(time.monotonic() - t0, 3))
             with lock:
