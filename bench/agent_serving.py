@@ -118,8 +118,10 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
             loop.complete(port, list(range(1000, 1031)), workload.output_tokens)
         before = client.stats()["counters"] if client is not None else {}
         t0 = time.monotonic()
+        out["load_at_start"] = round(os.getloadavg()[0], 2)
         out["records"] = loop.run_agents(workload, port, store=store, engine=engine, hints=hints, progress=progress)
         out["seconds"] = round(time.monotonic() - t0, 1)
+        out["load_at_end"] = round(os.getloadavg()[0], 2)
         out["engine"] = {"event_gaps": engine.gaps, "event_batches": engine.batches, **procs.vllm_metrics(port)}
         if client is not None:
             after = client.stats()
@@ -187,27 +189,62 @@ def summarise(records: list[dict], reference: list[dict] | None) -> dict:
     return out
 
 
+def daemon_summary(daemons: list[dict]) -> dict:
+    """What the daemons of an arm's runs did, summed (rates: their mean): counters, the blocks
+    copied up from NVMe (and of those, while vLLM held them: KV events) and the prefetch
+    scheduler's statistics."""
+    out: dict = {}
+    for d in daemons:
+        c, pf = d["counters"], d.get("prefetch") or {}
+        row = {**{k: c.get(k, 0) for k in ("blocks_put", "puts_not_admitted", "promotions", "demotions",
+                                          "evictions_host", "leased_blocks")},
+               "copied_up": d.get("promoted", 0), "copied_up_while_in_vllm": d.get("promoted_held_by_vllm", 0),
+               **{k: pf[k] for k in ("tool_calls", "session_hints", "resumes", "resumes_unknown", "expired",
+                                     "promoted_blocks", "promotions_blocked") if k in pf}}
+        for k, v in row.items():
+            out[k] = out.get(k, 0) + v
+    for k in ("ready_rate", "ready_token_rate", "waste"):
+        rates = [d["prefetch"][k] for d in daemons if (d.get("prefetch") or {}).get(k) is not None]
+        if rates:
+            out[k] = round(statistics.fmean(rates), 4)
+    return out
+
+
 def report(results: dict) -> None:
     """Print the arms' table."""
     cols = ("resumed_turns", "resumed_blocks", "resumed_blocks_from_host", "resumed_from_host_share",
             "ttft_resumed_p50_ms", "ttft_resumed_p90_ms", "tokens_identical")
-    heads = ("arm", "resumed turns", "loaded blocks", "from host", "share", "TTFT p50 ms", "TTFT p90 ms", "tokens")
+    heads = ("arm", "resumed turns", "loaded blocks", "from host", "share", "TTFT p50 ms", "TTFT p90 ms", "tokens",
+             "lost", "load")
     rows = [heads]
     for arm, r in results["arms"].items():
-        s = r["summary"]
+        s = r.get("summary")
+        if s is None:
+            continue
         cells = [arm]
         for c in cols:
             v = s.get(c)
             cells.append("-" if v is None else f"{v:.1f}" if isinstance(v, float) and c.startswith("ttft")
                          else f"{v:.3f}" if isinstance(v, float) else "same" if v is True
                          else "DIFFER" if v is False else str(v))
+        load = r.get("load") or []
+        cells += [str(s.get("resumed_blocks_lost", "-")), f"{min(load):.1f}-{max(load):.1f}" if load else "-"]
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
     for row in rows:
         print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
-    print(f"(machine load {results['load_before']} before, {results['load_after']} after; "
-          f"host tier {results['host_bytes'] >> 10} KiB = {results['host_share']:.2f} of the agents' "
-          f"{results['working_set_blocks']} blocks)")
+    plans = results["plans"]
+    print(f"({len(plans)} seed(s); host tier {', '.join(str(p['host_bytes'] >> 10) for p in plans)} KiB = "
+          f"{plans[0]['host_share']:.2f} of the agents' working set; machine load (1 min) "
+          f"{results['load_before']:.1f} before, {results.get('load_after', 0):.1f} after)")
+    for arm, r in results["arms"].items():
+        d = r["summary"].get("daemon")
+        if d:
+            print(f"  {arm}: blocks copied up from NVMe {d.get('copied_up')} ({d.get('copied_up_while_in_vllm')} of "
+                  f"them while vLLM held them), demotions {d['demotions']}, puts not admitted {d['puts_not_admitted']}"
+                  + (f"; waits {d['tool_calls']} + {d['session_hints']} hinted, resumed {d['resumes']}, expired "
+                     f"{d['expired']}, ready (daemon's view) {d['ready_token_rate']:.2f}, waste {d['waste']:.2f}"
+                     if "tool_calls" in d else ""))
 
 
 def parse_args() -> argparse.Namespace:
@@ -218,6 +255,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every arm on this many workloads (seeds seed, seed+1, ...; arms in turns), pooled")
     p.add_argument("--system-tokens", type=int, default=320)
     p.add_argument("--task-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per turn")
@@ -236,6 +275,7 @@ def parse_args() -> argparse.Namespace:
                    help="a [prefetch] key of the daemons with prefetch on (TOML value), e.g. lead_time_s=0.2")
     p.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU in every arm")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--report", type=pathlib.Path, metavar="JSON", help="only print the table of a saved run")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, configs)")
     args = p.parse_args()
     if args.quick:
@@ -244,6 +284,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> int:
+    if "--report" in sys.argv:
+        report(json.loads(parse_args().report.read_text()))
+        return 0
     ensure_venv()
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT / "tests" / "integrations"))
@@ -259,58 +302,63 @@ def main() -> int:
     if unknown:
         print(f"unknown arms {unknown}", file=sys.stderr)
         return 2
-    workload = loop.plan(TOOLS, seed=args.seed, agents=args.agents, turns=args.turns, system_tokens=args.system_tokens,
+    def workload_of(seed: int):
+        return loop.plan(TOOLS, seed=seed, agents=args.agents, turns=args.turns, system_tokens=args.system_tokens,
                          task_tokens=args.task_tokens, output_tokens=args.output_tokens,
                          observation_scale=args.observation_scale, time_scale=args.time_scale,
                          max_pause_s=args.max_pause_s, max_prompt_tokens=MAX_MODEL_LEN - args.output_tokens - 1,
                          stagger_s=args.stagger_s)
-    pauses = [g.pause_s for a in workload.agents for g in a.gaps]
-    ws = workload.working_set_blocks()
-    host_bytes = max(1 << 20, int(args.host_share * ws * BLOCK_BYTES))
+
+    workloads = [workload_of(args.seed + i) for i in range(args.repeats)]
     # vLLM's longest sequence: the longest transcript and its output (its cache must hold one)
-    args.max_model_len = min(MAX_MODEL_LEN, (math.ceil((workload.prompt_tokens() + args.output_tokens) / BLOCK) + 1) * BLOCK)
+    longest = max(w.prompt_tokens() for w in workloads) + args.output_tokens
+    args.max_model_len = min(MAX_MODEL_LEN, (math.ceil(longest / BLOCK) + 1) * BLOCK)
     if not args.engine_blocks:
         args.engine_blocks = args.max_model_len // BLOCK + 8
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvs-agent-serving-"))
-    log(f"{args.agents} agents x {args.turns} turns, prompts up to {workload.prompt_tokens()} tokens, "
-        f"working set {ws} blocks ({ws * BLOCK_BYTES >> 20} MiB), host tier {host_bytes >> 10} KiB, vLLM "
-        f"{args.engine_blocks} blocks; pauses: "
-        f"median {statistics.median(pauses):.2f} s, {sum(p <= 1 for p in pauses) / len(pauses):.0%} <= 1 s, "
-        f"{sum(p <= 10 for p in pauses) / len(pauses):.0%} <= 10 s, max {max(pauses):.1f} s; scratch {scratch}")
     model = procs.model_dir(scratch)
     results = {"config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-               "load_before": os.getloadavg()[0], "working_set_blocks": ws, "host_bytes": host_bytes,
-               "host_share": host_bytes / (ws * BLOCK_BYTES),
-               "pauses_s": [round(p, 3) for p in pauses], "arms": {}}
-    reference = None
+               "load_before": os.getloadavg()[0], "plans": [], "arms": {n: {"runs": []} for n in names}}
     try:
-        for name in names:
-            log(f"arm {name}: starting (load {os.getloadavg()[0]:.2f})")
-            policy = DAEMON_ARMS.get(name)
-            run = run_arm(name, workload, model, scratch / name, args, host_bytes=host_bytes,
-                               policy=policy[0] if policy else None, prefetch=policy[1] if policy else False,
-                               hints=policy[2] if policy else False, progress=log)
-            if name == "vllm":
-                reference = run["records"]
-            run["summary"] = summarise(run["records"], reference if name != "vllm" else None)
-            if run.get("daemon"):
-                c, pf = run["daemon"]["counters"], run["daemon"].get("prefetch") or {}
-                run["summary"]["daemon"] = {
-                    **{k: c.get(k, 0) for k in ("blocks_put", "puts_not_admitted", "promotions", "demotions",
-                                                "evictions_host", "leased_blocks")},
-                    "promoted_while_in_vllm": run["daemon"].get("promoted_held_by_vllm"),
-                    **{k: pf.get(k) for k in ("tool_calls", "session_hints", "resumes", "resumes_unknown",
-                                              "expired", "ready_rate", "ready_token_rate", "promoted_blocks",
-                                              "waste", "promotions_blocked", "prediction_median_abs_error_s")
-                       if k in pf}}
-            results["arms"][name] = run
-            log(f"arm {name}: {json.dumps(run['summary'])}")
+        for i, workload in enumerate(workloads):
+            pauses = [g.pause_s for a in workload.agents for g in a.gaps]
+            ws = workload.working_set_blocks()
+            host_bytes = max(1 << 20, int(args.host_share * ws * BLOCK_BYTES))
+            results["plans"].append({"seed": args.seed + i, "working_set_blocks": ws, "host_bytes": host_bytes,
+                                     "host_share": host_bytes / (ws * BLOCK_BYTES),
+                                     "pauses_s": [round(p, 3) for p in pauses]})
+            log(f"seed {args.seed + i}: {args.agents} agents x {args.turns} turns, prompts up to "
+                f"{workload.prompt_tokens()} tokens, working set {ws} blocks ({ws * BLOCK_BYTES >> 20} MiB), host "
+                f"tier {host_bytes >> 10} KiB, vLLM {args.engine_blocks} blocks; pauses: median "
+                f"{statistics.median(pauses):.2f} s, {sum(p <= 1 for p in pauses) / len(pauses):.0%} <= 1 s, "
+                f"{sum(p <= 10 for p in pauses) / len(pauses):.0%} <= 10 s, max {max(pauses):.1f} s; scratch {scratch}")
+            for name in names if i % 2 == 0 else names[::-1]:     # turns: load drifting hits every arm alike
+                log(f"arm {name}: starting (load {os.getloadavg()[0]:.2f})")
+                policy = DAEMON_ARMS.get(name)
+                run = run_arm(name, workload, model, scratch / f"{name}-{i}", args, host_bytes=host_bytes,
+                              policy=policy[0] if policy else None, prefetch=policy[1] if policy else False,
+                              hints=policy[2] if policy else False, progress=log)
+                for r in run["records"]:
+                    r["agent"] = f"s{args.seed + i}/{r['agent']}"
+                run["seed"] = args.seed + i
+                results["arms"][name]["runs"].append(run)
+                log(f"arm {name}: {json.dumps(summarise(run['records'], None))}")
+        reference = [r for run in results["arms"].get("vllm", {}).get("runs", []) for r in run["records"]]
+        for name, arm in results["arms"].items():
+            records = [r for run in arm["runs"] for r in run["records"]]
+            arm["summary"] = summarise(records, reference if name != "vllm" and reference else None)
+            daemons = [run["daemon"] for run in arm["runs"] if run.get("daemon")]
+            if daemons:
+                arm["summary"]["daemon"] = daemon_summary(daemons)
+            arm["load"] = [x for run in arm["runs"] for x in (run.get("load_at_start"), run.get("load_at_end"))
+                           if x is not None]
     finally:
         results["load_after"] = os.getloadavg()[0]
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        for run in results["arms"].values():
-            for r in run["records"]:
-                r.pop("tokens", None)
+        for arm in results["arms"].values():
+            for run in arm["runs"]:
+                for r in run["records"]:
+                    r.pop("tokens", None)
         args.out.write_text(json.dumps(results, indent=1))
         if not args.keep:
             import shutil
