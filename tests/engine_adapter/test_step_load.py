@@ -83,7 +83,7 @@ def test_a_loading_step_is_one_store_round_trip_whatever_the_layer_count(tmp_pat
             ids = tuple(range(1, 13))
             assert load_step(w, layers, [BlockTransfer("a", tuple(keys[:5]), ids[:5]),
                                          BlockTransfer("b", tuple(keys[5:]), ids[5:])]) == set()
-            assert rpcs(d, "Lease") - before["Lease"] == 1
+            assert rpcs(d, "Lease", before["Lease"] + 1) - before["Lease"] == 1
             assert rpcs(d, "GetRaw") - before["GetRaw"] == 0
             assert w.blocks_loaded == 12
         for i, b in enumerate(ids):
@@ -111,7 +111,7 @@ def test_a_load_larger_than_the_host_tier_promotes_each_nvme_block_once(tmp_path
             d.manager.drain()
             after = d.manager.counters.snapshot()
             assert after["promotions"] - counters.get("promotions", 0) == n     # once each, not per layer
-            assert rpcs(d, "Lease") - leases == n // 8                       # the parts
+            assert rpcs(d, "Lease", leases + n // 8) - leases == n // 8                       # the parts
             assert after["leases_granted"] - counters.get("leases_granted", 0) == n // 8
             assert rpcs(d, "GetRaw") - gets == 0
         for i, b in enumerate(ids):
@@ -217,7 +217,7 @@ def test_the_reference_page_back_from_a_client_is_one_lease_and_stops_at_a_missi
             deadline = time.monotonic() + 60
             while loader.running and time.monotonic() < deadline:     # its counts are set as it ends
                 time.sleep(0.01)
-            assert rpcs(d, "Lease") - leases == loader.calls == 1
+            assert rpcs(d, "Lease", leases + 1) - leases == loader.calls == 1
             guarded.close()
     finally:
         d.stop(0)

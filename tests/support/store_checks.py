@@ -23,7 +23,15 @@ def only_on_nvme(d, c, keys) -> None:
         time.sleep(0.05)
 
 
-def rpcs(d, method: str) -> int:
-    """How many ``method`` calls the daemon ``d`` answered (its request histogram)."""
-    return int(d.metrics.registry.get_sample_value("kvstore:request_seconds_count",
-                                                   {"method": method, "tenant": ""}) or 0)
+def rpcs(d, method: str, at_least: int = 0) -> int:
+    """How many ``method`` calls the daemon ``d`` answered (its request histogram), once
+    that count is ``at_least`` (waited for up to 60 s): the arena session records a
+    frame's metrics after its answer, when no other frame waits, so the count may lag
+    the call that the client already saw answered."""
+    deadline = time.monotonic() + 60
+    while True:
+        n = int(d.metrics.registry.get_sample_value("kvstore:request_seconds_count",
+                                                    {"method": method, "tenant": ""}) or 0)
+        if n >= at_least or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
