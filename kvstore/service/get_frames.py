@@ -30,7 +30,7 @@ from tiers.base import TierKind
 
 from kvstore.common.errors import CorruptBlock, TierIOError
 from kvstore.common.wire import FAILED, FOUND, HEADER, RECORD, OutFrame, encode
-from kvstore.service.get_stream import READ_POOL, READAHEAD, GetPlan, Unit, units
+from kvstore.service.get_stream import READ_POOL, READAHEAD, GetPlan, Unit, end_window, units
 from kvstore.store.reads import BlockReader
 
 
@@ -182,13 +182,4 @@ def raw_frames(plan: GetPlan) -> Iterator[bytes]:
             fill()
     finally:
         todo.close()
-        for f in window:
-            if f.future is None:
-                continue
-            f.future.cancel()
-            try:
-                f.future.result()
-            except Exception:  # noqa: BLE001 - the Get ended; nothing is sent
-                pass
-        for r in readers.values():
-            r.close()
+        end_window(window, readers)

@@ -227,15 +227,22 @@ def pieces(plan: GetPlan) -> Iterator[Piece]:
                     readers.pop(id(u.reader)).close()
             fill()
     finally:
-        for u in window:
-            if u.future is not None:
-                u.future.cancel()
-                try:
-                    u.future.result()
-                except Exception:  # noqa: BLE001 - the Get ended; nothing is sent
-                    pass
-        for r in readers.values():
-            r.close()
+        end_window(window, readers)
+
+
+def end_window(window, readers: dict) -> None:
+    """A Get's end (done, failed or cancelled): cancel the reads still ahead in ``window``
+    (items with a ``future``, None when not read ahead), wait for the ones running, and
+    close every block reader still open (which unpins its block)."""
+    for u in window:
+        if u.future is not None:
+            u.future.cancel()
+            try:
+                u.future.result()
+            except Exception:  # noqa: BLE001 - the Get ended; nothing is sent
+                pass
+    for r in readers.values():
+        r.close()
 
 
 def proto_batches(plan: GetPlan) -> Iterator[pb.GetBatch]:
