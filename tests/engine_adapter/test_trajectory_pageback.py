@@ -77,6 +77,9 @@ def turn(rig, rid: str, tokens: list[int]) -> list[bytes]:
                                               resumed_req_ids=set()),
         num_scheduled_tokens={rid: len(tokens)}, finished_req_ids=set()))
     saved = [k for s in plan.saves for k in s.keys]
+    # the hints sent on arrival (a Resume) reach the daemon before the step's saves, as on an
+    # engine, where a forward pass lies between the two: a save must not be scored before it
+    assert rig.agent.sender.flush(30)
     rig.client.put_from(saved, np.full((len(saved), PAYLOAD), len(saved), np.uint8))
     rig.last = req
     return IncrementalKeys(rig.planner.namespace).extend(tokens=tokens)[:len(tokens) // BS]
