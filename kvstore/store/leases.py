@@ -85,6 +85,8 @@ class Leases:
         self._shared = shared_tier
         self._begin_put = begin_put
         self._page_in = page_in
+        # Local tiers a put may land in when the arena's own tier does not admit a block.
+        self._below_shared = any(i != shared_tier and t.remote is None for i, t in enumerate(self.tiers))
         self._device = next((i for i, t in enumerate(self.tiers) if t.on_device), None)
 
     def lease(self, keys: Sequence[bytes], ttl_s: float, owner: str = "", *, prefix: bool = True,
@@ -338,7 +340,8 @@ class Leases:
                 return 0, ReserveStatus.BUSY, "another client is writing it"
         try:
             outcome = self._begin_put(key, nbytes, owner=owner, ttl_s=ttl_s, tier=self._shared, meta=meta,
-                                      wait_s=0.0)     # a block a reader still holds: BUSY at once too
+                                      wait_s=0.0,     # a block a reader still holds: BUSY at once too
+                                      last_try=not self._below_shared)
         except SizeConflict as e:
             return 0, ReserveStatus.SIZE_CONFLICT, str(e)
         except (TierFull, TierIOError) as e:
@@ -348,6 +351,8 @@ class Leases:
         if outcome.already_present:
             return 0, ReserveStatus.ALREADY_PRESENT, ""
         if outcome.not_admitted:
+            if self._below_shared:      # a put into every tier decides (the client's gRPC put)
+                return 0, ReserveStatus.NO_ROOM, f"the {self.tiers[self._shared].name} tier does not admit it"
             return 0, ReserveStatus.NOT_ADMITTED, ""
         if session:
             with self.catalogue.lock:

@@ -105,7 +105,8 @@ class Writes:
         self._size_conflicts_logged: OrderedDict[bytes, None] = OrderedDict()
 
     def begin_put(self, key: bytes, nbytes: int, *, owner: str = "", ttl_s: float | None = None,
-                  tier: int | None = None, meta=None, wait_s: float | None = None) -> PutOutcome:
+                  tier: int | None = None, meta=None, wait_s: float | None = None,
+                  last_try: bool = True) -> PutOutcome:
         """Phase one of a put: claim ``key`` and reserve room for ``nbytes`` bytes.
 
         Args:
@@ -118,6 +119,9 @@ class Writes:
                 published with its KV events.
             wait_s: the longest wait for another writer (seconds; None: ``writer_wait_s``,
                 never more): a call's deadline, so that WriteConflict, not the deadline, ends it.
+            last_try: False when a refusal by ``tier``'s admission policy is not the put's
+                end (a zero-copy reservation that falls back to a put into every tier): it is
+                then neither counted in ``puts_not_admitted`` nor reported to ``on_refused``.
         Returns already_present (and touches the block) when it is stored with the same
         size; waits for another client's in-flight write of the same key.
         Raises:
@@ -156,9 +160,8 @@ class Writes:
                 claim.tier = self._reserve_somewhere(key, nbytes, tier)
             except _NotAdmitted:
                 cat.end_claim(claim)
-                self.counters.inc("puts_not_admitted")
-                if self.on_refused is not None:
-                    self.on_refused(key)
+                if last_try:
+                    self.note_refused(key)
                 return PutOutcome(key, already_present=False, not_admitted=True)
             except BaseException:
                 cat.end_claim(claim)
@@ -171,6 +174,12 @@ class Writes:
                 raise TierFull(f"the reservation of block {key.hex()[:16]} expired (its TTL of {ttl_s} s "
                                "passed) while room was made for it")
             return PutOutcome(key, already_present=False, pending=claim)
+
+    def note_refused(self, key: bytes) -> None:
+        """No tier's admission policy took ``key``: count it, and tell :attr:`on_refused`."""
+        self.counters.inc("puts_not_admitted")
+        if self.on_refused is not None:
+            self.on_refused(key)
 
     def _size_conflict(self, key: bytes, stored: int, asked: int) -> None:
         self.counters.inc("puts_size_conflict")

@@ -84,6 +84,44 @@ def test_prefix_miss_and_blocks_promoted_from_nvme_into_the_arena(daemon):
         assert daemon.manager.counters["promotions"] >= 1
 
 
+def refuse_in_host(d, refused: set) -> None:
+    """Make the host tier's admission policy of daemon ``d`` refuse the keys in ``refused``."""
+    host = d.manager.policies[0]
+    own = host._admit
+    host._admit = lambda key, nbytes, now: key not in refused and own(key, nbytes, now)
+
+
+def test_a_block_the_host_tier_refuses_is_stored_on_nvme_through_the_arena_put(daemon):
+    """A zero-copy put reserves in the host arena only; a block the host tier's admission
+    refuses is put into the other tiers (by gRPC), not dropped while NVMe has room."""
+    keys = [K(i, "refused") for i in range(6)]
+    refuse_in_host(daemon, set(keys[:3]))
+    with KVStoreClient(daemon.address, timeout=DEADLINE) as c:
+        assert c.shared_memory
+        r = c.put_from(keys, [block(i) for i in range(6)])
+        assert (r.stored, r.not_admitted) == (6, 0)
+        assert [daemon.manager.tier_of(k) for k in keys] == [TierKind.NVME] * 3 + [TierKind.HOST] * 3
+        out = np.zeros((6, 64 << 10), dtype=np.uint8)
+        assert c.get_into(keys, out).found == 6
+        assert all((out[i] == block(i)).all() for i in range(6))
+    assert daemon.manager.counters["puts_not_admitted"] == 0
+
+
+def test_a_block_no_tier_admits_is_refused_once_by_the_arena_put(tmp_path):
+    d = start_server(daemon_config(tmp_path, host="8MiB", nvme=None))
+    try:
+        keys = [K(i, "host-only") for i in range(4)]
+        refuse_in_host(d, set(keys[:2]))
+        with KVStoreClient(d.address, timeout=DEADLINE) as c:
+            assert c.shared_memory
+            r = c.put_from(keys, [block(i) for i in range(4)])
+            assert (r.stored, r.not_admitted) == (2, 2)
+            assert c.lookup(keys[:2]).hit_blocks == 0 and c.lookup(keys[2:]).hit_blocks == 2
+        assert d.manager.counters["puts_not_admitted"] == 2
+    finally:
+        d.stop(0)
+
+
 def test_eviction_is_blocked_while_leased_and_expires_with_a_dead_client(tmp_path):
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None, extra={"server": {"lease_ttl_s": 2.0}}))
     try:
