@@ -92,11 +92,13 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
     daemon = server = client = store = engine = None
     target = f"unix:{scratch}/kvstore.sock"
     out: dict = {"records": [], "daemon": None}
+    events = f"ipc://{scratch}/vllm-events.sock"          # vLLM binds ipc:// (it connects to tcp://host:port)
     try:
         if policy is not None:
             toml = scratch / "kvstore.toml"
             toml.write_text(procs.daemon_toml(scratch, host_bytes, policy, prefetch,
-                                               args.daemon + (["prefetch." + o for o in args.prefetch] if prefetch else [])))
+                                               args.daemon + (["prefetch." + o for o in args.prefetch] if prefetch else []),
+                                               engine_events=events if args.engine_events else None))
             daemon = procs.start([sys.executable, str(ROOT / "bench" / "agent_serving_procs.py"), "daemon", str(toml),
                                   str(scratch / "daemon-stats.json")], scratch / "daemon.log", env)
             client = KVStoreClient(target, timeout=30)
@@ -105,7 +107,6 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
             if not store.cleared.wait(60):
                 raise RuntimeError("the daemon's KV events never arrived")
         port = procs.free_port()
-        events = f"ipc://{scratch}/vllm-events.sock"          # vLLM binds ipc:// (it connects to tcp://host:port)
         engine = loop.Holdings(events, "vllm")
         if store is not None:
             store.peer = engine
@@ -200,7 +201,8 @@ def daemon_summary(daemons: list[dict]) -> dict:
                                           "evictions_host", "leased_blocks")},
                "copied_up": d.get("promoted", 0), "copied_up_while_in_vllm": d.get("promoted_held_by_vllm", 0),
                **{k: pf[k] for k in ("tool_calls", "session_hints", "resumes", "resumes_unknown", "expired",
-                                     "promoted_blocks", "promotions_blocked") if k in pf}}
+                                     "promoted_blocks", "promotions_blocked", "engine_held_skipped",
+                                     "engine_drop_page_backs") if k in pf}}
         for k, v in row.items():
             out[k] = out.get(k, 0) + v
     for k in ("ready_rate", "ready_token_rate", "waste"):
@@ -273,6 +275,9 @@ def parse_args() -> argparse.Namespace:
                    help="a config key of every arm's daemon (TOML value), e.g. tiers.host.shared=false")
     p.add_argument("--prefetch", action="append", default=[], metavar="KEY=VALUE",
                    help="a [prefetch] key of the daemons with prefetch on (TOML value), e.g. lead_time_s=0.2")
+    p.add_argument("--no-engine-events", dest="engine_events", action="store_false",
+                   help="the daemons do not read vLLM's KV events ([engines] kv_events): prefetch then cannot "
+                        "tell which blocks vLLM still holds")
     p.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU in every arm")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     p.add_argument("--report", type=pathlib.Path, metavar="JSON", help="only print the table of a saved run")

@@ -37,8 +37,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: bool, options: list[str]) -> str:
-    """The daemon's config: host tier then NVMe, KV events on a unix socket. ``options``:
+def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: bool, options: list[str],
+                engine_events: str | None = None) -> str:
+    """The daemon's config: host tier then NVMe, KV events on a unix socket; ``engine_events``:
+    vLLM's KV event endpoint, read by the daemon (``[engines] kv_events``). ``options``:
     ``SECTION.KEY=VALUE`` (a TOML value) added to their section, e.g. ``prefetch.lead_time_s=0.2``,
     ``tiers.host.shared=false``, ``policy.params={admission=false}``."""
     sections = {
@@ -51,6 +53,8 @@ def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: b
         "prefetch": [f"enabled = {'true' if prefetch else 'false'}"],
         "events": ["enabled = true", f'endpoint = "ipc://{scratch}/events.sock"'],
     }
+    if engine_events:
+        sections["engines"] = [f'kv_events = ["{engine_events}"]', 'kv_events_topic = "vllm"']
     for option in options:
         name, sep, value = option.partition("=")
         section, dot, key = name.strip().rpartition(".")

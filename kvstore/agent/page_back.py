@@ -90,6 +90,7 @@ class Pager:
         self.refresh_s = refresh_s
         self._paged: dict[bytes, tuple[str, int, float]] = {}   # key -> (trajectory, bytes, ready at)
         self._link_free: dict[tuple[TierKind, TierKind], float] = {}
+        self._skipped: dict[int, str] = {}    # engine hash -> trajectory whose page back left it out
 
     def __len__(self) -> int:
         """Blocks paged back and not used (or wasted) yet."""
@@ -119,12 +120,14 @@ class Pager:
 
     def ready_prefix(self, keys: Sequence[bytes], now: float) -> int:
         """Blocks of the longest prefix of ``keys`` in the fastest tier whose page back
-        (if any) finished by ``now`` (seconds)."""
+        (if any) finished by ``now`` (seconds), or that an engine still holds (it will not
+        load them)."""
         n = 0
         for key in keys:
             rec = self._paged.get(key)
             if not self.port.in_fast(key) or (rec is not None and rec[2] > now):
-                break
+                if not self.port.engine_holds(key):
+                    break
             n += 1
         return n
 
@@ -132,7 +135,8 @@ class Pager:
 
     def page_back(self, w: Wait, now: float) -> bool:
         """Bring ``w``'s blocks into the fastest tier, head first (a partial page back
-        still hits). Returns False when it stopped for lack of room, or waits for blocks
+        still hits), but for those an engine still holds in its own cache (they are
+        paged back when it drops them: :meth:`PrefetchScheduler.tick`). Returns False when it stopped for lack of room, or waits for blocks
         the cluster is paging in: retry it later."""
         w.paged_back = w.started = True
         port = self.port
@@ -145,6 +149,11 @@ class Pager:
         for key in w.keys:
             src = port.kind_of(key)
             if src is None or src == dst or src == TierKind.REMOTE:    # the cluster's: paged in above
+                continue
+            h = port.engine_hash(key)
+            if h is not None and port.engines.holds(h):   # the engine will not load it
+                self.stats.engine_held_skipped += 1
+                self._skipped[h] = w.trajectory_id        # paged back if the engine drops it
                 continue
             nbytes = port.size_of(key)
             if not self._make_room(w, nbytes, now, protected):
@@ -178,6 +187,21 @@ class Pager:
             w.paged_back = False
         return not blocked
 
+    def dropped_by_engines(self) -> set[str]:
+        """Trajectories whose page back left out a block an engine has dropped since
+        (every trajectory with such a block when the engines' list is incomplete)."""
+        removed, everything = self.port.engines_dropped()
+        if everything:
+            tids = set(self._skipped.values())
+            self._skipped.clear()
+            return tids
+        tids = set()
+        for h in removed:
+            tid = self._skipped.pop(h, None)
+            if tid is not None:
+                tids.add(tid)
+        return tids
+
     def protect(self, w: Wait, now: float) -> None:
         """Hint ``w``'s prefix as needed within ``refresh_s``: kept until renewed."""
         self.sessions.expect(w.trajectory_id, w.keys, now + self.refresh_s, now, hinted_at=now, exact=True)
@@ -206,6 +230,11 @@ class Pager:
     def settle(self, w: Wait, used: bool = False) -> None:
         """``w`` ended (``used``: it resumed): its paged-back blocks count as used when
         still in the fastest tier, else as waste."""
+        if self._skipped:
+            for key in w.keys:
+                h = self.port.engine_hash(key)
+                if h is not None and self._skipped.get(h) == w.trajectory_id:
+                    del self._skipped[h]
         for key in w.keys:
             rec = self._paged.get(key)
             if rec is None or rec[0] != w.trajectory_id:

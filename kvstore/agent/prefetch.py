@@ -112,6 +112,11 @@ class PrefetchScheduler:
             ``refresh_s``. For heavy-tailed tools this holds back page backs that would
             wait in HBM long (0: page back when due).
         horizon_s: see ``confidence`` (seconds).
+        engines: what the engines still hold in their own caches
+            (:class:`~kvstore.agent.engine_holdings.EngineHoldings`, ``[engines] kv_events``):
+            a page back leaves those blocks out, and runs again for a waiting trajectory
+            whose page back started once an engine drops some (None: unknown, every block
+            is paged back).
     """
 
     def __init__(self, manager, prefetch_config: PrefetchConfig | None = None,
@@ -123,9 +128,9 @@ class PrefetchScheduler:
                  poll_s: float = 0.05, refresh_s: float = 2.0, retry_s: float = 0.5,
                  margin_s: float = 1.0, dedupe_s: float = 0.5, victim_margin: float = 2.0,
                  repromote: bool = False, protect_s: float = 30.0, confidence: float = 0.7,
-                 horizon_s: float = 30.0):
+                 horizon_s: float = 30.0, engines=None):
         cfg = prefetch_config or PrefetchConfig()
-        self.port = ManagerPort(manager)
+        self.port = ManagerPort(manager, engines)
         self.config = cfg
         self.enabled = cfg.enabled
         self.clock = clock
@@ -324,6 +329,7 @@ class PrefetchScheduler:
             if not self.enabled:
                 return
             self.timeline.new_pass()
+            self._engines_dropped(now)
             for w, action in self.timeline.due(now, self.waits):
                 if action == PAGE_BACK:
                     if self.timeline.confident(w, now):
@@ -333,6 +339,15 @@ class PrefetchScheduler:
                 else:
                     self._refresh(w, now)
             self.pager.keep_headroom(now)
+
+    def _engines_dropped(self, now: float) -> None:
+        """Page back again the waiting trajectories whose page back left out blocks that
+        an engine has dropped since (lock held)."""
+        for tid in self.pager.dropped_by_engines():
+            w = self.waits.get(tid)
+            if w is not None and w.started:
+                self.stats.engine_drop_page_backs += 1
+                self._page_back(w, now)
 
     def _page_back(self, w: Wait, now: float) -> None:
         if not self.pager.page_back(w, now):

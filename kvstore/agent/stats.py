@@ -37,6 +37,8 @@ class PrefetchStats:
     wasted_bytes: int = 0             # paged back, evicted from HBM before use, or never used
     demoted_blocks: int = 0
     promotions_blocked: int = 0       # page backs stopped: no room without evicting a protected block
+    engine_held_skipped: int = 0      # blocks a page back left out: an engine still held them
+    engine_drop_page_backs: int = 0   # page backs run again after an engine dropped blocks
     waste_by: dict[str, int] = field(default_factory=dict)   # wasted bytes per reason
     expired: int = 0                  # waiting trajectories dropped without a resume
     resumes_expired: int = 0          # resumes of expired trajectories (learned from, not scored)
@@ -100,6 +102,7 @@ class PrefetchStats:
             "promoted_blocks": self.promoted_blocks, "promoted_bytes": self.promoted_bytes,
             "wasted_bytes": self.wasted_bytes, "waste": self.waste, "waste_by": dict(self.waste_by),
             "demoted_blocks": self.demoted_blocks, "promotions_blocked": self.promotions_blocked,
+            "engine_held_skipped": self.engine_held_skipped, "engine_drop_page_backs": self.engine_drop_page_backs,
             "expired": self.expired, "resumes_expired": self.resumes_expired,
             "prediction_mae_s": self.abs_error_sum_s / self.errors_seen if self.errors_seen else 0.0,
             "prediction_median_abs_error_s": errs[len(errs) // 2] if errs else 0.0,

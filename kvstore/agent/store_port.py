@@ -4,6 +4,7 @@
 through :class:`ManagerPort`, so a change of the manager's API touches this file
 alone. What it needs:
 
+- whether an engine still holds a block in its own cache (:meth:`ManagerPort.engine_holds`);
 - where a block is and how big (:meth:`ManagerPort.kind_of`, :meth:`size_of`,
   :meth:`in_fast`), the fastest tier's kind and room (:meth:`fast_kind`,
   :meth:`fast_fits`, :meth:`fast_free_bytes`, :meth:`fast_capacity_bytes`);
@@ -15,7 +16,7 @@ alone. What it needs:
   fits) and :meth:`page_in` (blocks held only in the cluster, into the host arena in the
   background).
 
-Every method maps to one public method of the manager; none takes the manager's lock
+Every method maps to one public method of the manager (or of its :class:`kvstore.store.reads.Reads`); none takes the manager's lock
 or chooses victims itself: :meth:`make_room` asks :meth:`TierManager.make_room` (the
 store's one room-making object, :class:`kvstore.store.room.Room`, which alone asks the
 policy for victims) to demote unprotected blocks, and learns which ones moved from its
@@ -29,14 +30,16 @@ from typing import Callable, Sequence
 
 from tiers.base import TierKind
 
+from kvstore.agent.engine_holdings import event_hash
 from kvstore.policy import EvictionPolicy
 
 
 class ManagerPort:
     """The prefetch scheduler's view of a :class:`kvstore.store.manager.TierManager`."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, engines=None):
         self.manager = manager
+        self.engines = engines          # EngineHoldings, or None: no engine's holdings are known
 
     # ------------------------------------------------------------------ reads
 
@@ -73,6 +76,25 @@ class ManagerPort:
         """Bytes of ``key`` (0 when not stored)."""
         loc = self.manager.locate(key)
         return 0 if loc is None else loc[0]
+
+    def engine_hash(self, key: bytes) -> int | None:
+        """The hash engines' KV events name ``key`` by, when the engines' holdings are
+        known and its put carried one (:func:`kvstore.agent.engine_holdings.event_hash`)."""
+        if self.engines is None:
+            return None
+        h = self.manager.reads.engine_hash(key)
+        return event_hash(h) if h else None
+
+    def engine_holds(self, key: bytes) -> bool:
+        """Whether an engine still holds ``key`` in its own KV cache (it will not load it
+        from the store; :mod:`kvstore.agent.engine_holdings`). False when unknown."""
+        h = self.engine_hash(key)
+        return h is not None and self.engines.holds(h)
+
+    def engines_dropped(self) -> tuple[list[int], bool]:
+        """The hashes of blocks engines dropped since the last call, and whether any held
+        block may have been (:meth:`EngineHoldings.take_removed`); ``([], False)`` unknown."""
+        return ([], False) if self.engines is None else self.engines.take_removed()
 
     def distance(self, key: bytes, now: float) -> float | None:
         """The fastest tier policy's predicted seconds to the next use of ``key``, when

@@ -68,6 +68,10 @@ def _convert(path: str, name: str, value: Any, default: Any, ftype: Any) -> Any:
         if "\x00" in value:       # paths and addresses: the OS would raise ValueError at start
             raise ConfigError(f"{key}: must not contain a NUL character")
         return value
+    if isinstance(default, tuple):           # a list of strings (endpoints)
+        if not isinstance(value, list) or not all(isinstance(v, str) and "\x00" not in v for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return tuple(value)
     if name == "params":
         return _table(key, value, "a table")
     if name == "tenants":

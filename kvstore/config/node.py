@@ -219,6 +219,19 @@ class EventsConfig:
 
 
 @dataclass(frozen=True)
+class EnginesConfig:
+    """``[engines]``: what the daemon reads from its engines (kvstore/agent/engine_holdings.py).
+
+    ``kv_events``: ZMQ endpoints of the engines' own KV event publishers (vLLM's
+    ``--kv-events-config`` ``endpoint``, e.g. ``"tcp://127.0.0.1:5557"``): prefetch then
+    pages back only the blocks an engine no longer holds. ``kv_events_topic``: their topic
+    ("": every topic)."""
+
+    kv_events: tuple[str, ...] = ()
+    kv_events_topic: str = ""
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     """``[metrics]``: the Prometheus endpoint (kvstore/service/metrics.py); empty ``listen``: off."""
 
@@ -245,6 +258,7 @@ class Config:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
 
@@ -259,7 +273,7 @@ class Config:
 TIER_SECTIONS = (HBMConfig, HostConfig, NVMeConfig, RemoteConfig)
 """The ``[tiers.X]`` tables: each may have a ``[tiers.X.policy]`` override."""
 
-__all__ = ["BlocksConfig", "Config", "EVICTION_CHOICES", "EventsConfig", "HBMConfig", "HOP_TIERS", "HealthConfig",
+__all__ = ["BlocksConfig", "Config", "EVICTION_CHOICES", "EnginesConfig", "EventsConfig", "HBMConfig", "HOP_TIERS", "HealthConfig",
            "HostConfig", "HUGE_PAGES_CHOICES", "IO_CHOICES", "MAX_SIZE", "MetricsConfig", "NVMeConfig", "PINNED_CHOICES",
            "PROTOCOL_CHOICES", "PUBLISH_CHOICES", "PolicyConfig", "PrefetchConfig", "REMOTE_KINDS", "RemoteConfig",
            "SIZE_KEYS", "ServerConfig", "SessionsConfig", "StoreConfig", "TIER_SECTIONS", "TierPolicyConfig",

@@ -294,6 +294,12 @@ def validate(cfg: Config) -> Config:
     _within("store.stop_persist_s", st.stop_persist_s, 0, _DAY_S, unit=" seconds")
     _validate_services(cfg)
     _validate_prefetch(cfg.prefetch)
+    for i, endpoint in enumerate(cfg.engines.kv_events):
+        if not endpoint.startswith(ENGINE_EVENT_SCHEMES) or endpoint.partition("://")[2] == "":
+            raise ConfigError(f"engines.kv_events[{i}]: {endpoint!r} is not a ZMQ endpoint "
+                              f"({', '.join(s + '...' for s in ENGINE_EVENT_SCHEMES)})")
+    if len(set(cfg.engines.kv_events)) != len(cfg.engines.kv_events):
+        raise ConfigError("engines.kv_events: an endpoint is listed twice")
     se = cfg.sessions
     _within("sessions.default_gap_s", se.default_gap_s, 0, _WEEK_S, open_low=True, unit=" seconds")
     _within("sessions.window", se.window, 1, 1 << 20)
@@ -302,4 +308,7 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-__all__ = ["MIN_SEGMENT_BYTES", "MIN_TIER_BYTES", "MIN_TOKEN_CHARS", "validate"]
+ENGINE_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+"""The ZMQ transports an engine's KV event publisher may be reached by."""
+
+__all__ = ["ENGINE_EVENT_SCHEMES", "MIN_SEGMENT_BYTES", "MIN_TIER_BYTES", "MIN_TOKEN_CHARS", "validate"]

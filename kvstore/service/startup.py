@@ -99,16 +99,26 @@ class Daemon:
 
 
 
-def _start_prefetch(cfg: Config, manager: TierManager, sessions):
+def _start_prefetch(cfg: Config, manager: TierManager, sessions, background: list):
     """The prefetch scheduler: moves blocks when ``[prefetch] enabled``; with prefetch off it
     still runs, observing only, when a policy learns from it (``next_use``). Its clock is
-    monotonic: client unix times are converted on arrival (:mod:`kvstore.service.validate`)."""
+    monotonic: client unix times are converted on arrival (:mod:`kvstore.service.validate`).
+    With ``[engines] kv_events`` (and prefetch on) it reads what the engines hold; the
+    subscriber is appended to ``background``."""
     from kvstore.policy.hints import UsesReuseModel
     if not cfg.prefetch.enabled and not any(isinstance(p, UsesReuseModel) for p in manager.policies):
         return None
     from kvstore.agent.prefetch import PrefetchScheduler
+    engines = None
+    if cfg.prefetch.enabled and cfg.engines.kv_events:
+        from kvstore.agent.engine_holdings import EngineHoldings
+        engines = EngineHoldings(cfg.engines.kv_events, cfg.engines.kv_events_topic)
+        engines.start()
+        background.append(engines)
+        log.info("prefetch reads what %d engine(s) hold from their KV events: %s", len(cfg.engines.kv_events),
+                 ", ".join(cfg.engines.kv_events))
     scheduler = PrefetchScheduler(manager, cfg.prefetch, clock=time.monotonic, sessions=sessions,
-                                  **prefetch_options(cfg.prefetch))
+                                  engines=engines, **prefetch_options(cfg.prefetch))
     scheduler.start()
     return scheduler
 
@@ -233,7 +243,7 @@ def start_server(cfg: Config) -> Daemon:
                                                 thread_name_prefix="kvstore-rpc")
         server = grpc.server(unary_pool, options=options, interceptors=interceptors)
         sessions = SessionTable(manager.policies, **session_options(cfg.sessions))
-        hints = _start_prefetch(cfg, manager, sessions)
+        hints = _start_prefetch(cfg, manager, sessions, background)
         if hints is not None:
             background.append(hints)
             apply_hint = hints.session_hint

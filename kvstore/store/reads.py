@@ -85,6 +85,14 @@ class Reads:
             e = self.catalogue.get(key)
             return None if e is None else (e.size, e.tiers[0])
 
+    def engine_hash(self, key: bytes) -> bytes:
+        """The engine's own hash of block ``key`` (``BlockMeta.engine_hash`` of its put; b""
+        when the put carried none or the block is not stored)."""
+        with self.catalogue.lock:
+            e = self.catalogue.get(key)
+            meta = None if e is None else e.meta
+        return b"" if meta is None else (meta.engine_hash or b"")
+
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Longest stored prefix of ``keys`` and the fastest tier of each hit (with a
         cluster, ``REMOTE`` hits after a local miss, within its deadline)."""

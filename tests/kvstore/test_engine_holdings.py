@@ -1,0 +1,195 @@
+"""What the engines still hold, from their KV events: prefetch pages back only the blocks an
+engine would load, and pages a block back once its engine drops it (issue 20, item 5)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from kvstore.agent.engine_holdings import EngineHoldings, event_hash
+from kvstore.agent.prefetch import PrefetchScheduler
+from kvstore.common.errors import ConfigError
+from kvstore.common.types import BlockMeta
+from kvstore.config import loads
+from kvstore.config.node import PrefetchConfig
+from kvstore.policy import make_policy
+from kvstore.store.manager import TierManager
+from tiers.base import TierKind
+from tiers.null import NullTier
+
+BLOCK = 100
+DEADLINE_S = 30.0
+
+
+def ehash(i: int) -> bytes:
+    """A vLLM-style 32-byte block hash."""
+    return bytes([i]) * 24 + i.to_bytes(8, "big")
+
+
+def batch(*events, ts: float = 0.0) -> bytes:
+    return msgpack.packb([ts, list(events)])
+
+
+def stored(*ids, medium="GPU"):
+    return {"type": "BlockStored", "block_hashes": [event_hash(ehash(i)) for i in ids], "parent_block_hash": None,
+            "token_ids": [], "block_size": 16, "lora_id": None, "medium": medium}
+
+
+def removed(*ids, medium="GPU"):
+    return {"type": "BlockRemoved", "block_hashes": [event_hash(ehash(i)) for i in ids], "medium": medium}
+
+
+def wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {DEADLINE_S} s waiting for {what}"
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------ the event stream
+
+
+def test_event_hash_is_the_low_64_bits_as_vllm_publishes_them():
+    h = bytes(range(32))
+    assert event_hash(h) == int.from_bytes(h[-8:], "big") == int.from_bytes(h, "big") & ((1 << 64) - 1)
+    assert event_hash(-1) == (1 << 64) - 1 and event_hash(5) == 5
+
+
+def test_stored_removed_cleared_and_media():
+    h = EngineHoldings(["tcp://127.0.0.1:1"])
+    h.apply(0, 0, batch(stored(1, 2, 3), stored(4, medium="STORAGE")))
+    assert [h.holds(ehash(i)) for i in (1, 2, 3, 4)] == [True, True, True, False]   # STORAGE is not its cache
+    assert h.holds(b"") is False and h.holds(None) is False
+    h.apply(0, 1, batch(removed(2)))
+    assert not h.holds(ehash(2)) and h.take_removed() == ([event_hash(ehash(2))], False)
+    assert h.take_removed() == ([], False)
+    h.apply(0, 2, batch(stored(5, medium="CPU"), stored(5), removed(5)))   # in two of its caches
+    assert h.holds(ehash(5))                                             # still in one
+    h.apply(0, 3, batch({"type": "AllBlocksCleared"}))
+    assert h.held_count() == 0 and h.take_removed() == ([], True)
+    assert h.batches == 4 and h.gaps == 0
+
+
+def test_a_gap_a_restart_or_garbage_never_leaves_a_wrong_held_block():
+    h = EngineHoldings(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"])
+    h.apply(0, 10, batch(stored(1)))
+    h.apply(1, 0, batch(stored(2)))
+    h.apply(0, 13, batch(stored(3)))          # batches 11 and 12 were lost: engine 0 is forgotten
+    assert h.gaps == 2 and not h.holds(ehash(1)) and h.holds(ehash(3)) and h.holds(ehash(2))
+    assert h.take_removed()[1] is True
+    h.apply(1, 0, batch(stored(4)))           # engine 1 restarted: what it held before is gone
+    assert not h.holds(ehash(2)) and h.holds(ehash(4))
+    for junk in (b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([0, "x"])):
+        h.apply(1, 1, junk)
+    assert h.malformed == 3 and h.holds(ehash(4))
+    h.apply(1, 1, batch(["BlockStored", [event_hash(ehash(6))]], 7, {"type": "BlockStored", "block_hashes": "x"}))
+    assert h.holds(ehash(6))                  # vLLM's array form; odd events skipped
+
+
+def test_endpoints_are_checked():
+    with pytest.raises(ValueError, match="scheme://address"):
+        EngineHoldings(["localhost:5557"])
+    assert loads('[engines]\nkv_events = ["tcp://127.0.0.1:5557", "ipc:///tmp/e.sock"]').engines.kv_events == (
+        "tcp://127.0.0.1:5557", "ipc:///tmp/e.sock")
+    for bad in ('kv_events = "tcp://127.0.0.1:5557"', 'kv_events = ["http://x"]', 'kv_events = ["tcp://"]',
+                'kv_events = ["tcp://a:1", "tcp://a:1"]'):
+        with pytest.raises(ConfigError, match="engines.kv_events"):
+            loads("[engines]\n" + bad)
+
+
+def test_over_zmq_and_a_disconnected_engine_is_forgotten(tmp_path):
+    endpoint = f"ipc://{tmp_path}/vllm-events.sock"
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(endpoint)
+    h = EngineHoldings([endpoint], topic="vllm")
+    h.start()
+    try:
+        seq = 0
+
+        def send(*events):
+            nonlocal seq
+            pub.send_multipart([b"vllm", seq.to_bytes(8, "big"), batch(*events)])
+            seq += 1
+        deadline = time.monotonic() + DEADLINE_S
+        while not h.holds(ehash(1)):          # a SUB joins after a while: send until it hears
+            assert time.monotonic() < deadline, "the subscriber never received a batch"
+            seq = 0
+            h.forget(0, "test restart")
+            send(stored(1, 2))
+            time.sleep(0.05)
+        send(removed(1))
+        wait_for(lambda: not h.holds(ehash(1)), "the removal")
+        assert h.holds(ehash(2))
+        pub.close(0)                          # the engine goes away
+        wait_for(lambda: not h.holds(ehash(2)), "the disconnected engine to be forgotten")
+    finally:
+        h.close()
+        pub.close(0)
+
+
+# ------------------------------------------------------------------ prefetch with holdings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def put_meta(m: TierManager, name: str, i: int) -> bytes:
+    k = name.encode().ljust(32, b".")
+    out = m.begin_put(k, BLOCK, meta=BlockMeta(engine_hash=ehash(i)))
+    m.write_chunk(out.pending, 0, bytes(BLOCK))
+    m.commit_put(out.pending)
+    return k
+
+
+def make(engines):
+    clock = Clock()
+    tiers = [NullTier(TierKind.HBM, 4 * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
+    m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock)
+    s = PrefetchScheduler(m, PrefetchConfig(enabled=True, quantile=0.5, lead_time_s=0.1, window=8),
+                          clock=clock, measure_bandwidth=False, engines=engines, confidence=0.0)
+    for i in range(5):                                      # teach the predictor: "search" takes 10 s
+        s.tool_call_start(f"warm-{i}", "search", 1.0, [])
+        s.resume(f"warm-{i}", 11.0)
+    s.stats.__init__()
+    return m, s, clock
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_page_back_leaves_out_what_the_engine_holds_and_brings_it_once_dropped(known):
+    engines = EngineHoldings(["tcp://127.0.0.1:1"]) if known else None
+    m, s, clock = make(engines)
+    clock.t = 100.0
+    t_keys = [put_meta(m, f"t{i}", i) for i in range(4)]
+    if known:
+        engines.apply(0, 0, batch(stored(0, 1)))           # the engine still has blocks 0 and 1
+    s.tool_call_start("T", "search", 100.0, t_keys)          # back at ~110
+    clock.t = 101.0
+    for i in range(4):
+        put_meta(m, f"other{i}", 50 + i)                     # other work pushes T out of HBM
+    assert not any(k in m.tiers[0] for k in t_keys)
+    clock.t = s.next_due()
+    s.tick(clock.t)
+    in_hbm = [k in m.tiers[0] for k in t_keys]
+    assert in_hbm == ([False, False, True, True] if known else [True] * 4)
+    assert s.stats.engine_held_skipped == (2 if known else 0)
+    assert s.ready_prefix(t_keys, clock.t + 1.0) == 4        # held or in HBM: nothing to load slowly
+    if not known:
+        return
+    engines.apply(0, 1, batch(removed(1)))                   # the engine drops block 1 while T waits
+    s.tick(clock.t + 0.01)
+    assert [k in m.tiers[0] for k in t_keys] == [False, True, True, True]
+    assert s.stats.engine_drop_page_backs == 1
+    assert s.ready_prefix(t_keys, clock.t + 1.0) == 4
+    engines.apply(0, 2, batch(removed(0)))
+    s.resume("T", clock.t + 0.5)                             # resumed before the next tick
+    s.tick(clock.t + 0.6)
+    assert t_keys[0] not in m.tiers[0] and s.stats.engine_drop_page_backs == 1   # its wait is over
+    assert s.pager.dropped_by_engines() == set()
