@@ -258,7 +258,7 @@ class Pager:
     def _protected(self, w: Wait, now: float, include_self: bool = True) -> Callable[[bytes], bool]:
         """Keys that moving blocks for ``w`` must not evict: running trajectories', those
         paged back and not used yet, and those of trajectories expected to resume no later
-        than ``w`` (``w``'s own unless ``include_self`` is false)."""
+        than ``w`` (``w``'s own unless ``include_self`` is false); none that an engine holds."""
         keep: set[bytes] = set()
         for keys in self.waits.running_keys():
             keep.update(keys)
@@ -271,7 +271,10 @@ class Pager:
             elif expect(other, now) <= mine:
                 keep.update(other.keys)
         keep.update(self._paged)          # paged back and not used yet: no ping-pong
-        return keep.__contains__
+        if self.port.engines is None:
+            return keep.__contains__
+        held = self.port.engine_holds     # an engine's copy serves it: never kept for it
+        return lambda key: key in keep and not held(key)
 
     def _make_room(self, w: Wait, nbytes: int, now: float, protected: Callable[[bytes], bool]) -> bool:
         port = self.port

@@ -115,8 +115,9 @@ class PrefetchScheduler:
         engines: what the engines still hold in their own caches
             (:class:`~kvstore.agent.engine_holdings.EngineHoldings`, ``[engines] kv_events``):
             a page back leaves those blocks out, and runs again for a waiting trajectory
-            whose page back started once an engine drops some (None: unknown, every block
-            is paged back).
+            whose page back started once an engine drops some; with ``enabled``, their
+            copies in the faster tiers are the first victims when a lower tier holds one
+            (None: unknown, every block is paged back).
     """
 
     def __init__(self, manager, prefetch_config: PrefetchConfig | None = None,
@@ -131,6 +132,8 @@ class PrefetchScheduler:
                  horizon_s: float = 30.0, engines=None):
         cfg = prefetch_config or PrefetchConfig()
         self.port = ManagerPort(manager, engines)
+        if cfg.enabled:
+            self.port.evict_engine_held_first()
         self.config = cfg
         self.enabled = cfg.enabled
         self.clock = clock

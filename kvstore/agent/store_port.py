@@ -91,6 +91,14 @@ class ManagerPort:
         h = self.engine_hash(key)
         return h is not None and self.engines.holds(h)
 
+    def evict_engine_held_first(self) -> None:
+        """Make the blocks an engine holds, where a lower tier has their copy, the first
+        victims of every tier above the last (:attr:`kvstore.store.room.Room.redundant`):
+        exclusive caching, as in Wong and Wilkes, "My cache or yours? Making storage more
+        exclusive" (USENIX ATC 2002). No-op when the engines' holdings are unknown."""
+        if self.engines is not None:
+            self.manager.room.redundant = self.engine_holds
+
     def engines_dropped(self) -> tuple[list[int], bool]:
         """The hashes of blocks engines dropped since the last call, and whether any held
         block may have been (:meth:`EngineHoldings.take_removed`); ``([], False)`` unknown."""

@@ -82,6 +82,9 @@ class Room:
         self.low, self.high = watermarks
         self.cleaner = cleaner
         self.last = len(self.tiers) - 1
+        self.redundant: Callable[[bytes], bool] | None = None
+        """Blocks an engine still holds in its own cache (prefetch sets it from the engines'
+        KV events): their clean copies in a tier above the last are its first victims."""
 
     # ------------------------------------------------------------------ which blocks may go
 
@@ -98,6 +101,14 @@ class Room:
             return e is not None and e.pins == 0 and (i == self.last or e.tiers[-1] > i)
         return clean
 
+    def _redundant_in(self, i: int) -> Callable[[bytes], bool] | None:
+        """Blocks of tier ``i`` an engine holds whose copy a lower tier has (None: none known)."""
+        held = self.redundant
+        if held is None or i >= self.last:
+            return None
+        clean = self._clean_in(i)
+        return lambda key: clean(key) and held(key)
+
     def above_high(self, i: int) -> bool:
         """Whether tier ``i`` holds more than its high watermark."""
         tier = self.tiers[i]
@@ -113,8 +124,9 @@ class Room:
     # ------------------------------------------------------------------ room for one block
 
     def make_room_locked(self, i: int, nbytes: int, incoming: bytes | None) -> None:
-        """Evict from tier ``i`` until ``nbytes`` fit: a clean victim first (with the
-        cleaner), else the policy's victim, demoted. Raises TierFull, NoVictim, TierIOError."""
+        """Evict from tier ``i`` until ``nbytes`` fit: a clean block an engine holds first
+        (:attr:`redundant`), then a clean victim (with the cleaner), else the policy's
+        victim, demoted. Raises TierFull, NoVictim, TierIOError."""
         tier, policy = self.tiers[i], self.policies[i]
         if nbytes > tier.max_block_bytes:
             raise TierFull(f"{tier.name}: a {nbytes}-byte block exceeds the largest block the tier "
@@ -123,9 +135,15 @@ class Room:
         cleaner = self.cleaner
         clean = self._clean_in(i) if cleaner is not None and i < self.last else None
         waited_until = None
+        redundant = self._redundant_in(i)
         while not tier.fits(nbytes):
             victim = None
-            if clean is not None:
+            if redundant is not None:
+                try:
+                    victim = policy.victim(redundant, incoming=incoming, now=now)
+                except NoVictim:
+                    redundant = None
+            if victim is None and clean is not None:
                 try:
                     victim = policy.victim(clean, incoming=incoming, now=now)
                 except NoVictim:
@@ -256,11 +274,20 @@ class Room:
                         self.evict_locked(tier, key)
                         if on_moved is not None:
                             on_moved(key)
+                redundant = self._redundant_in(tier)
                 while not t.fits(nbytes):
-                    victim = self.policies[tier].victim(lambda k: self.evictable(k) and not protect(k),
-                                                        incoming=None, now=self.clock())
-                    if give_up is not None and give_up(victim):
-                        return False
+                    victim = None
+                    if redundant is not None:
+                        try:      # a block the engine holds, with a copy below: free to let go
+                            victim = self.policies[tier].victim(lambda k: redundant(k) and not protect(k),
+                                                                incoming=None, now=self.clock())
+                        except NoVictim:
+                            redundant = None
+                    if victim is None:
+                        victim = self.policies[tier].victim(lambda k: self.evictable(k) and not protect(k),
+                                                            incoming=None, now=self.clock())
+                        if give_up is not None and give_up(victim):
+                            return False
                     self.evict_locked(tier, victim)
                     if on_moved is not None:
                         on_moved(victim)

@@ -193,3 +193,41 @@ def test_page_back_leaves_out_what_the_engine_holds_and_brings_it_once_dropped(k
     s.tick(clock.t + 0.6)
     assert t_keys[0] not in m.tiers[0] and s.stats.engine_drop_page_backs == 1   # its wait is over
     assert s.pager.dropped_by_engines() == set()
+
+
+def test_a_clean_block_the_engine_holds_is_the_first_victim_and_never_the_only_copy():
+    engines = EngineHoldings(["tcp://127.0.0.1:1"])
+    clock = Clock()
+    tiers = [NullTier(TierKind.HBM, 4 * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
+    m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock,
+                    write_policy="write_through")
+    PrefetchScheduler(m, PrefetchConfig(enabled=True), clock=clock, measure_bandwidth=False, engines=engines)
+    keys = []
+    for i in range(4):
+        clock.t = float(i)
+        keys.append(put_meta(m, f"b{i}", i))
+    engines.apply(0, 0, batch(stored(2)))        # the engine holds b2; b0 is the least recently used
+    clock.t = 10.0
+    new = put_meta(m, "new", 9)
+    assert [k in m.tiers[0] for k in keys] == [True, True, False, True] and new in m.tiers[0]
+    assert keys[2] in m.tiers[1]                 # its copy below is kept
+    clock.t = 11.0
+    put_meta(m, "new2", 10)                      # nothing held left: the policy's own victim (b0)
+    assert keys[0] not in m.tiers[0] and keys[1] in m.tiers[0]
+
+
+def test_without_prefetch_the_engines_holdings_change_no_eviction():
+    engines = EngineHoldings(["tcp://127.0.0.1:1"])
+    clock = Clock()
+    tiers = [NullTier(TierKind.HBM, 4 * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
+    m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock,
+                    write_policy="write_through")
+    PrefetchScheduler(m, PrefetchConfig(enabled=False), clock=clock, measure_bandwidth=False, engines=engines)
+    keys = []
+    for i in range(4):
+        clock.t = float(i)
+        keys.append(put_meta(m, f"b{i}", i))
+    engines.apply(0, 0, batch(stored(2)))
+    clock.t = 10.0
+    put_meta(m, "new", 9)
+    assert [k in m.tiers[0] for k in keys] == [False, True, True, True]     # plain LRU
