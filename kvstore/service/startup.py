@@ -106,6 +106,8 @@ def _start_prefetch(cfg: Config, manager: TierManager, sessions, background: lis
     With ``[engines] kv_events`` (and prefetch on) it reads what the engines hold; the
     subscriber is appended to ``background``."""
     from kvstore.policy.hints import UsesReuseModel
+    if cfg.engines.kv_events and not cfg.prefetch.enabled:
+        log.warning("[engines] kv_events is set but [prefetch] enabled = false: the engines' KV events are not read")
     if not cfg.prefetch.enabled and not any(isinstance(p, UsesReuseModel) for p in manager.policies):
         return None
     from kvstore.agent.prefetch import PrefetchScheduler
