@@ -211,6 +211,11 @@ class EngineHoldings:
         self._thread.start()
         self._ready.wait(timeout_s)
 
+    @property
+    def running(self) -> bool:
+        """Whether the subscriber thread runs."""
+        return self._thread is not None
+
     def stop(self) -> None:
         """Stop the thread and close the sockets (the daemon's background items stop so)."""
         self.close()

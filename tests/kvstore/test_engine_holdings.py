@@ -231,3 +231,33 @@ def test_without_prefetch_the_engines_holdings_change_no_eviction():
     clock.t = 10.0
     put_meta(m, "new", 9)
     assert [k in m.tiers[0] for k in keys] == [False, True, True, True]     # plain LRU
+
+
+def test_the_daemon_reads_its_engines_events_from_the_config(tmp_path):
+    from kvstore.client.client import KVStoreClient
+    from kvstore.service.startup import start_server
+    from support.daemon import daemon_config
+
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(endpoint)
+    d = start_server(daemon_config(tmp_path, extra={"prefetch": {"enabled": True},
+                                                    "engines": {"kv_events": [endpoint], "kv_events_topic": "e"}}))
+    try:
+        engines = [b for b in d.background if isinstance(b, EngineHoldings)]
+        assert len(engines) == 1 and engines[0].endpoints == [endpoint]
+        k = b"k" * 32
+        with KVStoreClient(d.address, timeout=DEADLINE_S) as c:
+            c.put([(k, bytes(4096))], meta=[BlockMeta(engine_hash=ehash(7))])
+        port = d.service.hints.port
+        deadline = time.monotonic() + DEADLINE_S
+        while not port.engine_holds(k):
+            assert time.monotonic() < deadline, "the daemon never saw the engine's BlockStored"
+            engines[0].forget(0, "test resend")
+            pub.send_multipart([b"e", (0).to_bytes(8, "big"), batch(stored(7))])
+            time.sleep(0.05)
+        assert d.manager.room.redundant is not None
+    finally:
+        d.stop(0)
+        pub.close(0)
+    assert not engines[0].running                # stopped with the daemon
