@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 log = logging.getLogger("kvstore.agent.engine_holdings")
 
@@ -99,6 +99,10 @@ class EngineHoldings:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_removed: Callable[[list[int]], None] | None = None
+        """Called (on the subscriber thread, outside the lock) with the hashes of the blocks
+        one batch dropped, when it dropped some: the prefetch scheduler wakes for those it
+        left to the engine. It must not block."""
 
     # ------------------------------------------------------------------ readings
 
@@ -148,8 +152,18 @@ class EngineHoldings:
                 self._forget(e, "lost events" if seq > e.seq else "its sequence numbers restarted")
             e.seq = seq
             self.batches += 1
+            before = len(self._removed)
             for ev in events:
                 self._apply_event(e, ev)
+            dropped = self._removed[before:] if len(self._removed) > before else None
+            if self._everything and dropped is None:
+                dropped = []
+        notify = self.on_removed
+        if dropped is not None and notify is not None:
+            try:
+                notify(dropped)
+            except Exception:  # noqa: BLE001 - advice: a failing listener never stops the events
+                log.exception("engine KV event listener failed")
 
     def _apply_event(self, e: _Engine, ev) -> None:
         if isinstance(ev, dict):

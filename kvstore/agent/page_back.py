@@ -90,7 +90,7 @@ class Pager:
         self.refresh_s = refresh_s
         self._paged: dict[bytes, tuple[str, int, float]] = {}   # key -> (trajectory, bytes, ready at)
         self._link_free: dict[tuple[TierKind, TierKind], float] = {}
-        self._skipped: dict[int, str] = {}    # engine hash -> trajectory whose page back left it out
+        self._skipped: dict[int, str] = {}    # engine hash -> trajectory whose page back left it to the engine
 
     def __len__(self) -> int:
         """Blocks paged back and not used (or wasted) yet."""
@@ -135,9 +135,11 @@ class Pager:
 
     def page_back(self, w: Wait, now: float) -> bool:
         """Bring ``w``'s blocks into the fastest tier, head first (a partial page back
-        still hits), but for those an engine still holds in its own cache (they are
-        paged back when it drops them: :meth:`PrefetchScheduler.tick`). Returns False when it stopped for lack of room, or waits for blocks
-        the cluster is paging in: retry it later."""
+        still hits), but for those an engine still holds in its own cache: they are
+        watched, and paged back when the engine drops them
+        (:meth:`PrefetchScheduler.tick`), the ones in the fastest tier now too, since an
+        engine-held copy there is a first victim meanwhile. Returns False when it stopped
+        for lack of room, or waits for blocks the cluster is paging in: retry it later."""
         w.paged_back = w.started = True
         port = self.port
         dst = port.fast_kind()
@@ -148,12 +150,18 @@ class Pager:
         protected = self._protected(w, now)
         for key in w.keys:
             src = port.kind_of(key)
-            if src is None or src == dst or src == TierKind.REMOTE:    # the cluster's: paged in above
+            if src is None or src == TierKind.REMOTE:    # the cluster's: paged in above
                 continue
             h = port.engine_hash(key)
-            if h is not None and port.engines.holds(h):   # the engine will not load it
+            held = h is not None and port.engines.holds(h)
+            if held:
+                # the engine will not load it; if it drops it, it is paged back then (also
+                # one in the fastest tier now: its copy there is a first victim meanwhile)
+                self._skipped[h] = w.trajectory_id
+            if src == dst:
+                continue
+            if held:
                 self.stats.engine_held_skipped += 1
-                self._skipped[h] = w.trajectory_id        # paged back if the engine drops it
                 continue
             nbytes = port.size_of(key)
             if not self._make_room(w, nbytes, now, protected):
@@ -186,6 +194,13 @@ class Pager:
             self.stats.promotions_blocked += 1
             w.paged_back = False
         return not blocked
+
+    def watches(self, engine_hashes: Iterable[int]) -> bool:
+        """Whether a page back left one of ``engine_hashes`` to its engine (any thread:
+        reads only; an empty list, which means "maybe everything", answers True)."""
+        hashes = list(engine_hashes)
+        skipped = self._skipped
+        return not hashes or any(h in skipped for h in hashes)
 
     def dropped_by_engines(self) -> set[str]:
         """Trajectories whose page back left out a block an engine has dropped since

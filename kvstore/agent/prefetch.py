@@ -161,6 +161,11 @@ class PrefetchScheduler:
                            headroom_fraction=headroom_fraction, margin_s=margin_s, victim_margin=victim_margin,
                            protect_s=protect_s, refresh_s=refresh_s)
         self.bandwidth = self.pager.bandwidth
+        if engines is not None and self.enabled:
+            # a block a page back left to its engine is dropped: page it back now, not at the
+            # next poll (a turn often resumes within tens of milliseconds of vLLM's drop)
+            pager, ticker = self.pager, self.ticker
+            engines.on_removed = lambda hashes: pager.watches(hashes) and ticker.wake()
 
     # ------------------------------------------------------------------ requests
 

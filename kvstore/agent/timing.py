@@ -129,12 +129,17 @@ class Timeline:
 
 class Ticker:
     """The ``kvstore-prefetch`` daemon thread: runs a pass, then sleeps until the next due
-    time, at most ``poll_s`` seconds."""
+    time, at most ``poll_s`` seconds, or until :meth:`wake`."""
 
     def __init__(self, poll_s: float):
         self.poll_s = poll_s
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
+
+    def wake(self) -> None:
+        """Run the next pass now rather than after the sleep (any thread; never blocks)."""
+        self._wake.set()
 
     @property
     def running(self) -> bool:
@@ -154,7 +159,8 @@ class Ticker:
                 except Exception:  # keep prefetching alive; the error is logged loudly
                     log.exception("prefetch tick failed")
                 wait = min(self.poll_s, max(next_due() - clock(), 0.0))
-                self._stop.wait(wait if wait > 0 else 0.001)
+                self._wake.wait(wait if wait > 0 else 0.001)
+                self._wake.clear()
 
         self._thread = threading.Thread(target=loop, name="kvstore-prefetch", daemon=True)
         self._thread.start()
@@ -162,6 +168,7 @@ class Ticker:
     def stop(self) -> None:
         """Stop the thread (waits for the current pass)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

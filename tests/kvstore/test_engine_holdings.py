@@ -195,6 +195,65 @@ def test_page_back_leaves_out_what_the_engine_holds_and_brings_it_once_dropped(k
     assert s.pager.dropped_by_engines() == set()
 
 
+def test_a_held_block_in_hbm_at_the_page_back_is_watched_and_paged_back_once_dropped():
+    """A block the engine holds that is in HBM at the page back is a first victim while the
+    engine holds it; when the engine then drops it, it is paged back (it was left out once,
+    on the blocks in HBM, and stayed on the slower tier until the resume)."""
+    engines = EngineHoldings(["tcp://127.0.0.1:1"])
+    m, s, clock = make(engines)
+    clock.t = 100.0
+    t_keys = [put_meta(m, f"t{i}", i) for i in range(3)]
+    engines.apply(0, 0, batch(stored(0, 1, 2)))             # the engine holds all of T
+    s.tool_call_start("T", "search", 100.0, t_keys)
+    clock.t = s.next_due()
+    s.tick(clock.t)
+    assert all(k in m.tiers[0] for k in t_keys)              # in HBM at the page back: nothing moved
+    clock.t += 0.01
+    for i in range(3):
+        put_meta(m, f"other{i}", 50 + i)                     # T's copies in HBM go
+    assert [k in m.tiers[0] for k in t_keys].count(False) == 2
+    engines.apply(0, 1, batch(removed(0, 1, 2)))             # the engine drops T while it waits
+    s.tick(clock.t + 0.01)
+    assert all(k in m.tiers[0] for k in t_keys)
+    assert s.stats.engine_drop_page_backs == 1
+
+
+def test_a_drop_of_a_block_left_to_the_engine_wakes_the_prefetch_thread():
+    """The page back after an engine's drop runs at once, not at the next poll (here 1 h)."""
+    engines = EngineHoldings(["tcp://127.0.0.1:1"])
+    clock = Clock()
+    tiers = [NullTier(TierKind.HBM, 4 * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
+    m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock)
+    s = PrefetchScheduler(m, PrefetchConfig(enabled=True, quantile=0.5, lead_time_s=0.1, window=8),
+                          clock=clock, measure_bandwidth=False, engines=engines, confidence=0.0, poll_s=3600.0,
+                          refresh_s=3600.0)
+    for i in range(5):
+        s.tool_call_start(f"warm-{i}", "search", 1.0, [])
+        s.resume(f"warm-{i}", 1001.0)                         # "search" takes 1000 s: nothing else due
+    clock.t = 10000.0
+    t_keys = [put_meta(m, f"t{i}", i) for i in range(2)]
+    engines.apply(0, 0, batch(stored(0, 1)))
+    for i in range(4):
+        put_meta(m, f"other{i}", 50 + i)                     # T leaves HBM
+    s.tool_call_start("T", "search", 10000.0 - 1005.0, t_keys)   # its page back is due now
+    passes = []
+    tick = s.tick
+    s.tick = lambda now=None: (passes.append(1), tick(now))
+    s.start()
+    try:
+        wait_for(lambda: s.stats.engine_held_skipped == 2, "the page back that leaves T to the engine")
+        time.sleep(0.2)                                      # the thread sleeps its hour now
+        n = len(passes)
+        engines.apply(0, 1, batch(removed(5)))               # a block no page back left: no wake
+        time.sleep(0.2)
+        assert len(passes) == n
+        engines.apply(0, 2, batch(removed(0)))
+        wait_for(lambda: t_keys[0] in m.tiers[0], "the page back after the engine's drop")
+        assert s.stats.engine_drop_page_backs == 1 and t_keys[1] not in m.tiers[0]
+    finally:
+        s.stop()
+
+
 def test_a_clean_block_the_engine_holds_is_the_first_victim_and_never_the_only_copy():
     engines = EngineHoldings(["tcp://127.0.0.1:1"])
     clock = Clock()
