@@ -59,7 +59,7 @@ from kvstore.agent.stats import PrefetchStats
 from kvstore.agent.store_port import ManagerPort
 from kvstore.agent.timing import PAGE_BACK, REFRESH, Ticker, Timeline
 from kvstore.agent.tool_durations import SESSION_TOOL, WaitDurations
-from kvstore.agent.waiting import Wait, WaitTable
+from kvstore.agent.waiting import EXPIRE_TAIL_QUANTILE, Wait, WaitTable
 
 __all__ = ["PrefetchScheduler"]
 
@@ -244,7 +244,11 @@ class PrefetchScheduler:
               ready_by: float, now: float, hint_sessions: bool = True) -> None:
         """Open ``tid``'s wait (lock held), within the table's bound, and schedule it."""
         page_back_at = ready_by - self.pager.transfer_seconds(keys, assume=TierKind.HOST)
-        w, old = self.waits.open(tid, tool, start, keys, median, ready_by, page_back_at)
+        if tool == SESSION_TOOL:
+            tail = max(median - start, 0.0) * self.durations.gap_scale(EXPIRE_TAIL_QUANTILE)
+        else:
+            tail = self.durations.tool_quantile(tool, EXPIRE_TAIL_QUANTILE)
+        w, old = self.waits.open(tid, tool, start, keys, median, ready_by, page_back_at, tail_s=tail)
         if old is not None:
             self.pager.settle(old)
         while self.waits.over_bound():

@@ -130,6 +130,39 @@ def test_no_re_promotion_after_expiry():
     assert not any(k in m.tiers[0] for k in t_keys)
 
 
+@pytest.mark.parametrize("predictor", ["quantile", "lognormal"])
+def test_a_heavy_tailed_tools_wait_does_not_expire_before_its_observed_tail(predictor):
+    """Most calls of "shell" take 0.2 s, a few 30 s (a heavy tail, as agents' tool gaps):
+    a wait expires after the tail of what was observed, not after 10 x the median (2 s),
+    and never later than max_wait_s."""
+    m, s, clock = scheduler(predictor=predictor, expire_factor=10.0)
+    for i in range(16):
+        s.tool_call_start(f"w{i}", "shell", 1.0, [])
+        s.resume(f"w{i}", 1.0 + (30.0 if i % 8 == 0 else 0.2))
+    tail = s.durations.tool_quantile("shell", 0.99)
+    assert s.durations.tool_quantile("shell", 0.5) < 1.0 and tail > 5.0
+    clock.t = 100.0
+    s.tick()
+    expired = s.stats.expired
+    s.tool_call_start("T", "shell", 100.0, [key(0, "T")])
+    for t in (103.0, 100.0 + 0.9 * tail):
+        clock.t = t
+        s.tick()
+        assert "T" in s.waits                         # past 10 x its median, within its tail
+    clock.t = 100.0 + tail + 0.01
+    s.tick()
+    assert "T" not in s.waits and s.stats.expired == expired + 1
+    _, capped, clock = scheduler(predictor=predictor, expire_factor=10.0, max_wait_s=3.0)
+    for i in range(16):
+        capped.tool_call_start(f"w{i}", "shell", 1.0, [])
+        capped.resume(f"w{i}", 1.0 + (30.0 if i % 8 == 0 else 0.2))
+    clock.t = 100.0
+    capped.tool_call_start("T", "shell", 100.0, [key(0, "T")])
+    clock.t = 103.01
+    capped.tick()
+    assert "T" not in capped.waits                    # max_wait_s still bounds it
+
+
 def test_a_late_resume_after_expiry_still_teaches_the_predictor():
     m, s, clock = scheduler()
     before = s.predictor.tools()["search"]
