@@ -170,6 +170,10 @@ def summarise(records: list[dict], reference: list[dict] | None) -> dict:
            "resumed_blocks_paged_back": sum(r.get("paged_back", 0) for r in resumed),
            "resumed_blocks_nvme_left_host_during_wait": sum(r.get("nvme_left_host_during_wait", 0) for r in resumed),
            "nvme_left_host_after_s_p50": percentile([g for r in resumed for g in r.get("nvme_left_host_s", ())], 0.5),
+           "resumed_blocks_nvme_held_by_vllm": sum(r.get("nvme_held_by_vllm", 0) for r in resumed),
+           "resumed_blocks_nvme_vllm_dropped": sum(len(r.get("nvme_vllm_dropped_s", ())) for r in resumed),
+           "resumed_blocks_nvme_vllm_dropped_within_1s": sum(1 for r in resumed for g in r.get("nvme_vllm_dropped_s", ())
+                                                             if g <= 1.0),
            # what vLLM says it did not compute (usage.prompt_tokens_details.cached_tokens) against
            # the blocks held at send time: short when a lookup missed its deadline, a load failed
            # or vLLM evicted blocks of its own before the request was scheduled

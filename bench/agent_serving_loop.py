@@ -333,6 +333,15 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
                     gone = [t - finished for f, t in zip(fast, left) if not f and t is not None]
                     rec["nvme_left_host_during_wait"] = sum(1 for g in gone if g > 0)
                     rec["nvme_left_host_s"] = sorted(round(g, 3) for g in gone)
+                    if engine is not None:
+                        # of the loaded blocks on NVMe only: held by vLLM now (after the first
+                        # block it lacks, so loaded all the same), and how long before the send
+                        # vLLM dropped each one it had held
+                        slow = [usable[i] for i in loaded if not where[i] & FAST_MEDIA]
+                        now = time.monotonic()
+                        rec["nvme_held_by_vllm"] = sum(1 for m in engine.media(slow) if m)
+                        rec["nvme_vllm_dropped_s"] = sorted(round(now - t, 3) for t in engine.left_fast(slow)
+                                                            if t is not None)
             params = kvstore_hints(agent, turn) if hints else None
             try:
                 out = complete(port, transcript, workload.output_tokens, params)
