@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable, Mapping, Sequence
 
 from kvstore.common.types import TierKind
@@ -61,7 +61,10 @@ from kvstore.agent.timing import PAGE_BACK, REFRESH, Ticker, Timeline
 from kvstore.agent.tool_durations import SESSION_TOOL, WaitDurations
 from kvstore.agent.waiting import EXPIRE_TAIL_QUANTILE, Wait, WaitTable
 
-__all__ = ["PrefetchScheduler"]
+__all__ = ["PrefetchScheduler", "MAX_PENDING_OBSERVATIONS"]
+
+MAX_PENDING_OBSERVATIONS = 4096
+"""Lookups queued for the reuse model while a scheduler pass holds the lock, at most."""
 
 
 class PrefetchScheduler:
@@ -153,6 +156,7 @@ class PrefetchScheduler:
         self.stats = PrefetchStats()
         self._lock = threading.RLock()
         self._recent: OrderedDict[tuple[bytes, int], float] = OrderedDict()   # (last key, length) -> seen
+        self._pending: deque[tuple[list[bytes], float]] = deque(maxlen=MAX_PENDING_OBSERVATIONS)
         self.waits = WaitTable(cfg.max_waiting, cfg.expire_factor, cfg.max_wait_s, running_s=active_protect_s)
         self.timeline = Timeline(self.durations, refresh_s=refresh_s, confidence=confidence, horizon_s=horizon_s)
         self.ticker = Ticker(poll_s)
@@ -174,21 +178,46 @@ class PrefetchScheduler:
         request's Get/Put reach the manager, e.g. from the Lookup handler).
 
         The same prefix seen again within ``dedupe_s`` seconds (every tensor-parallel
-        rank looks it up) is counted once.
+        rank looks it up) is counted once. Without ``now`` (the daemon's lookups) it never
+        waits for a scheduler pass that is paging blocks back: the request is queued (at
+        most :data:`MAX_PENDING_OBSERVATIONS`, the oldest dropped) and learnt, at the time it
+        arrived, before the pass ends or by the next lookup.
         """
         if not keys:
             return
-        now = self.clock() if now is None else now
-        sig = (keys[-1], len(keys))
-        with self._lock:
-            last = self._recent.get(sig)
-            if last is not None and now - last < self.dedupe_s:
+        if now is None:
+            now = self.clock()
+            if not self._lock.acquire(blocking=False):
+                self._pending.append((list(keys), now))
                 return
-            self._recent[sig] = now
-            self._recent.move_to_end(sig)
-            while len(self._recent) > 4096:
-                self._recent.popitem(last=False)
-            self.model.observe_request(keys, now)
+        else:
+            self._lock.acquire()
+        try:
+            self._learn_pending()
+            self._observe_locked(keys, now)
+        finally:
+            self._lock.release()
+
+    def _learn_pending(self) -> None:
+        """Learn the requests queued while a pass held the lock (lock held), in order."""
+        pending = self._pending
+        while pending:
+            try:
+                keys, t = pending.popleft()
+            except IndexError:       # taken by another thread meanwhile
+                break
+            self._observe_locked(keys, t)
+
+    def _observe_locked(self, keys: Sequence[bytes], now: float) -> None:
+        sig = (keys[-1], len(keys))
+        last = self._recent.get(sig)
+        if last is not None and now - last < self.dedupe_s:
+            return
+        self._recent[sig] = now
+        self._recent.move_to_end(sig)
+        while len(self._recent) > 4096:
+            self._recent.popitem(last=False)
+        self.model.observe_request(keys, now)
 
     # ------------------------------------------------------------------ hints
 
@@ -244,11 +273,8 @@ class PrefetchScheduler:
               ready_by: float, now: float, hint_sessions: bool = True) -> None:
         """Open ``tid``'s wait (lock held), within the table's bound, and schedule it."""
         page_back_at = ready_by - self.pager.transfer_seconds(keys, assume=TierKind.HOST)
-        if tool == SESSION_TOOL:
-            tail = max(median - start, 0.0) * self.durations.gap_scale(EXPIRE_TAIL_QUANTILE)
-        else:
-            tail = self.durations.tool_quantile(tool, EXPIRE_TAIL_QUANTILE)
-        w, old = self.waits.open(tid, tool, start, keys, median, ready_by, page_back_at, tail_s=tail)
+        w, old = self.waits.open(tid, tool, start, keys, median, ready_by, page_back_at,
+                                 tail_s=self._tail(tool, start, median))
         if old is not None:
             self.pager.settle(old)
         while self.waits.over_bound():
@@ -299,9 +325,17 @@ class PrefetchScheduler:
         self.waits.run(trajectory_id, now, w.keys)
         return True, observed
 
+    def _tail(self, tool: str, start: float, median: float) -> float:
+        """The :data:`~kvstore.agent.waiting.EXPIRE_TAIL_QUANTILE` quantile of a wait of
+        ``tool`` (seconds): of the tool's observed waits, or of a session's hinted gap
+        (``median - start``) times its learned ratios."""
+        if tool == SESSION_TOOL:
+            return max(median - start, 0.0) * self.durations.gap_scale(EXPIRE_TAIL_QUANTILE)
+        return self.durations.tool_quantile(tool, EXPIRE_TAIL_QUANTILE)
+
     def _expire(self, now: float, force: bool = False) -> None:
         """Close the waits whose time is up (lock held; ``force``: see :meth:`WaitTable.expire`)."""
-        for w in self.waits.expire(now, force):
+        for w in self.waits.expire(now, force, tail_of=lambda w: self._tail(w.tool, w.start, w.predicted_resume)):
             self.pager.settle(w)
             self.stats.expired += 1
 
@@ -335,6 +369,7 @@ class PrefetchScheduler:
         predicted resume, and demotions when tier 0's free space is below the headroom."""
         now = self.clock() if now is None else now
         with self._lock:
+            self._learn_pending()
             self._expire(now)
             self.sessions.tick(now)
             self.waits.expire_running(now)
@@ -351,6 +386,7 @@ class PrefetchScheduler:
                 else:
                     self._refresh(w, now)
             self.pager.keep_headroom(now)
+            self._learn_pending()
 
     def _engines_dropped(self, now: float) -> None:
         """Page back again the waiting trajectories whose page back left out blocks that

@@ -28,7 +28,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 log = logging.getLogger("kvstore.agent.prefetch")
 
@@ -171,9 +171,11 @@ class WaitTable:
         """Forget the expired wait of ``trajectory_id`` and return it (a late resume)."""
         return self._late.pop(trajectory_id, None)
 
-    def expire(self, now: float, force: bool = False) -> list[Wait]:
+    def expire(self, now: float, force: bool = False, tail_of: Callable[[Wait], float] | None = None) -> list[Wait]:
         """Close the waits whose time is up at ``now`` (seconds) and return them; with
-        ``force``, the one due to expire first too, whatever the time (over the bound)."""
+        ``force``, the one due to expire first too, whatever the time (over the bound).
+        ``tail_of(w)``: the tail (seconds) of ``w``'s tool as observed now; a wait whose
+        time came is kept while it is within it (a tail learnt after the wait opened)."""
         heap = self._expiry
         out: list[Wait] = []
         while heap and (force or heap[0][0] <= now):
@@ -181,6 +183,12 @@ class WaitTable:
             w = self.current(tid, seq)
             if w is None:
                 continue
+            if not force and tail_of is not None:
+                later = w.start + min(self.max_wait_s, tail_of(w))
+                if later > now and later > w.expires_at:
+                    w.expires_at = later
+                    heapq.heappush(heap, (later, seq, tid))
+                    continue
             del self._waits[tid]
             out.append(w)
             self._late[tid] = LateWait(w.tool, w.start, w.predicted_resume)

@@ -229,3 +229,39 @@ def test_a_resume_of_a_session_wait_is_its_return_counted_once():
     s.session_hint(SessionHint("S", SessionState.CONTINUES, keys, expected_back_s=10.0, time=108.0))
     assert s.sessions.stats.returns == 1               # not a second return
     assert s.sessions.expected_gap() == 5.0            # the gap is to the arrival, not to the next hint
+
+
+def test_a_lookup_never_waits_for_a_pass_that_holds_the_scheduler():
+    """The daemon's Lookup feeds the reuse model through observe_request: while a pass
+    (a page back from NVMe) holds the scheduler's lock it is queued, not waited for, and
+    learnt at the time it arrived once the pass ends."""
+    import threading
+
+    m, s, clock = make()
+    clock.t = 50.0
+    seen = s.model.requests_seen
+    holding, release = threading.Event(), threading.Event()
+
+    def long_pass():
+        with s._lock:
+            holding.set()
+            release.wait(60)
+    t = threading.Thread(target=long_pass)
+    t.start()
+    try:
+        assert holding.wait(60)
+        done = threading.Event()
+        threading.Thread(target=lambda: (s.observe_request([key("a"), key("b")]), done.set())).start()
+        assert done.wait(60), "observe_request waited for the pass"
+        assert s.model.requests_seen == seen               # queued, not learnt yet
+    finally:
+        release.set()
+        t.join(60)
+    clock.t = 50.1
+    s.tick()
+    assert s.model.requests_seen == seen + 1
+    clock.t = 50.2
+    s.observe_request([key("a"), key("b")])                  # the same prefix again within dedupe_s
+    assert s.model.requests_seen == seen + 1
+    s.observe_request([key("c")], now=60.0)                  # a timed call (the simulator) learns at once
+    assert s.model.requests_seen == seen + 2

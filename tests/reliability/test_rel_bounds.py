@@ -163,6 +163,32 @@ def test_a_heavy_tailed_tools_wait_does_not_expire_before_its_observed_tail(pred
     assert "T" not in capped.waits                    # max_wait_s still bounds it
 
 
+def test_a_tail_learnt_while_a_trajectory_waits_keeps_it_waiting():
+    """T opens its wait while "shell" looks light-tailed (0.2 s: it would expire at 2 s);
+    long calls observed during its wait extend it to the tail learnt since."""
+    m, s, clock = scheduler(predictor="quantile", expire_factor=10.0)
+    for i in range(8):
+        s.tool_call_start(f"a{i}", "shell", 1.0, [])
+        s.resume(f"a{i}", 1.2)
+    clock.t = 100.0
+    s.tick()
+    s.tool_call_start("T", "shell", 100.0, [key(0, "T")])
+    clock.t = 100.5
+    for i in range(4):                                 # four 30 s calls end while T waits
+        s.tool_call_start(f"b{i}", "shell", 70.0, [])
+        s.resume(f"b{i}", 100.5)
+    tail = s.durations.tool_quantile("shell", 0.99)
+    assert tail > 20.0
+    for t in (103.0, 100.0 + 0.9 * tail):
+        clock.t = t
+        s.tick()
+        assert "T" in s.waits
+    expired = s.stats.expired
+    clock.t = 100.0 + tail + 0.01
+    s.tick()
+    assert "T" not in s.waits and s.stats.expired == expired + 1
+
+
 def test_a_late_resume_after_expiry_still_teaches_the_predictor():
     m, s, clock = scheduler()
     before = s.predictor.tools()["search"]
