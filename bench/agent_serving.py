@@ -25,7 +25,10 @@ Arms, each a fresh vLLM server (and a fresh daemon, its own process, host tier o
 Per resumed turn (every turn after an agent's first): TTFT; the prefix blocks the connector
 loads, read from the daemon's and vLLM's KV events just before the turn is sent (vLLM's own
 prefix excluded), and how many of them the daemon held on host (or faster) rather than on
-NVMe only; the generated tokens against the ``vllm`` arm. Writes ``--out`` (default
+NVMe only; the generated tokens against the ``vllm`` arm; and, per arm, the median of its
+resumed turns' TTFT minus ``prefetch_off``'s on the same turns ("vs off"). Each arm starts
+after a sync and ``--settle-s`` of rest; use an even ``--repeats`` so that every arm runs as
+often early as late in a seed's order. Writes ``--out`` (default
 ``bench-results/agent_serving.json``) and prints the table; it measures, it does not judge.
 
     python bench/agent_serving.py [--quick] [--arms vllm,prefetch_off,prefetch_on,lru] [--hints]
@@ -96,9 +99,11 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
     try:
         if policy is not None:
             toml = scratch / "kvstore.toml"
+            metrics_port = procs.free_port()
             toml.write_text(procs.daemon_toml(scratch, host_bytes, policy, prefetch,
                                                args.daemon + (["prefetch." + o for o in args.prefetch] if prefetch else []),
-                                               engine_events=events if args.engine_events else None))
+                                               engine_events=events if args.engine_events else None,
+                                               metrics_port=metrics_port))
             daemon = procs.start([sys.executable, str(ROOT / "bench" / "agent_serving_procs.py"), "daemon", str(toml),
                                   str(scratch / "daemon-stats.json")], scratch / "daemon.log", env)
             client = KVStoreClient(target, timeout=30)
@@ -118,6 +123,8 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
         for _ in range(2):                      # warm-up: no full block, so nothing is stored
             loop.complete(port, list(range(1000, 1031)), workload.output_tokens)
         before = client.stats()["counters"] if client is not None else {}
+        calls0 = procs.rpc_latency(metrics_port) if client is not None else {}
+        cpu0 = procs.cpu_seconds(daemon.pid) if daemon is not None else None
         t0 = time.monotonic()
         out["load_at_start"] = round(os.getloadavg()[0], 2)
         out["records"] = loop.run_agents(workload, port, store=store, engine=engine, hints=hints, progress=progress)
@@ -126,8 +133,11 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
         out["engine"] = {"event_gaps": engine.gaps, "event_batches": engine.batches, **procs.vllm_metrics(port)}
         if client is not None:
             after = client.stats()
+            cpu1 = procs.cpu_seconds(daemon.pid)
             out["daemon"] = {"counters": {k: v - before.get(k, 0) for k, v in after["counters"].items()
                                           if v != before.get(k, 0)},
+                             "cpu_s": round(cpu1 - cpu0, 2) if cpu0 is not None and cpu1 is not None else None,
+                             "calls": calls_between(calls0, procs.rpc_latency(metrics_port)),
                              "tiers": after["tiers"], "event_gaps": store.gaps, "promoted": store.promoted,
                              "promoted_held_by_vllm": store.promoted_held_by_peer}
     finally:
@@ -142,6 +152,18 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
     if out["daemon"] is not None and stats.exists():
         saved = json.loads(stats.read_text())
         out["daemon"].update(prefetch=saved.get("prefetch"), bandwidth=saved.get("bandwidth"))
+    return out
+
+
+def calls_between(before: dict, after: dict) -> dict:
+    """The daemon's calls made between two :func:`agent_serving_procs.rpc_latency` readings:
+    per method, ``count`` and ``mean_ms``."""
+    out = {}
+    for m, a in after.items():
+        b = before.get(m, {"count": 0, "mean_ms": 0.0})
+        n = a["count"] - b["count"]
+        if n > 0:
+            out[m] = {"count": n, "mean_ms": round((a["mean_ms"] * a["count"] - b["mean_ms"] * b["count"]) / n, 3)}
     return out
 
 
@@ -194,6 +216,16 @@ def summarise(records: list[dict], reference: list[dict] | None) -> dict:
     return out
 
 
+def paired_delta(arm: dict, base: dict) -> float | None:
+    """Median over the resumed turns both arms ran (same seed, agent, turn) of this arm's TTFT
+    minus ``base``'s (ms): the workload is the same, so this compares the arms turn by turn."""
+    def ttfts(a):
+        return {(run["seed"], r["agent"], r["turn"]): r["ttft_ms"] for run in a["runs"] for r in run["records"]
+                if r["turn"] > 0 and r.get("ttft_ms") is not None}
+    mine, theirs = ttfts(arm), ttfts(base)
+    return percentile([mine[k] - theirs[k] for k in mine.keys() & theirs.keys()], 0.5)
+
+
 def daemon_summary(daemons: list[dict]) -> dict:
     """What the daemons of an arm's runs did, summed (rates: their mean): counters, the blocks
     copied up from NVMe (and of those, while vLLM held them: KV events) and the prefetch
@@ -204,6 +236,7 @@ def daemon_summary(daemons: list[dict]) -> dict:
         row = {**{k: c.get(k, 0) for k in ("blocks_put", "puts_not_admitted", "promotions", "demotions",
                                           "evictions_host", "leased_blocks")},
                "copied_up": d.get("promoted", 0), "copied_up_while_in_vllm": d.get("promoted_held_by_vllm", 0),
+               "cpu_s": d.get("cpu_s") or 0.0,
                **{k: pf[k] for k in ("tool_calls", "session_hints", "resumes", "resumes_unknown", "expired",
                                      "promoted_blocks", "promotions_blocked", "engine_held_skipped",
                                      "engine_drop_page_backs") if k in pf}}
@@ -221,7 +254,7 @@ def report(results: dict) -> None:
     cols = ("resumed_turns", "resumed_blocks", "resumed_blocks_from_host", "resumed_from_host_share",
             "ttft_resumed_p50_ms", "ttft_resumed_p90_ms", "tokens_identical")
     heads = ("arm", "resumed turns", "loaded blocks", "from host", "share", "TTFT p50 ms", "TTFT p90 ms", "tokens",
-             "lost", "load")
+             "lost", "vs off ms", "load")
     rows = [heads]
     for arm, r in results["arms"].items():
         s = r.get("summary")
@@ -234,7 +267,9 @@ def report(results: dict) -> None:
                          else f"{v:.3f}" if isinstance(v, float) else "same" if v is True
                          else "DIFFER" if v is False else str(v))
         load = r.get("load") or []
-        cells += [str(s.get("resumed_blocks_lost", "-")), f"{min(load):.1f}-{max(load):.1f}" if load else "-"]
+        delta = s.get("ttft_resumed_minus_prefetch_off_p50_ms")
+        cells += [str(s.get("resumed_blocks_lost", "-")), "-" if delta is None else f"{delta:+.1f}",
+                  f"{min(load):.1f}-{max(load):.1f}" if load else "-"]
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
     for row in rows:
@@ -247,7 +282,8 @@ def report(results: dict) -> None:
         d = r["summary"].get("daemon")
         if d:
             print(f"  {arm}: blocks copied up from NVMe {d.get('copied_up')} ({d.get('copied_up_while_in_vllm')} of "
-                  f"them while vLLM held them), demotions {d['demotions']}, puts not admitted {d['puts_not_admitted']}"
+                  f"them while vLLM held them), demotions {d['demotions']}, puts not admitted {d['puts_not_admitted']}, "
+                  f"daemon CPU {d.get('cpu_s', 0):.1f} s"
                   + (f"; waits {d['tool_calls']} + {d['session_hints']} hinted, resumed {d['resumes']}, expired "
                      f"{d['expired']}, ready (daemon's view) {d['ready_token_rate']:.2f}, waste {d['waste']:.2f}"
                      if "tool_calls" in d else ""))
@@ -262,7 +298,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every arm on this many workloads (seeds seed, seed+1, ...; arms in turns), pooled")
+                   help="run every arm on this many workloads (seeds seed, seed+1, ...; the arms' order reversed "
+                        "every other seed: an even count runs each arm as often early as late), pooled")
     p.add_argument("--system-tokens", type=int, default=320)
     p.add_argument("--task-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per turn")
@@ -283,6 +320,7 @@ def parse_args() -> argparse.Namespace:
                    help="the daemons do not read vLLM's KV events ([engines] kv_events): prefetch then cannot "
                         "tell which blocks vLLM still holds")
     p.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU in every arm")
+    p.add_argument("--settle-s", type=float, default=5.0, help="seconds of rest (after a sync) before each arm")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     p.add_argument("--report", type=pathlib.Path, metavar="JSON", help="only print the table of a saved run")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, configs)")
@@ -342,6 +380,11 @@ def main() -> int:
                 f"{statistics.median(pauses):.2f} s, {sum(p <= 1 for p in pauses) / len(pauses):.0%} <= 1 s, "
                 f"{sum(p <= 10 for p in pauses) / len(pauses):.0%} <= 10 s, max {max(pauses):.1f} s; scratch {scratch}")
             for name in names if i % 2 == 0 else names[::-1]:     # turns: load drifting hits every arm alike
+                # the arm before may leave dirty pages (its NVMe tier, vLLM's files) that the
+                # kernel would write back during this one: an arm run second measured ~5 ms
+                # slower TTFT than the same arm run first
+                os.sync()
+                time.sleep(args.settle_s)
                 log(f"arm {name}: starting (load {os.getloadavg()[0]:.2f})")
                 policy = DAEMON_ARMS.get(name)
                 run = run_arm(name, workload, model, scratch / f"{name}-{i}", args, host_bytes=host_bytes,
@@ -361,6 +404,11 @@ def main() -> int:
                 arm["summary"]["daemon"] = daemon_summary(daemons)
             arm["load"] = [x for run in arm["runs"] for x in (run.get("load_at_start"), run.get("load_at_end"))
                            if x is not None]
+        base = results["arms"].get("prefetch_off")
+        if base is not None:
+            for name, arm in results["arms"].items():
+                if name != "prefetch_off":
+                    arm["summary"]["ttft_resumed_minus_prefetch_off_p50_ms"] = paired_delta(arm, base)
     finally:
         results["load_after"] = os.getloadavg()[0]
         args.out.parent.mkdir(parents=True, exist_ok=True)

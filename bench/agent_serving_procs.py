@@ -38,9 +38,10 @@ def free_port() -> int:
 
 
 def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: bool, options: list[str],
-                engine_events: str | None = None) -> str:
+                engine_events: str | None = None, metrics_port: int | None = None) -> str:
     """The daemon's config: host tier then NVMe, KV events on a unix socket; ``engine_events``:
-    vLLM's KV event endpoint, read by the daemon (``[engines] kv_events``). ``options``:
+    vLLM's KV event endpoint, read by the daemon (``[engines] kv_events``); ``metrics_port``:
+    its Prometheus endpoint (each call's latency: :func:`rpc_latency`). ``options``:
     ``SECTION.KEY=VALUE`` (a TOML value) added to their section, e.g. ``prefetch.lead_time_s=0.2``,
     ``tiers.host.shared=false``, ``policy.params={admission=false}``."""
     sections = {
@@ -53,6 +54,8 @@ def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: b
         "prefetch": [f"enabled = {'true' if prefetch else 'false'}"],
         "events": ["enabled = true", f'endpoint = "ipc://{scratch}/events.sock"'],
     }
+    if metrics_port:
+        sections["metrics"] = [f'listen = "127.0.0.1:{metrics_port}"']
     if engine_events:
         sections["engines"] = [f'kv_events = ["{engine_events}"]', 'kv_events_topic = "vllm"']
     for option in options:
@@ -82,6 +85,15 @@ def stop(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (``/proc``; None where unreadable)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_http(port: int, proc: subprocess.Popen, logfile: pathlib.Path, deadline_s: float = 900.0) -> None:
@@ -118,6 +130,23 @@ def vllm_command(model: pathlib.Path, port: int, events: str, args, target: str 
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"target": target, "lookup_timeout_s": args.lookup_timeout_s}})]
     return cmd
+
+
+def rpc_latency(port: int) -> dict[str, dict[str, float]]:
+    """The daemon's calls so far, from its /metrics (``kvstore:request_seconds``): per method,
+    ``count`` and ``mean_ms``, summed over tenants."""
+    import urllib.request
+    sums: dict[str, list[float]] = {}
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        for part, i in (("kvstore:request_seconds_sum{", 0), ("kvstore:request_seconds_count{", 1)):
+            if line.startswith(part):
+                method = line.split('method="', 1)[1].split('"', 1)[0]
+                sums.setdefault(method, [0.0, 0.0])[i] += float(line.split()[-1])
+    return {m: {"count": int(c), "mean_ms": round(1e3 * t / c, 3)} for m, (t, c) in sums.items() if c}
 
 
 def vllm_metrics(port: int) -> dict[str, float]:
