@@ -29,6 +29,8 @@ other through their constructors:
 - :class:`~kvstore.agent.page_back.Pager` (``pager``): what moves for a waiting
   trajectory (through :class:`~kvstore.agent.store_port.ManagerPort`), bandwidths, what
   it paged back;
+- :class:`~kvstore.agent.observations.RequestObserver` (``observer``): the lookups fed to
+  the reuse model, queued while a pass holds the lock;
 - :class:`~kvstore.agent.stats.PrefetchStats` (``stats``): readiness at each resume
   (whole prefix, and token-weighted), the bytes paged back that were evicted before use
   (waste), and the error of the resume-time predictions.
@@ -46,13 +48,13 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict, deque
 from typing import Callable, Mapping, Sequence
 
 from kvstore.common.types import TierKind
 from kvstore.config.node import PrefetchConfig
 from kvstore.policy import UsesReuseModel
 from kvstore.policy.reuse_model import ReuseModel
+from kvstore.agent.observations import RequestObserver
 from kvstore.agent.page_back import Pager
 from kvstore.agent.sessions import SessionHint, SessionState, SessionTable
 from kvstore.agent.stats import PrefetchStats
@@ -61,10 +63,7 @@ from kvstore.agent.timing import PAGE_BACK, REFRESH, Ticker, Timeline
 from kvstore.agent.tool_durations import SESSION_TOOL, WaitDurations
 from kvstore.agent.waiting import EXPIRE_TAIL_QUANTILE, Wait, WaitTable
 
-__all__ = ["PrefetchScheduler", "MAX_PENDING_OBSERVATIONS"]
-
-MAX_PENDING_OBSERVATIONS = 4096
-"""Lookups queued for the reuse model while a scheduler pass holds the lock, at most."""
+__all__ = ["PrefetchScheduler"]
 
 
 class PrefetchScheduler:
@@ -155,8 +154,7 @@ class PrefetchScheduler:
         self.sessions = sessions or SessionTable(self.port.policies())
         self.stats = PrefetchStats()
         self._lock = threading.RLock()
-        self._recent: OrderedDict[tuple[bytes, int], float] = OrderedDict()   # (last key, length) -> seen
-        self._pending: deque[tuple[list[bytes], float]] = deque(maxlen=MAX_PENDING_OBSERVATIONS)
+        self.observer = RequestObserver(self.model, self._lock, lambda: self.clock(), dedupe_s)
         self.waits = WaitTable(cfg.max_waiting, cfg.expire_factor, cfg.max_wait_s, running_s=active_protect_s)
         self.timeline = Timeline(self.durations, refresh_s=refresh_s, confidence=confidence, horizon_s=horizon_s)
         self.ticker = Ticker(poll_s)
@@ -175,49 +173,11 @@ class PrefetchScheduler:
 
     def observe_request(self, keys: Sequence[bytes], now: float | None = None) -> None:
         """A request for prefix ``keys`` arrived: feed the reuse model (call before the
-        request's Get/Put reach the manager, e.g. from the Lookup handler).
-
-        The same prefix seen again within ``dedupe_s`` seconds (every tensor-parallel
-        rank looks it up) is counted once. Without ``now`` (the daemon's lookups) it never
-        waits for a scheduler pass that is paging blocks back: the request is queued (at
-        most :data:`MAX_PENDING_OBSERVATIONS`, the oldest dropped) and learnt, at the time it
-        arrived, before the pass ends or by the next lookup.
-        """
-        if not keys:
-            return
-        if now is None:
-            now = self.clock()
-            if not self._lock.acquire(blocking=False):
-                self._pending.append((list(keys), now))
-                return
-        else:
-            self._lock.acquire()
-        try:
-            self._learn_pending()
-            self._observe_locked(keys, now)
-        finally:
-            self._lock.release()
-
-    def _learn_pending(self) -> None:
-        """Learn the requests queued while a pass held the lock (lock held), in order."""
-        pending = self._pending
-        while pending:
-            try:
-                keys, t = pending.popleft()
-            except IndexError:       # taken by another thread meanwhile
-                break
-            self._observe_locked(keys, t)
-
-    def _observe_locked(self, keys: Sequence[bytes], now: float) -> None:
-        sig = (keys[-1], len(keys))
-        last = self._recent.get(sig)
-        if last is not None and now - last < self.dedupe_s:
-            return
-        self._recent[sig] = now
-        self._recent.move_to_end(sig)
-        while len(self._recent) > 4096:
-            self._recent.popitem(last=False)
-        self.model.observe_request(keys, now)
+        request's Get/Put reach the manager, e.g. from the Lookup handler). Without ``now``
+        it never waits for a pass that is paging blocks back
+        (:class:`~kvstore.agent.observations.RequestObserver`); a prefix seen again within
+        ``dedupe_s`` seconds (every tensor-parallel rank looks it up) counts once."""
+        self.observer.observe(keys, now)
 
     # ------------------------------------------------------------------ hints
 
@@ -369,7 +329,7 @@ class PrefetchScheduler:
         predicted resume, and demotions when tier 0's free space is below the headroom."""
         now = self.clock() if now is None else now
         with self._lock:
-            self._learn_pending()
+            self.observer.drain()
             self._expire(now)
             self.sessions.tick(now)
             self.waits.expire_running(now)
@@ -386,7 +346,7 @@ class PrefetchScheduler:
                 else:
                     self._refresh(w, now)
             self.pager.keep_headroom(now)
-            self._learn_pending()
+            self.observer.drain()
 
     def _engines_dropped(self, now: float) -> None:
         """Page back again the waiting trajectories whose page back left out blocks that

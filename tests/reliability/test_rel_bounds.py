@@ -254,7 +254,7 @@ def test_the_reuse_model_and_the_request_dedupe_table_are_bounded():
     m, s, clock = scheduler(enabled=False)
     for i in range(10_000):
         s.observe_request([key(i, "dedupe")], now=float(i))
-    assert len(s._recent) <= 4096
+    assert len(s.observer._recent) <= 4096
 
 
 def test_session_hint_waits_expire_and_a_late_hint_still_calibrates():
