@@ -195,12 +195,11 @@ class Pager:
             w.paged_back = False
         return not blocked
 
-    def watches(self, engine_hashes: Iterable[int]) -> bool:
+    def watches(self, engine_hashes: Sequence[int]) -> bool:
         """Whether a page back left one of ``engine_hashes`` to its engine (any thread:
         reads only; an empty list, which means "maybe everything", answers True)."""
-        hashes = list(engine_hashes)
         skipped = self._skipped
-        return not hashes or any(h in skipped for h in hashes)
+        return not engine_hashes or any(h in skipped for h in engine_hashes)
 
     def dropped_by_engines(self) -> set[str]:
         """Trajectories whose page back left out a block an engine has dropped since

@@ -233,8 +233,7 @@ class PrefetchScheduler:
               ready_by: float, now: float, hint_sessions: bool = True) -> None:
         """Open ``tid``'s wait (lock held), within the table's bound, and schedule it."""
         page_back_at = ready_by - self.pager.transfer_seconds(keys, assume=TierKind.HOST)
-        w, old = self.waits.open(tid, tool, start, keys, median, ready_by, page_back_at,
-                                 tail_s=self._tail(tool, start, median))
+        w, old = self.waits.open(tid, tool, start, keys, median, ready_by, page_back_at)
         if old is not None:
             self.pager.settle(old)
         while self.waits.over_bound():

@@ -142,19 +142,18 @@ class WaitTable:
     # ------------------------------------------------------------------ changes
 
     def open(self, trajectory_id: str, tool: str, start: float, keys: list[bytes], predicted_resume: float,
-             ready_by: float, page_back_at: float, tail_s: float = 0.0) -> tuple[Wait, Wait | None]:
+             ready_by: float, page_back_at: float) -> tuple[Wait, Wait | None]:
         """Open a wait (seconds); returns it and the open wait of the same trajectory it
-        replaces (None if none). It expires ``expire_factor`` times its predicted wait after
-        ``start``, not before ``tail_s`` seconds (the tool's :data:`EXPIRE_TAIL_QUANTILE`
-        quantile), at most ``max_wait_s``. The trajectory stops running; a memory of its
-        expired wait is dropped. Call :meth:`over_bound` after."""
+        replaces (None if none). Its expiry is due ``expire_factor`` times its predicted wait
+        after ``start``, at most ``max_wait_s`` (:meth:`expire` may put it off). The
+        trajectory stops running; a memory of its expired wait is dropped. Call
+        :meth:`over_bound` after."""
         self._running.pop(trajectory_id, None)
         self._late.pop(trajectory_id, None)
         old = self._waits.pop(trajectory_id, None)
         self._seq += 1
         w = Wait(trajectory_id, tool, start, keys, predicted_resume, ready_by, page_back_at, seq=self._seq)
-        wait_s = max(self.expire_factor * max(predicted_resume - start, 0.0), tail_s if math.isfinite(tail_s) else 0.0)
-        w.expires_at = start + min(self.max_wait_s, wait_s)
+        w.expires_at = start + min(self.max_wait_s, self.expire_factor * max(predicted_resume - start, 0.0))
         self._waits[trajectory_id] = w
         heapq.heappush(self._expiry, (w.expires_at, w.seq, trajectory_id))
         return w, old
@@ -174,8 +173,9 @@ class WaitTable:
     def expire(self, now: float, force: bool = False, tail_of: Callable[[Wait], float] | None = None) -> list[Wait]:
         """Close the waits whose time is up at ``now`` (seconds) and return them; with
         ``force``, the one due to expire first too, whatever the time (over the bound).
-        ``tail_of(w)``: the tail (seconds) of ``w``'s tool as observed now; a wait whose
-        time came is kept while it is within it (a tail learnt after the wait opened)."""
+        ``tail_of(w)``: the :data:`EXPIRE_TAIL_QUANTILE` quantile (seconds) of ``w``'s tool
+        as observed now; a wait whose time came is kept while it is within it, at most
+        ``max_wait_s`` after its start."""
         heap = self._expiry
         out: list[Wait] = []
         while heap and (force or heap[0][0] <= now):
@@ -183,8 +183,9 @@ class WaitTable:
             w = self.current(tid, seq)
             if w is None:
                 continue
-            if not force and tail_of is not None:
-                later = w.start + min(self.max_wait_s, tail_of(w))
+            tail = tail_of(w) if tail_of is not None and not force else 0.0
+            if math.isfinite(tail) and tail > 0:
+                later = w.start + min(self.max_wait_s, tail)
                 if later > now and later > w.expires_at:
                     w.expires_at = later
                     heapq.heappush(heap, (later, seq, tid))
