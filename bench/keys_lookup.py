@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from kvstore import config  # noqa: E402
 from kvstore._proto import kvstore_pb2 as pb  # noqa: E402
 from kvstore.client.client import KVStoreClient  # noqa: E402
+from kvstore.common.host_copy import copy_spans, words_enabled  # noqa: E402
 from kvstore.common.keys import BlockKeyer, Namespace, chain_key  # noqa: E402
 from kvstore.common.trajectory_keys import TrajectoryKeyer  # noqa: E402
 
@@ -310,6 +311,10 @@ def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps:
     spans = list(zip(grant.offsets, grant.sizes))
 
     def arena_copy():
+        copy_spans(out, [j * GET_BLOCK_BYTES for j in range(len(spans))], arena.array,
+                   [off for off, _ in spans], [size for _, size in spans])
+
+    def arena_memcpy():
         for j, (off, size) in enumerate(spans):
             out[j * GET_BLOCK_BYTES:j * GET_BLOCK_BYTES + size] = arena.array[off:off + size]
 
@@ -322,6 +327,7 @@ def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps:
         "lease": lambda: c.release([c.lease(keys).lease_id]),
         "lease_before": lambda: before.release([before.lease(keys).lease_id]),
         "copy": arena_copy,
+        "copy_memcpy": arena_memcpy,
         "memcpy": lambda: np.copyto(hot, src),
     }
     if daemon is not None:
@@ -344,7 +350,10 @@ def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps:
     if "manager" in t:
         row("  server: manager.lease + release of the 128 blocks", t["manager"])
     row("  copy of the 128 blocks out of the mapped arena", t["copy"], t["memcpy"])
+    row("    the same by one memcpy per block (slice assignment)", t["copy_memcpy"], t["memcpy"])
     row("  memcpy of the same 4 MiB (np.copyto, the floor)", t["memcpy"], t["memcpy"])
+    print(f"  (block copies take {'the word loop where memcpy is slow here' if words_enabled() else 'memcpy'}: "
+          "kvstore.common.host_copy; KVSTORE_HOST_COPY=memcpy|words forces either)")
     mooncake = mooncake_batch_get(reps)
     if mooncake is not None:
         row("Mooncake in-process batch_is_exist + batch_get_into", mooncake)

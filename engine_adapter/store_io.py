@@ -38,6 +38,7 @@ from kvstore.client.buffers import BlockBuffers
 from kvstore.client.client import GetIntoResult, KVStoreClient
 from kvstore.client.leased_read import Publish, ReadStage
 from kvstore.common.errors import InvalidRequest, KVStoreError, StoreUnavailable
+from kvstore.common.host_copy import copy
 from kvstore.common.types import BlockMeta, LookupResult, PutResult
 
 from engine_adapter.breaker import LOAD, LOOKUP, SAVE, BreakerSettings, StoreBreaker, StoreSkipped
@@ -287,7 +288,7 @@ def _load_stages(store, keys, stages, timeout_s, publish, cancelled) -> StagesLo
         sizes = [0] * n
         for i in range(n):
             if got[i] == scratch.shape[1]:
-                bufs.slot(i, want)[:] = scratch[i, pos:pos + want]
+                copy(bufs.slot(i, want), scratch[i, pos:pos + want])
                 sizes[i] = want
                 copied += want
         pos += want

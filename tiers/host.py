@@ -18,10 +18,13 @@ from __future__ import annotations
 import threading
 from typing import Iterable
 
+import numpy as np
+
 from tiers.allocator import ExtentAllocator
 from tiers.base import Tier, TierKind
 from tiers.buffers import ByteRanges, byte_view, check_chunk, check_ranges, output_view
 from tiers.capabilities import Capabilities, SegmentInfo
+from tiers.host_copy import copy
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, NoRoom
 from tiers.memory import DEFAULT_ALIGNMENT, allocate_host_buffer
 
@@ -176,7 +179,7 @@ class HostTier(Tier):
             check_chunk(offset, n, block.written, block.size)
             block.written = offset + n
             start = block.start + offset
-        self._arena[start:start + n] = src            # memcpy, outside the lock
+        copy(self._buffer.array[start:start + n], np.frombuffer(src, dtype=np.uint8))  # outside the lock
 
     def write_view(self, key: bytes) -> memoryview:
         """Writable view over a reservation's ``size`` bytes (fill, then :meth:`mark_written`)."""
@@ -214,7 +217,7 @@ class HostTier(Tier):
         dst = output_view(out, total)
         arena = self._arena
         if not ranges:
-            dst[:] = arena[start:start + size]
+            copy(np.frombuffer(dst, dtype=np.uint8), self._buffer.array[start:start + size])
             return size
         pos = 0
         for off, n in ranges:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from tiers.gpu import cuda_buffer
+from tiers.host_copy import copy
 
 _SHM_DIR = "/dev/shm"
 
@@ -57,10 +58,10 @@ class ShmSlab:
 
     def write(self, offset: int, data: Any) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
-        self.array[offset:offset + src.size] = src
+        copy(self.array[offset:offset + src.size], src)
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
-        out[:] = self.array[offset:offset + out.size]
+        copy(out, self.array[offset:offset + out.size])
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.array[offset:offset + nbytes])

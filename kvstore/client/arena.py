@@ -32,6 +32,7 @@ from kvstore.client.lease_releaser import LeaseReleaser
 from kvstore.client.raw import RawPath, block_meta_message
 from kvstore.common.arena import ARENA_CHANGED
 from kvstore.common.arena_wire import MAX_FRAME_KEYS
+from kvstore.common.host_copy import copy, copy_spans
 from kvstore.common.transport import parts
 from kvstore.common.types import LookupResult, PutResult, ReserveStatus
 
@@ -277,7 +278,7 @@ class ArenaPath:
                         if _clock() - sent > min(self.lease_ttl_s, arena.max_ttl_s) * SAFE_FRACTION:
                             late.append(j)      # too close to its expiry: never write it
                             continue
-                        arena.array[offset:offset + lengths[j]] = bufs.slot(j, lengths[j])
+                        copy(arena.array[offset:offset + lengths[j]], bufs.slot(j, lengths[j]))
                         written.append(keys[j])
                     elif status == ReserveStatus.ALREADY_PRESENT:
                         present += 1
@@ -370,7 +371,10 @@ class ArenaPath:
         n = len(reply.tier_codes)
         run = None if ranges or not n or 0 in reply.tier_codes else bufs.run(start, reply.sizes)
         if run is not None:                     # whole blocks into back-to-back slots: one call
-            np.concatenate([src[off:off + size] for off, size in zip(reply.offsets, reply.sizes)], out=run)
+            pos = [0] * n
+            for j in range(1, n):
+                pos[j] = pos[j - 1] + reply.sizes[j - 1]
+            copy_spans(run, pos, src, reply.offsets, reply.sizes)
             sizes[start:start + n] = reply.sizes
             codes[start:start + n] = reply.tier_codes
             return
@@ -388,6 +392,6 @@ class ArenaPath:
                     pos += length
                 sizes[i] = total
             else:
-                bufs.slot(i, size)[:] = src[off:off + size]
+                copy(bufs.slot(i, size), src[off:off + size])
                 sizes[i] = size
             codes[i] = code

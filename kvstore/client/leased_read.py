@@ -46,6 +46,7 @@ from kvstore.client.arena import SAFE_FRACTION, ArenaChanged
 from kvstore.client.buffers import BlockBuffers
 from kvstore.client.checks import check_keys
 from kvstore.common.errors import InvalidRequest
+from kvstore.common.host_copy import copy
 from kvstore.common.transport import MAX_KEYS_PER_REQUEST, keys_per_request
 
 log = logging.getLogger("kvstore.client")
@@ -229,7 +230,7 @@ class LeasedRead:
                     continue                          # not found, or too short for the ranges: a miss
                 base, dst, pos = offsets[j], slots[i], 0
                 for off, m in ranges:
-                    dst[pos:pos + m] = src[base + off:base + off + m]
+                    copy(dst[pos:pos + m], src[base + off:base + off + m])
                     pos += m
                 got[i] = want
             if _clock() - sent > safe_s:             # the copies may have outlived the lease
@@ -266,7 +267,7 @@ class LeasedRead:
                     continue                          # a miss, or not the bytes asked for
                 data, pos = np.frombuffer(res.data, dtype=np.uint8), 0
                 for s in range(first, len(self._ranges)):
-                    self._slots(s)[i][:] = data[pos:pos + self._want[s]]
+                    copy(self._slots(s)[i], data[pos:pos + self._want[s]])
                     self.sizes[s][i] = self._want[s]
                     pos += self._want[s]
                 self.bytes_copied += total

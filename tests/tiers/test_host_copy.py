@@ -1,0 +1,88 @@
+"""tiers.host_copy: every copy is exact, whichever loop it takes, and the choice follows the
+configured mode or the measurement."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from tiers import host_copy
+
+
+@pytest.fixture(params=["words", "memcpy"])
+def mode(request, monkeypatch):
+    monkeypatch.setattr(host_copy, "_words", request.param == "words")
+    return request.param
+
+
+def page_aligned(n: int):
+    m = mmap.mmap(-1, n + 8192, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return m, np.frombuffer(m, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("size", [0, 7, 4096, 16 << 10, (16 << 10) + 3, 32 << 10, 256 << 10, 1 << 20])
+@pytest.mark.parametrize("shift", [0, 16, 24, 64, 4095])
+def test_copy_is_exact_at_every_size_and_distance(mode, size, shift):
+    m1, src_all = page_aligned(size)
+    m2, dst_all = page_aligned(size)
+    src_all[:] = np.random.default_rng(size + shift).integers(0, 256, src_all.size, dtype=np.uint8)
+    dst_all[:] = 0xAB
+    src, dst = src_all[:size], dst_all[shift:shift + size]
+    host_copy.copy(dst, src)
+    assert np.array_equal(dst, src)
+    assert (dst_all[:shift] == 0xAB).all() and (dst_all[shift + size:] == 0xAB).all()   # nothing else written
+    del src, dst, src_all, dst_all
+    m1.close()
+    m2.close()
+
+
+def test_the_word_loop_is_taken_only_in_the_slow_case(monkeypatch):
+    monkeypatch.setattr(host_copy, "_words", True)
+    calls = []
+    real = np.positive
+    monkeypatch.setattr(host_copy.np, "positive", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    base = 1 << 20
+    src, dst = np.ones(64 << 10, np.uint8), np.zeros(64 << 10, np.uint8)
+    host_copy.copy(dst, src, base + 16, base)           # 16 bytes past: the slow case
+    host_copy.copy(dst, src, base + 64 + 8, base)       # past the window
+    host_copy.copy(dst[:4096], src[:4096], base + 16, base)   # too short to matter
+    host_copy.copy(dst[:(16 << 10) + 1], src[:(16 << 10) + 1], base + 16, base)   # not whole words
+    assert len(calls) == 1 and np.array_equal(dst, src)
+
+
+def test_copy_spans_matches_slices_and_refuses_a_span_outside(mode):
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    spans = [(0, 4096 * 3, 32 << 10), (40 << 10, 16, 20000), (200 << 10, 500 << 10, 64 << 10)]
+    host_copy.copy_spans(dst, [d for d, _, _ in spans], src, [s for _, s, _ in spans], [n for _, _, n in spans])
+    want = np.zeros_like(dst)
+    for d, s, n in spans:
+        want[d:d + n] = src[s:s + n]
+    assert np.array_equal(dst, want)
+    with pytest.raises(ValueError):
+        host_copy.copy_spans(dst, [dst.size - 10], src, [0], [20])
+    with pytest.raises(ValueError):
+        host_copy.copy(dst[:10], src[:11])
+
+
+@pytest.mark.parametrize("env,want", [("memcpy", False), ("words", True), ("WORDS", True)])
+def test_the_mode_can_be_forced(monkeypatch, env, want):
+    monkeypatch.setattr(host_copy, "_words", None)
+    monkeypatch.setenv("KVSTORE_HOST_COPY", env)
+    assert host_copy.words_enabled() is want
+
+
+def test_auto_follows_the_measurement(monkeypatch):
+    monkeypatch.delenv("KVSTORE_HOST_COPY", raising=False)
+    for (near, far), want in (((4.0, 1.0), True), ((1.1, 1.0), False)):
+        monkeypatch.setattr(host_copy, "_words", None)
+        monkeypatch.setattr(host_copy, "probe", lambda near=near, far=far: (near, far))
+        assert host_copy.words_enabled() is want
+
+
+def test_the_probe_measures_both_cases():
+    near, far = host_copy.probe(size=16 << 10, pieces=8, reps=1)
+    assert near > 0 and far > 0

@@ -1,0 +1,118 @@
+"""Host memory copies of KV blocks that stay at memory speed where glibc's ``memcpy`` does not.
+
+On some x86 CPUs (measured on an AMD EPYC with ERMS and FSRM, glibc 2.36) a ``memcpy`` of
+16 KiB up to about 1 MiB whose destination lies 1-31 bytes past its source modulo 4 KiB runs
+at 2.5 GB/s instead of 10-12 GB/s (``rep movsb`` and 4 KiB aliasing). That is the case of a
+block copied from the page-aligned shared arena into a numpy buffer, whose data start 16
+bytes into a page. A numpy ufunc loop over 8-byte words (``np.positive`` on uint64 views: an
+exact copy of the bits) has no such case: 9.4-9.6 GB/s at any offset there.
+
+Whether this machine has the slow case is measured once, on first use (a few ms): 128
+copies of 32 KiB to a destination 16 bytes past the source modulo 4 KiB against the same
+copies 64 bytes past. Where the first is more than twice as slow, the copies of
+:data:`MIN_BYTES` up to :data:`MAX_BYTES` whose length is a multiple of 8 and whose
+distance is in that window take the word loop; every other copy is ``np.copyto``.
+``KVSTORE_HOST_COPY=memcpy`` or ``=words`` forces either (``auto``: measure, the default).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+
+MIN_BYTES = 16 << 10
+"""Copies shorter than this are ``np.copyto`` (the call overhead is the same either way)."""
+
+MAX_BYTES = 1 << 20
+"""... and copies of this many bytes or more (``memcpy`` leaves ``rep movsb`` above about this)."""
+
+ALIAS_WINDOW = 64
+"""A destination 1 to this many bytes past its source modulo 4 KiB is the slow case."""
+
+_words: bool | None = None
+
+
+def address(a: np.ndarray) -> int:
+    """The address of ``a``'s first byte."""
+    return a.__array_interface__["data"][0]
+
+
+def probe(size: int = 32 << 10, pieces: int = 128, reps: int = 3) -> tuple[float, float]:
+    """The fastest of ``reps`` rounds of ``pieces`` ``memcpy`` copies of ``size`` bytes each
+    (distinct places of two buffers on 4 KiB pages) to a destination 16 bytes past the source
+    modulo 4 KiB, and of the same copies 64 bytes past (seconds per round, interleaved): the
+    measurement behind :func:`words_enabled`. 4 MiB each way, so the copies run from memory."""
+    total = size * pieces + 4096
+    maps = [mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2)]
+    try:
+        for m in maps:
+            try:
+                m.madvise(mmap.MADV_NOHUGEPAGE)
+            except (AttributeError, OSError):
+                pass
+        src, dst = (np.frombuffer(m, dtype=np.uint8) for m in maps)
+        src[:] = 1
+        dst[:] = 0
+        near, far = [], []
+        for _ in range(reps):
+            for shift, out in ((16, near), (64, far)):
+                t0 = time.perf_counter()
+                for j in range(pieces):
+                    np.copyto(dst[shift + j * size:shift + (j + 1) * size], src[j * size:(j + 1) * size])
+                out.append(time.perf_counter() - t0)
+        del src, dst
+    finally:
+        for m in maps:
+            m.close()
+    return min(near), min(far)
+
+
+def words_enabled() -> bool:
+    """Whether the slow case takes the word loop here (``KVSTORE_HOST_COPY``, else measured
+    once by :func:`probe`)."""
+    global _words
+    if _words is None:
+        mode = os.environ.get("KVSTORE_HOST_COPY", "auto").strip().lower()
+        if mode in ("memcpy", "words"):
+            _words = mode == "words"
+        else:
+            near, far = probe()
+            _words = near > 2.0 * far
+    return _words
+
+
+def _slow(n: int, dst_addr: int, src_addr: int) -> bool:
+    return (MIN_BYTES <= n < MAX_BYTES and not n & 7
+            and 0 < (dst_addr - src_addr) % 4096 <= ALIAS_WINDOW and words_enabled())
+
+
+def copy(dst: np.ndarray, src: np.ndarray, dst_addr: int | None = None, src_addr: int | None = None) -> None:
+    """``dst[:] = src`` for 1-D C-contiguous uint8 arrays of the same length (bytes), at memory
+    speed whatever the CPU's ``memcpy`` does with the two addresses (see the module).
+    ``dst_addr`` / ``src_addr``: the arrays' addresses when the caller knows them (else
+    looked up, about 1.5 us each). The GIL is released for large copies either way.
+    Raises ValueError when the lengths differ."""
+    n = src.size
+    if dst.size != n:
+        raise ValueError(f"copy of {n} bytes into {dst.size}")
+    if n >= MIN_BYTES and _slow(n, address(dst) if dst_addr is None else dst_addr,
+                                address(src) if src_addr is None else src_addr):
+        np.positive(src.view(np.uint64), out=dst.view(np.uint64))
+    else:
+        np.copyto(dst, src)
+
+
+def copy_spans(dst: np.ndarray, dst_offsets: Sequence[int], src: np.ndarray, src_offsets: Sequence[int],
+               sizes: Sequence[int]) -> None:
+    """Copy ``sizes[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]`` for
+    every ``i`` (1-D uint8 arrays; offsets and sizes in bytes), as :func:`copy` does, with
+    the two arrays' addresses looked up once. Raises ValueError for a span outside either."""
+    d0, s0 = address(dst), address(src)
+    for d, s, n in zip(dst_offsets, src_offsets, sizes):
+        if d < 0 or s < 0 or d + n > dst.size or s + n > src.size:
+            raise ValueError(f"span of {n} bytes at {s} -> {d} outside {src.size} -> {dst.size} bytes")
+        copy(dst[d:d + n], src[s:s + n], d0 + d, s0 + s)
