@@ -24,8 +24,8 @@ from tiers.allocator import ExtentAllocator
 from tiers.base import Tier, TierKind
 from tiers.buffers import ByteRanges, byte_view, check_chunk, check_ranges, output_view
 from tiers.capabilities import Capabilities, SegmentInfo
-from tiers.host_copy import copy
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, NoRoom
+from tiers.host_copy import copy, words_enabled
 from tiers.memory import DEFAULT_ALIGNMENT, allocate_host_buffer
 
 class _HostBlock:
@@ -84,6 +84,7 @@ class HostTier(Tier):
         """The arena's pages: ``"hugetlb"``, ``"thp"`` (advised) or ``""`` (4 KiB)."""
         self._arena = memoryview(self._buffer.array)          # writable, flat uint8
         self._arena_ro = self._arena.toreadonly()
+        words_enabled()             # the copy loop is chosen now (a few ms), not on the first get
         self._reserved: dict[bytes, _HostBlock] = {}
         self._blocks: dict[bytes, _HostBlock] = {}
         self._lock = threading.Lock()
@@ -214,14 +215,14 @@ class HostTier(Tier):
         block = self._committed(key)
         start, size = block.start, block.size
         total = check_ranges(ranges, size)
-        dst = output_view(out, total)
-        arena = self._arena
+        dst = np.frombuffer(output_view(out, total), dtype=np.uint8)
+        arena = self._buffer.array
         if not ranges:
-            copy(np.frombuffer(dst, dtype=np.uint8), self._buffer.array[start:start + size])
+            copy(dst, arena[start:start + size])
             return size
         pos = 0
         for off, n in ranges:
-            dst[pos:pos + n] = arena[start + off:start + off + n]
+            copy(dst[pos:pos + n], arena[start + off:start + off + n])
             pos += n
         return total
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvstore.client.arena_control import ControlChannel
 from kvstore.common.arena import ARENA_HEADER, HELLO, HELLO_CONTROL, HELLO_SESSION, SESSION_HEADER, arena_identity
+from kvstore.common.host_copy import words_enabled
 
 MAX_LEASE_TTL_S = 600.0
 """The longest TTL assumed when a daemon does not say (hello version 1)."""
@@ -112,6 +113,7 @@ class ArenaMapping:
         self.control = ControlChannel(self._conn) if served else None
         self.size = size
         self.array = np.frombuffer(self._map, dtype=np.uint8)
+        words_enabled()             # the copy loop is chosen with the mapping, not on the first get
         self.view = memoryview(self._map)
         self.metadata = ((ARENA_HEADER, self.identity),) + (((SESSION_HEADER, self.session),)
                                                             if self.session else ())
