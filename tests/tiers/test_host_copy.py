@@ -46,7 +46,7 @@ def test_the_word_loop_is_taken_only_in_the_slow_case(monkeypatch):
     base = 1 << 20
     src, dst = np.ones(64 << 10, np.uint8), np.zeros(64 << 10, np.uint8)
     host_copy.copy(dst, src, base + 16, base)           # 16 bytes past: the slow case
-    host_copy.copy(dst, src, base + 64 + 8, base)       # past the window
+    host_copy.copy(dst, src, base + host_copy.ALIAS_WINDOW, base)   # past the window
     host_copy.copy(dst[:4096], src[:4096], base + 16, base)   # too short to matter
     host_copy.copy(dst[:(16 << 10) + 1], src[:(16 << 10) + 1], base + 16, base)   # not whole words
     assert len(calls) == 1 and np.array_equal(dst, src)
