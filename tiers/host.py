@@ -11,16 +11,25 @@ best fit over the free extents, neighbours coalesced on free::
 
 Sizes are rounded up to ``alignment`` bytes (64 by default: a cache line), and every
 block starts on an ``alignment`` boundary of the arena, whose own start is page aligned.
+
+A shared arena may keep a block table beside it (``block_table``:
+:class:`tiers.block_table.BlockTable`) that same-node clients read without asking the
+daemon: a block is published there when committed and retired when freed, and the space of
+a retired block is reused only once no client that may have found it is still reading
+(:meth:`tiers.block_table.BlockTable.reusable`); until then it waits in a short list,
+counted in ``used_bytes``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterable
 
 import numpy as np
 
 from tiers.allocator import ExtentAllocator
+from tiers.block_table import STUCK_READER_S, BlockTable, supported
 from tiers.base import Tier, TierKind
 from tiers.buffers import ByteRanges, byte_view, check_chunk, check_ranges, output_view
 from tiers.capabilities import Capabilities, SegmentInfo
@@ -55,6 +64,8 @@ class HostTier(Tier):
             ``shared`` capability: :meth:`segment`, :meth:`extent`).
         huge_pages: for a shared arena, ``"auto"``, ``"hugetlb"``, ``"thp"`` or ``"off"``
             (:mod:`tiers.memory`); :attr:`huge_pages` says what it got.
+        block_table: for a shared arena on x86-64, keep a :class:`~tiers.block_table.BlockTable`
+            of its blocks (:attr:`block_table`; None otherwise).
 
     ``used_bytes`` counts allocated (rounded) bytes of committed blocks and open
     reservations. :meth:`fits` is exact: it accounts for fragmentation.
@@ -73,7 +84,7 @@ class HostTier(Tier):
     volatile = True
 
     def __init__(self, capacity_bytes: int, *, name: str = "host", alignment: int = 64,
-                 pinned: bool = False, shared: bool = False, huge_pages: str = "off"):
+                 pinned: bool = False, shared: bool = False, huge_pages: str = "off", block_table: bool = False):
         self.name = name
         self._alloc = ExtentAllocator(int(capacity_bytes), alignment)
         self._buffer = allocate_host_buffer(self._alloc.capacity, alignment=max(alignment, DEFAULT_ALIGNMENT),
@@ -89,6 +100,8 @@ class HostTier(Tier):
         self._blocks: dict[bytes, _HostBlock] = {}
         self._lock = threading.Lock()
         self._caps = Capabilities(host=self, shared=self if shared else None)
+        self.block_table = BlockTable(self._alloc.capacity) if block_table and shared and supported() else None
+        self._retired: list[tuple[int, float, int, int]] = []   # (epoch tag, retired at, start, alloc)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -132,6 +145,8 @@ class HostTier(Tier):
 
     def fits(self, nbytes: int) -> bool:
         with self._lock:
+            if self._retired:
+                self._reuse_retired()
             return self._alloc.can_allocate(nbytes)
 
     def _committed(self, key: bytes) -> _HostBlock:
@@ -166,6 +181,8 @@ class HostTier(Tier):
         with self._lock:
             if key in self._blocks or key in self._reserved:
                 raise BlockExists(f"block {key.hex()[:16]} already present in {self.name}")
+            if self._retired:
+                self._reuse_retired()
             try:
                 start, alloc = self._alloc.allocate(nbytes)
             except NoRoom as e:
@@ -202,6 +219,8 @@ class HostTier(Tier):
                 raise InvalidAccess(f"block {key.hex()[:16]}: {block.written} of {block.size} bytes written")
             del self._reserved[key]
             self._blocks[key] = block
+            if self.block_table is not None:
+                self.block_table.publish(key, block.start, block.size)
 
     def abort(self, key: bytes) -> None:
         with self._lock:
@@ -236,7 +255,23 @@ class HostTier(Tier):
             block = self._blocks.pop(key, None)
             if block is None:
                 raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
-            self._alloc.release(block.start, block.alloc)
+            tag = self.block_table.retire(key) if self.block_table is not None else None
+            if tag is None or self.block_table.reusable(tag):
+                self._alloc.release(block.start, block.alloc)
+            else:                               # a client may be copying it: reused once it is done
+                self._retired.append((tag, time.monotonic(), block.start, block.alloc))
+
+    def _reuse_retired(self) -> None:
+        """Free the retired blocks' space that no reader holds back any more (lock held)."""
+        oldest = self.block_table.oldest_reader() if self.block_table is not None else None
+        now, keep = time.monotonic(), []
+        for item in self._retired:
+            tag, since, start, alloc = item
+            if oldest is None or oldest > tag or now - since >= STUCK_READER_S:
+                self._alloc.release(start, alloc)
+            else:
+                keep.append(item)
+        self._retired = keep
 
     # -------------------------------------------------------------- shared segment
 
@@ -261,8 +296,11 @@ class HostTier(Tier):
 
     def close(self) -> None:
         with self._lock:
+            if self.block_table is not None:
+                self.block_table.close()
             self._blocks.clear()
             self._reserved.clear()
+            self._retired.clear()
             self._alloc = ExtentAllocator(0, self._alloc.alignment)
             try:
                 self._arena_ro.release()

@@ -15,8 +15,12 @@ process died) the daemon ends what the session holds at once
 (:mod:`kvstore.service.liveness`). Version 3 (:data:`HELLO_CONTROL`): as version 2, with a
 fourth field, ``1`` when the daemon also serves control frames on the connection (Lookup,
 Lease, Release without gRPC: :mod:`kvstore.common.arena_wire`), ``0`` when it does not (the
-client then uses gRPC for them). A daemon that knows only versions 1 and 2 answers a
-version-3 hello ``ERR bad request``; the client says version 2 instead.
+client then uses gRPC for them). Version 4 (:data:`HELLO_TABLE`): as version 3, with a fifth
+field, ``1`` when two more descriptors follow the memfd: the arena's block table (read-only)
+and the session's reader page (:mod:`tiers.block_table`), which let the client find and copy
+host blocks with no round trip; ``0`` when the daemon keeps no table (or serves no control
+frames to this session). A daemon that does not know a version answers its hello
+``ERR bad request``; the client says the version below instead.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 HELLO = b"KVSTORE-ARENA 1 "
 HELLO_SESSION = b"KVSTORE-ARENA 2 "
 HELLO_CONTROL = b"KVSTORE-ARENA 3 "
+HELLO_TABLE = b"KVSTORE-ARENA 4 "
 MAX_HELLO_LINE = 4096
 
 SESSION_HEADER = "kvstore-session"

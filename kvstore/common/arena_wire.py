@@ -11,7 +11,7 @@ answer (:data:`NO_REPLY`) or rides on the next Lease.
 Every frame, both ways, is little-endian::
 
     u32 length      bytes that follow (the rest of the header and the payload)
-    u8  op          LOOKUP 1, LEASE 2, RELEASE 3; an answer is op | REPLY (0x80); ERROR 0xFF
+    u8  op          LOOKUP 1, LEASE 2, RELEASE 3, TOUCH 4; an answer is op | REPLY (0x80); ERROR 0xFF
     u8  flags       PREFIX (1): a lease stops at the first miss; NO_REPLY (2): no answer
     u8  key_bytes   length of each key in the payload (32; anything else is refused)
     u8  reserved    0
@@ -29,11 +29,15 @@ LEASE           f64 TTL s, u64 max bytes (0: a quarter of the arena), u32 r, 4 b
                 3 bytes 0, n offsets (u64), n sizes (u64), n tier codes (u8; 0: a miss)
 RELEASE         n lease ids (16 bytes each)
   answer        n = leases that were live
+TOUCH           n keys the client read from the shared block table (:mod:`tiers.block_table`):
+                the eviction policies see the hits; always sent NO_REPLY
 ERROR           u8 length, the name of a :mod:`kvstore.common.errors` class, the message (UTF-8)
 ==============  ==============================================================================
 
 A frame over :data:`MAX_FRAME_BYTES`, or shorter than its header, cannot be resynchronised:
-the daemon answers ERROR and closes the connection (which ends the session). A frame that
+the daemon answers ERROR and closes the connection (which ends the session). A LOOKUP sent
+NO_REPLY is one the client answered itself from the block table: the daemon only records
+it (the reuse statistics the agent machinery learns from, the lookup counts). A frame that
 parses but says something wrong (unknown op, key length not 32, a count that does not match
 the payload) is answered ERROR (InvalidRequest) and the connection goes on.
 """
@@ -55,7 +59,7 @@ LEASE_ANSWER = struct.Struct("<16sdIB3x")
 """A LEASE answer's fixed part: lease id, TTL (s), resume_at, complete."""
 LEASE_ID_BYTES = 16
 
-LOOKUP, LEASE, RELEASE = 1, 2, 3
+LOOKUP, LEASE, RELEASE, TOUCH = 1, 2, 3, 4
 REPLY = 0x80
 ERROR = 0xFF
 PREFIX, NO_REPLY = 1, 2
@@ -77,9 +81,15 @@ def header(op: int, flags: int, seq: int, count: int, payload_bytes: int) -> byt
     return HEADER.pack(HEADER_BYTES - LENGTH.size + payload_bytes, op, flags, KEY_BYTES, 0, seq, count)
 
 
-def lookup_frame(seq: int, keys: list[bytes]) -> bytes:
-    """A LOOKUP of ``keys`` (32 bytes each, checked by the caller)."""
-    return header(LOOKUP, 0, seq, len(keys), len(keys) * KEY_BYTES) + b"".join(keys)
+def lookup_frame(seq: int, keys: list[bytes], reply: bool = True) -> bytes:
+    """A LOOKUP of ``keys`` (32 bytes each, checked by the caller); without ``reply`` the
+    daemon only records it."""
+    return header(LOOKUP, 0 if reply else NO_REPLY, seq, len(keys), len(keys) * KEY_BYTES) + b"".join(keys)
+
+
+def touch_frame(seq: int, keys: list[bytes]) -> bytes:
+    """A TOUCH of ``keys`` read from the block table (no answer)."""
+    return header(TOUCH, NO_REPLY, seq, len(keys), len(keys) * KEY_BYTES) + b"".join(keys)
 
 
 def lease_frame(seq: int, keys: list[bytes], ttl_s: float, max_bytes: int, prefix: bool,

@@ -98,6 +98,7 @@ class HostConfig:
     pinned: str = "auto"
     shared: bool = True
     huge_pages: str = "auto"
+    block_table: bool = True
     policy: TierPolicyConfig | None = None
 
 

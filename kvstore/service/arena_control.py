@@ -145,10 +145,16 @@ class ArenaControl:
         op, flags, key_bytes, _, seq, count = _BODY.unpack_from(frame)
         payload = memoryview(frame)[_BODY.size:]
         t0 = time.perf_counter()
-        name = {w.LOOKUP: "Lookup", w.LEASE: "Lease", w.RELEASE: "Release"}.get(op, "")
+        name = {w.LOOKUP: "Lookup", w.LEASE: "Lease", w.RELEASE: "Release", w.TOUCH: "Touch"}.get(op, "")
         try:
             if op == w.LOOKUP:
                 reply = self._lookup(seq, payload, count, key_bytes, space, after)
+                if flags & w.NO_REPLY:          # answered from the block table: recorded only
+                    reply = None
+            elif op == w.TOUCH:
+                keys = space.internal_many(w.split_keys(payload, count, key_bytes))
+                after.append(lambda: self.manager.leases.note_table_reads(keys))
+                reply = None
             elif op == w.LEASE:
                 reply = self._lease(seq, flags, payload, count, key_bytes, session, space, after)
             elif op == w.RELEASE:

@@ -39,11 +39,12 @@ import socket
 import threading
 import time
 
-from kvstore.common.arena import HELLO, HELLO_CONTROL, HELLO_SESSION, MAX_HELLO_LINE, arena_identity
+from kvstore.common.arena import HELLO, HELLO_CONTROL, HELLO_SESSION, HELLO_TABLE, MAX_HELLO_LINE, arena_identity
 from kvstore.service.arena_control import ArenaControl
 from kvstore.service.auth import SHARED, Authenticator, KeySpace
 from kvstore.service.listen import check_socket_free
 from kvstore.service.liveness import ClientSessions
+from tiers.block_table import BlockTable, readonly_fd
 
 log = logging.getLogger("kvstore.service.arena_server")
 
@@ -78,12 +79,18 @@ class ArenaServer:
         hello_deadline_s: seconds a client has to send its whole hello line.
         control: answers the control frames of version-3 sessions (None: version-3
             clients are told ``control`` 0).
+        table: the arena's block table, handed to version-4 sessions of the shared key
+            space that are served control frames (None, or a tenant's session: told
+            ``table`` 0; the table holds the store's keys, which are a tenant's only after
+            its name is mixed in). The caller closes each
+            session's reader page when the session ends (:meth:`BlockTable.close_reader`).
     Raises OSError when the socket cannot be bound.
     """
 
     def __init__(self, path: str | os.PathLike, fd: int, size: int, auth: Authenticator | None = None,
                  sessions: ClientSessions | None = None, max_ttl_s: float = 600.0,
-                 hello_deadline_s: float = HELLO_DEADLINE_S, control: ArenaControl | None = None):
+                 hello_deadline_s: float = HELLO_DEADLINE_S, control: ArenaControl | None = None,
+                 table: BlockTable | None = None):
         self.path = pathlib.Path(path)
         self.fd = fd
         self.size = size
@@ -92,6 +99,7 @@ class ArenaServer:
         self.max_ttl_s = max_ttl_s
         self.hello_deadline_s = hello_deadline_s
         self.control = control
+        self.table = table
         self.identity = arena_identity(fd)
         self.handed_out = 0
         self.refused = 0
@@ -175,7 +183,7 @@ class ArenaServer:
             self._close(sel, p)
 
     def _answer(self, conn: socket.socket, line: bytes) -> None:
-        if not line.startswith((HELLO, HELLO_SESSION, HELLO_CONTROL)):
+        if not line.startswith((HELLO, HELLO_SESSION, HELLO_CONTROL, HELLO_TABLE)):
             self.refused += 1
             conn.send(b"ERR bad request\n")
             return
@@ -190,16 +198,45 @@ class ArenaServer:
                 return
             space = KeySpace(tenant)
         reply = b"OK %d\n" % self.size
-        if line.startswith((HELLO_SESSION, HELLO_CONTROL)):
-            session = served = None
-            if self.sessions is not None and self.control is not None and line.startswith(HELLO_CONTROL):
-                session = served = self.sessions.open_served(conn, functools.partial(self.control.serve, space=space))
-            if session is None and self.sessions is not None:
-                session = self.sessions.open(conn)
-            reply = b"OK %d %s %g" % (self.size, (session or "-").encode("ascii"), self.max_ttl_s)
-            reply += (b" %d\n" % bool(served)) if line.startswith(HELLO_CONTROL) else b"\n"
-        socket.send_fds(conn, [reply], [self.fd])
+        fds = [self.fd]
+        extra: list[int] = []
+        try:
+            if line.startswith((HELLO_SESSION, HELLO_CONTROL, HELLO_TABLE)):
+                session = served = None
+                controlled = line.startswith((HELLO_CONTROL, HELLO_TABLE))
+                if self.sessions is not None and self.control is not None and controlled:
+                    session = served = self.sessions.open_served(conn, functools.partial(self.control.serve,
+                                                                                         space=space))
+                if session is None and self.sessions is not None:
+                    session = self.sessions.open(conn)
+                reply = b"OK %d %s %g" % (self.size, (session or "-").encode("ascii"), self.max_ttl_s)
+                if controlled:
+                    reply += b" %d" % bool(served)
+                if line.startswith(HELLO_TABLE):
+                    if served and self.table is not None and space.shared:   # a tenant's keys are not the table's
+                        extra = self._table_fds(served)
+                    reply += b" %d" % bool(extra)
+                reply += b"\n"
+            socket.send_fds(conn, [reply], fds + extra)
+        finally:
+            for fd in extra:
+                os.close(fd)
         self.handed_out += 1
+
+    def _table_fds(self, session: str) -> list[int]:
+        """The block table (read-only) and a reader page for ``session``; [] when either
+        cannot be made (the session then reads by lease)."""
+        try:
+            table = readonly_fd(self.table.fd)
+        except OSError as e:
+            log.warning("arena hand-out: cannot reopen the block table read-only (%s); leases only", e)
+            return []
+        try:
+            return [table, self.table.open_reader(session)]
+        except OSError as e:
+            os.close(table)
+            log.warning("arena hand-out: no reader page for a session (%s); leases only", e)
+            return []
 
     def _close(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         self._pending.pop(p.conn, None)

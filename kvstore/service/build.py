@@ -97,7 +97,7 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
                 raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
             try:
                 out.append(("host", HostTier(t.host.capacity, pinned=pinned, shared=t.host.shared,
-                                             huge_pages=t.host.huge_pages)))
+                                             huge_pages=t.host.huge_pages, block_table=t.host.block_table)))
             except (MemoryError, OSError) as e:
                 raise ConfigError(f"tiers.host.capacity: cannot allocate {format_size(t.host.capacity)} of host "
                                   f"memory ({e}); lower it") from None

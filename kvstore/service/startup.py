@@ -211,11 +211,21 @@ def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, aut
     if sock is None:
         return None, "the daemon listens on TCP: the shared arena is for clients on its unix socket"
     from kvstore.service.liveness import ClientSessions
-    seg = manager.tiers[shared].capabilities.shared.segment()
-    sessions = ClientSessions(manager.open_session, manager.end_session)    # a dead client's hold ends with it
+    host = manager.tiers[shared].capabilities.shared
+    seg = host.segment()
+    table = getattr(host, "block_table", None)
+    if table is not None:                   # a lookup's tier codes are the host's only when it is fastest
+        table.answer_lookups(shared == 0)
+
+    def end(session: str):                  # a dead client's hold ends with it
+        if table is not None:
+            table.close_reader(session)
+        return manager.end_session(session)
+
+    sessions = ClientSessions(manager.open_session, end)
     try:
         arena = ArenaServer(f"{sock.path}.arena", seg.fd, seg.size, auth, sessions=sessions,
-                            max_ttl_s=cfg.server.lease_ttl_s, control=control).start()
+                            max_ttl_s=cfg.server.lease_ttl_s, control=control, table=table).start()
     except OSError as e:
         sessions.stop()
         log.warning("shared arena socket unavailable (%s); same-node clients use gRPC", e)

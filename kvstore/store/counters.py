@@ -67,6 +67,7 @@ COUNTERS: dict[str, str] = {
     "leases_expired": "leases that ended by their TTL (not released)",
     "leases_reclaimed": "leases released because their client's session ended (its process is gone)",
     "leases_refused": "Lease calls that granted nothing: MAX_LEASES leases were alive",
+    "table_read_blocks": "blocks same-node clients read from the shared block table (no lease)",
     # KV events for routers
     "events_published": "KV events sent to subscribers ([events])",
     "events_dropped": "KV events dropped because the publisher's queue was full (a snapshot replaces them)",

@@ -180,6 +180,16 @@ class Leases:
             defer.append(account)
         return LeaseGrant(lease.lease_id, tuple(blocks), ttl_s, state["resume_at"])
 
+    def note_table_reads(self, keys: Sequence[bytes]) -> None:
+        """A same-node client read ``keys`` from the shared block table (no lease): the
+        policies see a hit on each block still stored, counted in ``table_read_blocks``."""
+        cat = self.catalogue
+        with cat.lock:
+            entries = [e for e in map(cat.get, keys) if e is not None]
+            if entries:
+                self._placement.touch_all(entries)
+        self.counters.inc("table_read_blocks", len(entries))
+
     def _account(self, touch: list[Entry], n_held: int, nbytes: int) -> None:
         """A grant's bookkeeping: the policies see a hit on each block leased in place (its
         current tiers: one that left meanwhile is not touched), and the counters."""
