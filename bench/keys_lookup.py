@@ -14,10 +14,11 @@ measured alongside (rounds interleaved, so load on the machine hits both alike):
    with its parts: the request built and serialized on the client, the server handler called
    directly.
 4. **Lookup + get_into of a 128-block prefix of 32 KiB blocks** through the same-node
-   shared-memory path: LOOKUP and LEASE control frames (the release rides on the next lease),
-   next to the same calls by gRPC (Lookup and Lease RPCs: the path before, measured in the
-   same rounds), with its parts (the frames, the copy out of the arena) and the memcpy of the
-   same 4 MiB; and Mooncake's in-process ``batch_is_exist`` + ``batch_get_into`` of the same
+   shared-memory path: both answered from the daemon's block table (no round trip; the
+   daemon is told in frames it does not answer), next to the same calls as LOOKUP and LEASE
+   control frames (the path before the table: ``KVSTORE_BLOCK_TABLE=0``) and by gRPC (Lookup
+   and Lease RPCs), all measured in the same rounds, with its parts (the table lookup, the
+   frames, the copy out of the arena) and the memcpy of the same 4 MiB; and Mooncake's in-process ``batch_is_exist`` + ``batch_get_into`` of the same
    prefix when its wheel is installed (a line says why not otherwise), with our p50 / its p50.
    The load average before and after the rounds is printed: the machine may be shared.
 
@@ -207,11 +208,22 @@ def start_process(folder: pathlib.Path):
 
 
 def grpc_control(c: KVStoreClient) -> KVStoreClient:
-    """``c`` with its arena mapped but its control frames off: Lookup and Lease go by gRPC,
-    the path before same-node control frames (the "before" rows, measured in the same run)."""
-    arena = c.arena()
+    """``c`` with its arena mapped but its block table and control frames off: Lookup and
+    Lease go by gRPC, the path before same-node control frames (the "before" rows, measured
+    in the same run)."""
+    arena = without_table(c).arena()
     if arena is not None:
         arena.control = None
+    return c
+
+
+def without_table(c: KVStoreClient) -> KVStoreClient:
+    """``c`` with its arena mapped but the block table unused: every read takes a LEASE
+    frame, every lookup a LOOKUP frame (the path before the table)."""
+    arena = c.arena()
+    if arena is not None and arena.table is not None:
+        arena.table.close()
+        arena.table = None
     return c
 
 
@@ -220,9 +232,10 @@ def bench_daemon(kind: str, reps: int) -> None:
     daemon, address, stop = (start_inproc if kind == "inproc" else start_process)(folder)
     label = "in-process daemon" if kind == "inproc" else "daemon in its own process"
     try:
-        with KVStoreClient(address, timeout=60) as c, KVStoreClient(address, timeout=60) as before:
-            bench_lookup(c, grpc_control(before), daemon, label, reps)
-            bench_get(c, before, daemon, label, reps)
+        with KVStoreClient(address, timeout=60) as c, KVStoreClient(address, timeout=60) as before, \
+                KVStoreClient(address, timeout=60) as frames:
+            bench_lookup(without_table(frames), grpc_control(before), daemon, label, reps)
+            bench_get(c, frames, before, daemon, label, reps)
     finally:
         stop()
 
@@ -288,7 +301,8 @@ def mooncake_batch_get(reps: int) -> list[float] | None:
         master.stop()
 
 
-def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps: int) -> None:
+def bench_get(c: KVStoreClient, frames: KVStoreClient, before: KVStoreClient, daemon, label: str,
+              reps: int) -> None:
     if not c.shared_memory:
         print(f"\n(no shared arena on the {label}: lookup + get_into skipped)")
         return
@@ -304,7 +318,9 @@ def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps:
         return client.get_into(keys[:hit], out)
 
     assert arena.control is not None, "the daemon serves no control frames"
-    for client in (c, before):
+    table = arena.table
+    print(f"\n(block table: {'mapped' if table is not None else 'not handed out: the table rows repeat the frames'})")
+    for client in (c, frames, before):
         out[:] = 0
         assert lookup_get(client).found == GET_BLOCKS and np.array_equal(out, src)
     grant = c.lease(keys)
@@ -320,10 +336,13 @@ def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps:
 
     fns = {
         "target": lambda: lookup_get(c),
+        "frames": lambda: lookup_get(frames),
         "before": lambda: lookup_get(before),
         "get_only": lambda: c.get_into(keys, out),
+        "get_frames": lambda: frames.get_into(keys, out),
         "get_before": lambda: before.get_into(keys, out),
-        "lookup": lambda: c.lookup(keys),
+        "table_lookup": lambda: c.lookup(keys),
+        "lookup": lambda: frames.lookup(keys),
         "lease": lambda: c.release([c.lease(keys).lease_id]),
         "lease_before": lambda: before.release([before.lease(keys).lease_id]),
         "copy": arena_copy,
@@ -340,10 +359,14 @@ def bench_get(c: KVStoreClient, before: KVStoreClient, daemon, label: str, reps:
     mib = GET_BLOCKS * GET_BLOCK_BYTES / (1 << 20)
     header(f"Lookup + get_into of a {GET_BLOCKS}-block prefix of {GET_BLOCK_BYTES >> 10} KiB blocks "
            f"({mib:.0f} MiB, shared memory), {label}, {reps} interleaved rounds, load {load0:.1f} -> {load1:.1f}")
-    row("lookup + get_into, end to end (control frames)", t["target"], t["before"], "p50 <= 0.5, p99 <= 1.5")
-    row("  the same by gRPC (before: Lookup and Lease RPCs)", t["before"], t["before"])
-    row("get_into alone (its prefix lease is the lookup)", t["get_only"], t["get_before"])
-    row("  the same by gRPC (before)", t["get_before"], t["get_before"])
+    row("lookup + get_into, end to end (block table, no round trip)", t["target"], t["frames"],
+        "p50 <= 0.5, p99 <= 1.5")
+    row("  the same by control frames (before: LOOKUP and LEASE)", t["frames"], t["frames"])
+    row("  the same by gRPC (Lookup and Lease RPCs)", t["before"], t["frames"])
+    row("get_into alone (block table)", t["get_only"], t["get_frames"])
+    row("  the same by a LEASE frame (before; its prefix lease is the lookup)", t["get_frames"], t["get_frames"])
+    row("  the same by gRPC", t["get_before"], t["get_frames"])
+    row("  lookup of the 128 keys in the block table (and its NO_REPLY note)", t["table_lookup"], t["lookup"])
     row("  LOOKUP frame of the 128 keys", t["lookup"])
     row("  LEASE frame + RELEASE frame answered (synchronous)", t["lease"], t["lease_before"])
     row("  Lease RPC + Release RPC (before)", t["lease_before"], t["lease_before"])

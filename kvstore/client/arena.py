@@ -1,17 +1,17 @@
 """The client's same-node data path: blocks copied through the daemon's shared host arena.
 
 :class:`ArenaPath` is a part of :class:`kvstore.client.KVStoreClient`, built on its
-:class:`~kvstore.client.connection.Connection` and its :class:`~kvstore.client.raw.RawPath`.
-It owns the arena's mapping (:class:`kvstore.client.arena_mapping.ArenaMapping`, made on
-first use and dropped when the daemon restarts), ``put_from`` through it (Reserve, one
-copy into the arena, Commit), ``get_into``'s copies out of it under a lease, and the
-background release of those leases (:class:`kvstore.client.lease_releaser.LeaseReleaser`).
-Blocks it cannot move (arena full or busy, a lease or reservation too old to use) go by
-the raw path. On a daemon that serves control frames on the mapping's session
-(:mod:`kvstore.client.arena_control`) the leases, their releases and the client's lookups
-go there instead of gRPC: one unix-socket round trip each, no gRPC call on a same-node
-read; the gRPC calls stay for reservations, for HBM leases, when the channel is busy with
-another thread's call, and with a daemon that serves none.
+:class:`~kvstore.client.connection.Connection` and :class:`~kvstore.client.raw.RawPath`. It
+owns the arena's mapping (:class:`kvstore.client.arena_mapping.ArenaMapping`, made on first
+use, dropped when the daemon restarts), ``put_from`` through it (Reserve, one copy into the
+arena, Commit), ``get_into``'s copies out of it, and the background release of its leases
+(:class:`kvstore.client.lease_releaser.LeaseReleaser`). Blocks it cannot move (arena full or
+busy, a lease or reservation too old to use) go by the raw path. Blocks in the daemon's
+block table are read with no round trip (:mod:`kvstore.client.table_read`); the others under
+a lease. With a daemon that serves control frames on the mapping's session
+(:mod:`kvstore.client.arena_control`) leases, releases and lookups go there instead of gRPC
+(one unix-socket round trip each); gRPC stays for reservations, HBM leases, a channel busy
+with another thread's call, and a daemon that serves none.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvstore.client.arena_control import ControlLost
 from kvstore.client.connection import Connection
 from kvstore.client.lease_releaser import LeaseReleaser
 from kvstore.client.raw import RawPath, block_meta_message
+from kvstore.client.table_read import table_copy, table_lookup
 from kvstore.common.arena import ARENA_CHANGED
 from kvstore.common.arena_wire import MAX_FRAME_KEYS
 from kvstore.common.host_copy import copy, copy_spans
@@ -39,21 +40,18 @@ from kvstore.common.types import LookupResult, PutResult, ReserveStatus
 log = logging.getLogger("kvstore.client")
 
 SAFE_FRACTION = 0.5
-"""A lease or reservation is used only within this fraction of its TTL, counted from when
-its request was sent (the daemon's TTL starts later): a copy out of a lease that finished
-later is thrown away and the blocks go by gRPC; a block whose reservation is that old is
-not written (aborted, then put by gRPC). Never reads or writes space that may be reused."""
+"""A lease or reservation is used only within this fraction of its TTL from when its request
+was sent: a copy out of a lease that ended later is thrown away (the blocks go by gRPC), a
+block whose reservation is that old is not written (aborted, put by gRPC)."""
 
 RECHECK_S = 30.0
 """A client without a mapping asks the daemon's offer again after this long (seconds)."""
 
 RECHECK_AFTER_FAILURE_S = 1.0
-"""... or after this long once a call found the daemon unavailable (it restarts, or
-starts after its client; seconds)."""
+"""... or this long after a call found the daemon unavailable (restarting, not started; s)."""
 
 MAP_RETRY_S = 5.0
-"""A mapping that failed (the daemon's hand-out did not answer in time, refused) is tried
-again after this long (seconds); blocks go by gRPC meanwhile."""
+"""A failed mapping (no answer in time, refused) is tried again after this long (s)."""
 
 _clock = time.monotonic
 
@@ -195,6 +193,9 @@ class ArenaPath:
         """``lookup`` on the control channel of the arena mapped now; None when there is
         none or it is busy (the caller asks by gRPC). Raises the store error answered."""
         arena = self._arena
+        found = table_lookup(arena, keys, timeout or self._conn.timeout)
+        if found is not None:
+            return found
         ch = self.channel(arena)
         if ch is None:
             return None
@@ -324,10 +325,12 @@ class ArenaPath:
         ``arena`` into ``bufs``, one lease at a time (a lease stops early when the arena
         cannot hold more at once), setting ``sizes[i]`` (bytes) and ``codes[i]`` (tier
         code, 0: not found). Each lease is released in the background (:attr:`releaser`).
-        Returns the index of the first key not looked at (``len(keys)`` when done; the
-        rest then goes by gRPC). Raises :class:`ArenaChanged`, StoreUnavailable."""
+        Blocks in the block table are copied first, with no lease. Returns the index of the
+        first key not looked at (``len(keys)``: done; the rest goes by gRPC). Raises
+        :class:`ArenaChanged`, StoreUnavailable."""
         src = arena.array
-        start, release = 0, []
+        start, release = table_copy(arena, self._copy_out, keys, bufs, ranges, stop_at_miss, sizes, codes,
+                                    timeout or self._conn.timeout), []
         ch = self.channel(arena)
         per = min(self._per_request(extra=128), MAX_FRAME_KEYS)
         try:

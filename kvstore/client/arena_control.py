@@ -121,10 +121,25 @@ class ControlChannel:
             total += got[0]
         return total
 
+    def note(self, keys: list[bytes], timeout: float, *, lookup: bool = False) -> bool:
+        """Tell the daemon, in a frame it does not answer, that ``keys`` (at most
+        :data:`~kvstore.common.arena_wire.MAX_FRAME_KEYS`) were read from the block table
+        (TOUCH: the eviction policies see the hits) or, with ``lookup``, looked up there
+        (a LOOKUP it only records). False when the channel is busy (the note is dropped: it
+        is advice, never waited for). Raises ControlLost, StoreUnavailable (not sent within
+        ``timeout`` s)."""
+        if lookup:
+            frame = lambda seq: w.lookup_frame(seq, keys, reply=False)      # noqa: E731
+        else:
+            frame = lambda seq: w.touch_frame(seq, keys)                    # noqa: E731
+        return self._call(frame, w.LOOKUP if lookup else w.TOUCH, timeout, reply=False, busy_s=0.0) is not None
+
     # ------------------------------------------------------------------ one request
 
-    def _call(self, frame, op: int, timeout: float, *, reply: bool = True, wait: bool = False):
-        if not self._lock.acquire(timeout=timeout if wait else BUSY_WAIT_S):
+    def _call(self, frame, op: int, timeout: float, *, reply: bool = True, wait: bool = False,
+              busy_s: float = BUSY_WAIT_S):
+        if not (self._lock.acquire(blocking=False) if busy_s <= 0 and not wait
+                else self._lock.acquire(timeout=timeout if wait else busy_s)):
             return None
         try:
             if not self.usable():

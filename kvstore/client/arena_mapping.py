@@ -10,25 +10,41 @@ session (:attr:`ArenaMapping.metadata`), and when this process ends, however it 
 kernel closes the connection and the daemon releases at once what the session held
 (:mod:`kvstore.service.liveness`), instead of waiting for the TTLs. With hello version 3
 the session also carries the control frames (Lookup, Lease, Release) when the daemon serves
-them: :attr:`ArenaMapping.control` (:mod:`kvstore.client.arena_control`). A daemon that does
-not know version 3 is asked with version 2, then version 1.
+them: :attr:`ArenaMapping.control` (:mod:`kvstore.client.arena_control`). With hello
+version 4 the daemon may also hand over its block table and a reader page for the session:
+:attr:`ArenaMapping.table` (:class:`tiers.block_table.TableView`), which lets the client find
+and copy host blocks with no round trip (:mod:`kvstore.client.table_read`). A daemon that does
+not know a version is asked with the one below (4, 3, 2, then 1).
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import select
 import socket
 
 import numpy as np
 
 from kvstore.client.arena_control import ControlChannel
-from kvstore.common.arena import ARENA_HEADER, HELLO, HELLO_CONTROL, HELLO_SESSION, SESSION_HEADER, arena_identity
+from kvstore.common.arena import (ARENA_HEADER, HELLO, HELLO_CONTROL, HELLO_SESSION, HELLO_TABLE, SESSION_HEADER,
+                                  arena_identity)
+from kvstore.common.block_table import TableView, supported
 from kvstore.common.host_copy import words_enabled
+
+log = logging.getLogger("kvstore.client")
+_HUNG_UP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
 MAX_LEASE_TTL_S = 600.0
 """The longest TTL assumed when a daemon does not say (hello version 1)."""
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)      # Linux 5.14
+
+
+def table_wanted() -> bool:
+    """Whether to ask for the daemon's block table: on x86-64, unless the environment says
+    ``KVSTORE_BLOCK_TABLE=0`` (every read then takes a lease: for comparisons)."""
+    return supported() and os.environ.get("KVSTORE_BLOCK_TABLE", "1") != "0"
 
 
 def map_arena(fd: int, size: int) -> mmap.mmap:
@@ -68,14 +84,20 @@ class ArenaMapping:
     Raises OSError (cannot connect, refused, bad reply).
 
     ``control`` is the session's :class:`~kvstore.client.arena_control.ControlChannel`, or
-    None when the daemon serves no control frames (the client uses gRPC for them).
+    None when the daemon serves no control frames (the client uses gRPC for them);
+    ``table`` the daemon's block table (:class:`~tiers.block_table.TableView`), or None when
+    it handed none (``table=False``, not x86-64, a tenant's session, an older daemon).
     """
 
-    def __init__(self, path: str, token: str = "", timeout: float = 5.0, *, control: bool = True):
-        for hello in (HELLO_CONTROL, HELLO_SESSION, HELLO)[0 if control else 1:]:
+    def __init__(self, path: str, token: str = "", timeout: float = 5.0, *, control: bool = True,
+                 table: bool | None = None):
+        table = table_wanted() if table is None else table and control
+        hellos = (HELLO_TABLE, HELLO_CONTROL, HELLO_SESSION, HELLO)
+        self.table = None
+        for hello in hellos[0 if table else 1 if control else 2:]:
             self._conn = self._hello(path, token, timeout, hello)
             try:
-                msg, fds, _, _ = socket.recv_fds(self._conn, 256, 1)
+                msg, fds, _, _ = socket.recv_fds(self._conn, 256, 3)
             except OSError:
                 self._conn.close()
                 raise
@@ -97,9 +119,12 @@ class ArenaMapping:
             size = int(fields[0])
             self.session = fields[1].decode("ascii") if len(fields) > 1 and fields[1] != b"-" else ""
             self.max_ttl_s = float(fields[2]) if len(fields) > 2 else MAX_LEASE_TTL_S
-            served = hello is HELLO_CONTROL and len(fields) > 3 and fields[3] == b"1" and bool(self.session)
+            served = (hello in (HELLO_CONTROL, HELLO_TABLE) and len(fields) > 3 and fields[3] == b"1"
+                      and bool(self.session))
             self.identity = arena_identity(fd)
             self._map = map_arena(fd, size)
+            if served and hello is HELLO_TABLE and len(fields) > 4 and fields[4] == b"1" and len(fds) == 3:
+                self.table = self._map_table(fds[1], fds[2], size)
         except (ValueError, IndexError, UnicodeDecodeError) as e:
             self._conn.close()
             raise OSError(f"the daemon's arena reply does not parse: {msg[:80]!r} ({e})") from None
@@ -107,7 +132,8 @@ class ArenaMapping:
             self._conn.close()
             raise
         finally:
-            os.close(fd)
+            for each in fds:
+                os.close(each)
         if not self.session:
             self._conn.close()       # nothing to keep alive
         self.control = ControlChannel(self._conn) if served else None
@@ -118,6 +144,26 @@ class ArenaMapping:
         self.metadata = ((ARENA_HEADER, self.identity),) + (((SESSION_HEADER, self.session),)
                                                             if self.session else ())
         """gRPC metadata of Lease, Reserve and Commit: the arena and the session."""
+
+    @staticmethod
+    def _map_table(table_fd: int, reader_fd: int, size: int) -> TableView | None:
+        """The daemon's block table, or None when it cannot be mapped (every read then
+        takes a lease; the daemon is told nothing: the session's reader page stays 0)."""
+        try:
+            return TableView(table_fd, reader_fd, size)
+        except (OSError, ValueError) as e:
+            log.info("the daemon's block table cannot be used (%s); reading by lease", e)
+            return None
+
+    def alive(self) -> bool:
+        """Whether the session connection is still up: the daemon has not closed it (it
+        stopped or restarted). One poll that does not wait (a closed peer reads as hang-up)."""
+        try:
+            poller = select.poll()
+            poller.register(self._conn.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))
+            return not any(ev & _HUNG_UP for _, ev in poller.poll(0))
+        except (OSError, ValueError):       # closed here
+            return False
 
     @staticmethod
     def _hello(path: str, token: str, timeout: float, hello: bytes) -> socket.socket:
@@ -135,6 +181,8 @@ class ArenaMapping:
         """Unmap the arena and end the session (the daemon releases what it held)."""
         if self.control is not None:
             self.control.lost = True
+        if self.table is not None:
+            self.table.close()
         self._conn.close()
         self.array = np.empty(0, dtype=np.uint8)
         try:

@@ -282,9 +282,9 @@ class KVStoreClient:
 
         With ``stop_at_miss`` (the default: a prefix) copying stops at the first miss. A
         block too short for ``ranges`` counts as a miss (its layout is not the caller's).
-        Same node: one Lease, one copy per block from the shared arena, then the lease is
-        released in the background. Raises InvalidRequest (a buffer too small, bad
-        ranges), StoreUnavailable.
+        Same node: blocks in the daemon's block table copied with no round trip, the rest
+        under a lease; slots of blocks the result does not count hold unspecified bytes.
+        Raises InvalidRequest (a buffer too small, bad ranges), StoreUnavailable.
         """
         keys = check_keys(keys)
         bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)

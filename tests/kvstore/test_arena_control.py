@@ -61,6 +61,14 @@ def arena_server_of(d) -> arena_server.ArenaServer:
     return next(b for b in d.background if isinstance(b, arena_server.ArenaServer))
 
 
+@pytest.fixture(autouse=True)
+def frames_only(monkeypatch):
+    """These tests are of the control frames: clients here read no block table (its reads:
+    ``tests/kvstore/test_block_table_reads.py``)."""
+    monkeypatch.setenv("KVSTORE_BLOCK_TABLE", "0")
+
+
+
 @pytest.fixture
 def d(tmp_path):
     daemon = start_server(daemon_config(tmp_path, host="16MiB", nvme=None))

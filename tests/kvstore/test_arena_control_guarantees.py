@@ -39,6 +39,14 @@ from test_arena_control import DEADLINE_S, forbid_grpc, key, wait_for
 BLOCK = 64 << 10
 
 
+@pytest.fixture(autouse=True)
+def frames_only(monkeypatch):
+    """These tests are of the control frames: clients here read no block table (its reads:
+    ``tests/kvstore/test_block_table_reads.py``)."""
+    monkeypatch.setenv("KVSTORE_BLOCK_TABLE", "0")
+
+
+
 @pytest.fixture
 def small(tmp_path):
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))    # 16 blocks of 64 KiB

@@ -68,7 +68,7 @@ def test_round_trip_numpy_and_torch_through_the_arena(daemon):
         assert c.get_into(keys[:2], part, ranges=[(10, 100), (60_000, 200)]).found == 2
         assert (part[:100] == src[0][10:110]).all() and (part[400:600] == src[1][60_000:60_200]).all()
     counters = daemon.manager.counters
-    assert counters["leases_granted"] >= 3 and counters["blocks_put"] == 8
+    assert counters.get("reads", 0) == 0 and counters["blocks_put"] == 8     # nothing read by gRPC
 
 
 def test_prefix_miss_and_blocks_promoted_from_nvme_into_the_arena(daemon):
