@@ -47,7 +47,7 @@ def table_copy(arena, copy_out, keys, bufs, ranges, stop_at_miss, sizes, codes, 
     (0: nothing read here; ``len(keys)``: done, including a ``stop_at_miss`` read that met
     a block too short for ``ranges``)."""
     table = arena.table
-    if table is None or not keys or not table.open():
+    if table is None or not keys or not _ours(arena) or not table.open():
         return 0
     slot = table.enter()
     if slot is None:
@@ -77,7 +77,7 @@ def table_lookup(arena, keys, timeout) -> LookupResult | None:
     there and the table allows it (:attr:`tiers.block_table.TableView.answers_lookups`);
     None otherwise (the caller asks the daemon)."""
     table = arena.table if arena is not None else None
-    if table is None or not keys or not table.open() or not table.answers_lookups:
+    if table is None or not keys or not _ours(arena) or not table.open() or not table.answers_lookups:
         return None
     slot = table.enter()
     if slot is None:
@@ -90,6 +90,13 @@ def table_lookup(arena, keys, timeout) -> LookupResult | None:
         return None
     _note(arena, keys, timeout, lookup=True)
     return LookupResult(run, bytes([HOST]) * run)
+
+
+def _ours(arena) -> bool:
+    """Whether this process may read the table: the one that mapped it (a forked child shares
+    the parent's reader page and session; it reads by lease, over its own mapping, instead)."""
+    ch = arena.control
+    return ch is not None and ch.usable()
 
 
 def _note(arena, keys, timeout, *, lookup: bool) -> None:

@@ -338,3 +338,19 @@ def test_lookups_go_to_the_daemon_when_the_table_does_not_answer_them(d):
         real = ch.lookup
         ch.lookup = lambda *a: asked.append(a) or real(*a)
         assert c.lookup(keys).hit_blocks == 4 and len(asked) == 1
+
+
+def test_a_process_that_did_not_map_the_table_reads_by_lease(d):
+    """A forked child shares its parent's mapping, reader page and session: it reads by
+    lease (or gRPC), never from the table (seen here as a channel made by another pid)."""
+    data = payloads(4, seed=11)
+    keys = [key(i, "f") for i in range(4)]
+    with KVStoreClient(d.address, timeout=DEADLINE_S) as c:
+        c.put_from(keys, data)
+        arena = c.arena()
+        assert arena.table is not None
+        arena.control._pid = -1                                  # as in a child after fork()
+        out = np.zeros((4, BLOCK), np.uint8)
+        assert c.get_into(keys, out).found == 4 and np.array_equal(out, data)
+        assert c.lookup(keys).hit_blocks == 4
+    assert d.manager.counters.get("table_read_blocks", 0) == 0
