@@ -84,7 +84,6 @@ WORD_MIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x9FB21C651E98DF25, 0xD6E8FE
 """Odd multipliers of the key's words before they are xored (MurmurHash3's and
 SplitMix's finaliser constants)."""
 _MIX = np.array(WORD_MIX, dtype=np.uint64)
-_FENCE = threading.Lock()
 
 
 def supported() -> bool:
@@ -93,11 +92,12 @@ def supported() -> bool:
 
 
 def fence() -> None:
-    """A full memory barrier: an uncontended lock taken and released (a locked
-    read-modify-write instruction on x86, which orders every earlier store before every later
-    load)."""
-    _FENCE.acquire()
-    _FENCE.release()
+    """A full memory barrier: a new lock taken and released (a locked read-modify-write
+    instruction on x86, which orders every earlier store before every later load). A lock of
+    its own each time: one shared by threads could be left held in a forked child."""
+    lock = threading.Lock()
+    lock.acquire()
+    lock.release()
 
 
 def default_slots(arena_bytes: int) -> int:
@@ -234,9 +234,11 @@ class BlockTable:
             pages = [page for _, page in self._readers.values()]
         oldest = None
         for page in pages:
-            if page.any():
-                held = int(page[page != 0].min())
-                oldest = held if oldest is None else min(oldest, held)
+            snap = page.copy()                # one read of the page: a slot may clear meanwhile
+            held = snap[snap != 0]
+            if held.size:
+                low = int(held.min())
+                oldest = low if oldest is None else min(oldest, low)
         return oldest
 
     def reusable(self, tag: int) -> bool:
@@ -351,10 +353,12 @@ class TableView:
         pending = np.arange(n)
         for p in range(self._probe):
             idx = (home[pending] + p) & self._mask
-            s1 = e[idx, E_SEQ]                    # seq first, then the entry (the seqlock)
+            s1 = e[idx, E_SEQ]                    # seq, the entry, seq again (the seqlock)
             got = e[idx, E_OFFSET:]
+            s2 = e[idx, E_SEQ]
             state = got[:, E_STATE - 1]
-            match = (state == LIVE) & ((s1 & 1) == 0) & (got[:, E_KEY - 1:] == words[pending]).all(axis=1)
+            match = ((state == LIVE) & ((s1 & 1) == 0) & (s1 == s2)
+                     & (got[:, E_KEY - 1:] == words[pending]).all(axis=1))
             hit = pending[match]
             slot[hit], seq[hit], rows[hit] = idx[match], s1[match], got[match]
             pending = pending[~match & (state != EMPTY)]

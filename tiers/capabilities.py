@@ -72,6 +72,14 @@ class SharedSegment(Protocol):
         """``(offset, size)`` in bytes of a committed block's or a reservation's payload
         in the segment. Raises BlockNotStored."""
 
+    def unpublish(self, key: bytes) -> None:
+        """Stop offering ``key`` to clients that read the segment's block table, while it
+        stays stored (deleted while pinned). No-op when the segment keeps no table."""
+
+    def retired_bytes(self) -> int:
+        """Bytes of freed blocks whose space waits for clients still reading (coming free
+        within a bounded time; 0 without a block table)."""
+
 
 @dataclass(frozen=True)
 class IpcHandle:

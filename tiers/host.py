@@ -37,17 +37,21 @@ from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, NoRoom
 from tiers.host_copy import copy, words_enabled
 from tiers.memory import DEFAULT_ALIGNMENT, allocate_host_buffer
 
+_LISTED = -1
+
+
 class _HostBlock:
     """One block's place in the arena: ``start`` and ``alloc`` (rounded) bytes, ``size``
     payload bytes, ``written`` bytes copied in so far (reservations only)."""
 
-    __slots__ = ("start", "alloc", "size", "written")
+    __slots__ = ("start", "alloc", "size", "written", "tag")
 
     def __init__(self, start: int, alloc: int, size: int):
         self.start = start
         self.alloc = alloc
         self.size = size
         self.written = 0
+        self.tag: int | None = _LISTED      # the block table's epoch tag once unlisted (None: never listed)
 
 
 class HostTier(Tier):
@@ -100,7 +104,8 @@ class HostTier(Tier):
         self._blocks: dict[bytes, _HostBlock] = {}
         self._lock = threading.Lock()
         self._caps = Capabilities(host=self, shared=self if shared else None)
-        self.block_table = BlockTable(self._alloc.capacity) if block_table and shared and supported() else None
+        self.block_table = (BlockTable(self._buffer.mapped_bytes or self._buffer.nbytes)   # the size clients map
+                            if block_table and shared and supported() else None)
         self._retired: list[tuple[int, float, int, int]] = []   # (epoch tag, retired at, start, alloc)
 
     @property
@@ -255,15 +260,45 @@ class HostTier(Tier):
             block = self._blocks.pop(key, None)
             if block is None:
                 raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
-            tag = self.block_table.retire(key) if self.block_table is not None else None
-            if tag is None or self.block_table.reusable(tag):
+            tag = self._unlist(key, block)
+            if tag is None or self._reusable(tag):
                 self._alloc.release(block.start, block.alloc)
             else:                               # a client may be copying it: reused once it is done
                 self._retired.append((tag, time.monotonic(), block.start, block.alloc))
 
+    def unpublish(self, key: bytes) -> None:
+        """Take block ``key`` out of the block table now, while it stays stored (it was
+        deleted while pinned: no client may find it, its space is freed with its last pin).
+        No-op without a table or for a block not stored."""
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None:
+                self._unlist(key, block)
+
+    def _unlist(self, key: bytes, block: _HostBlock) -> int | None:
+        """Retire ``block`` from the table once (lock held); its epoch tag (None: never listed)."""
+        if block.tag == _LISTED:
+            block.tag = self.block_table.retire(key) if self.block_table is not None else None
+        return block.tag
+
+    def _reusable(self, tag: int) -> bool:
+        try:
+            return self.block_table.reusable(tag)
+        except Exception:                       # never lose the space: it waits its STUCK_READER_S instead
+            return False
+
+    def retired_bytes(self) -> int:
+        """Bytes of freed blocks whose space waits for the table's readers (at most
+        :data:`~tiers.block_table.STUCK_READER_S` seconds): free space coming, not to evict for."""
+        with self._lock:
+            return sum(alloc for _, _, _, alloc in self._retired)
+
     def _reuse_retired(self) -> None:
         """Free the retired blocks' space that no reader holds back any more (lock held)."""
-        oldest = self.block_table.oldest_reader() if self.block_table is not None else None
+        try:
+            oldest = self.block_table.oldest_reader() if self.block_table is not None else None
+        except Exception:                       # the readers could not be read: wait out STUCK_READER_S
+            oldest = 0
         now, keep = time.monotonic(), []
         for item in self._retired:
             tag, since, start, alloc = item

@@ -193,7 +193,7 @@ class ArenaPath:
         """``lookup`` on the control channel of the arena mapped now; None when there is
         none or it is busy (the caller asks by gRPC). Raises the store error answered."""
         arena = self._arena
-        found = table_lookup(arena, keys, timeout or self._conn.timeout)
+        found = table_lookup(arena, self.releaser.notes_waiting, keys)
         if found is not None:
             return found
         ch = self.channel(arena)
@@ -329,8 +329,8 @@ class ArenaPath:
         first key not looked at (``len(keys)``: done; the rest goes by gRPC). Raises
         :class:`ArenaChanged`, StoreUnavailable."""
         src = arena.array
-        start, release = table_copy(arena, self._copy_out, keys, bufs, ranges, stop_at_miss, sizes, codes,
-                                    timeout or self._conn.timeout), []
+        start, release = table_copy(arena, self._copy_out, self.releaser.notes_waiting, keys, bufs, ranges,
+                                    stop_at_miss, sizes, codes), []
         ch = self.channel(arena)
         per = min(self._per_request(extra=128), MAX_FRAME_KEYS)
         try:

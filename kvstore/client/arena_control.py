@@ -35,6 +35,11 @@ gRPC instead (seconds): a release frame holds the channel for one send, a lookup
 for one round trip."""
 
 
+MAX_NOTE_BYTES = 1 << 20
+"""Block-table notes queued at most (bytes of frames: about 8,000 of 128 keys); more are
+dropped until the queue is sent."""
+
+
 class ControlLost(OSError):
     """The session connection ended or answered out of protocol: the daemon is gone or
     restarted, the session's leases with it; the mapping must not be used any more."""
@@ -72,6 +77,11 @@ class ControlChannel:
         self._buf = bytearray(64 << 10)
         self._have = 0
         self.lost = False
+        self._notes: list[bytes] = []
+        self._notes_bytes = 0
+        self._notes_lock = threading.Lock()
+        self.notes_dropped = 0
+        """Notes dropped because :data:`MAX_NOTE_BYTES` were waiting (the daemon was slow)."""
 
     def usable(self) -> bool:
         """Whether calls may be made (the connection is up, and this is the process that made it)."""
@@ -121,25 +131,34 @@ class ControlChannel:
             total += got[0]
         return total
 
-    def note(self, keys: list[bytes], timeout: float, *, lookup: bool = False) -> bool:
-        """Tell the daemon, in a frame it does not answer, that ``keys`` (at most
+    def note(self, keys: list[bytes], *, lookup: bool = False) -> bool:
+        """Queue a frame the daemon does not answer saying that ``keys`` (at most
         :data:`~kvstore.common.arena_wire.MAX_FRAME_KEYS`) were read from the block table
-        (TOUCH: the eviction policies see the hits) or, with ``lookup``, looked up there
-        (a LOOKUP it only records). False when the channel is busy (the note is dropped: it
-        is advice, never waited for). Raises ControlLost, StoreUnavailable (not sent within
-        ``timeout`` s)."""
-        if lookup:
-            frame = lambda seq: w.lookup_frame(seq, keys, reply=False)      # noqa: E731
-        else:
-            frame = lambda seq: w.touch_frame(seq, keys)                    # noqa: E731
-        return self._call(frame, w.LOOKUP if lookup else w.TOUCH, timeout, reply=False, busy_s=0.0) is not None
+        (TOUCH: the eviction policies see the hits) or, with ``lookup``, looked up there (a
+        LOOKUP it only records); :meth:`send_notes` sends the queue, off the data path.
+        False when :data:`MAX_NOTE_BYTES` wait already (the note is dropped: it is advice)."""
+        frame = w.lookup_frame(0, keys, reply=False) if lookup else w.touch_frame(0, keys)
+        with self._notes_lock:
+            if self._notes_bytes + len(frame) > MAX_NOTE_BYTES:
+                self.notes_dropped += 1
+                return False
+            self._notes.append(frame)
+            self._notes_bytes += len(frame)
+        return True
+
+    def send_notes(self, timeout: float) -> int:
+        """Send the queued notes in one write (waiting for the channel, at most ``timeout``
+        s); returns how many. Raises ControlLost, StoreUnavailable."""
+        with self._notes_lock:
+            notes, self._notes, self._notes_bytes = self._notes, [], 0
+        if notes and self._call(lambda seq: b"".join(notes), w.TOUCH, timeout, reply=False, wait=True) is None:
+            return 0
+        return len(notes)
 
     # ------------------------------------------------------------------ one request
 
-    def _call(self, frame, op: int, timeout: float, *, reply: bool = True, wait: bool = False,
-              busy_s: float = BUSY_WAIT_S):
-        if not (self._lock.acquire(blocking=False) if busy_s <= 0 and not wait
-                else self._lock.acquire(timeout=timeout if wait else busy_s)):
+    def _call(self, frame, op: int, timeout: float, *, reply: bool = True, wait: bool = False):
+        if not self._lock.acquire(timeout=timeout if wait else BUSY_WAIT_S):
             return None
         try:
             if not self.usable():

@@ -1,4 +1,5 @@
-"""Where a same-node client releases its leases: in the background, off the data path.
+"""Where a same-node client releases its leases (and sends its block-table notes): in the
+background, off the data path.
 
 ``get_into`` copies blocks out of the shared arena under a lease and hands the lease id
 to a :class:`LeaseReleaser` instead of waiting for a Release call: the id rides on the
@@ -41,6 +42,7 @@ class LeaseReleaser:
         self.connection = connection
         self.delay_s = delay_s
         self._channel = channel
+        self._notes = False
         self._ids: list[str] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -51,11 +53,22 @@ class LeaseReleaser:
         """Release ``lease_id`` soon, without waiting (starts the thread on first use)."""
         with self._lock:
             self._ids.append(lease_id)
-            if self._thread is None:        # published once started: close() may join it at any time
-                thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
-                thread.start()
-                self._thread = thread
+            self._start()
         self._wake.set()
+
+    def notes_waiting(self) -> None:
+        """The control channel queued block-table notes: send them soon (with the releases)."""
+        with self._lock:
+            self._notes = True
+            self._start()
+        self._wake.set()
+
+    def _start(self) -> None:
+        """Start the thread on first use (lock held)."""
+        if self._thread is None and not self._stop:     # published once started: close() may join it
+            thread = threading.Thread(target=self._run, name="kvstore-client-release", daemon=True)
+            thread.start()
+            self._thread = thread
 
     def take(self) -> list[str]:
         """The ids waiting, for a Lease call to carry (they are no longer waiting)."""
@@ -65,10 +78,17 @@ class LeaseReleaser:
 
     def _send(self) -> None:
         ids = self.take()
-        if not ids:
-            return
         c = self.connection
         ch = self._channel() if self._channel is not None else None
+        with self._lock:
+            notes, self._notes = self._notes, False
+        if notes and ch is not None:
+            try:
+                ch.send_notes(c.timeout)
+            except (OSError, errors.KVStoreError) as e:     # advice: dropped
+                log.debug("block-table notes on the arena session were not sent: %s", e)
+        if not ids:
+            return
         if ch is not None:
             try:
                 if ch.release(ids, c.timeout, reply=False, wait=True) is not None:

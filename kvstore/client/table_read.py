@@ -9,7 +9,9 @@ block not kept, takes a lease as before (:meth:`kvstore.client.arena.ArenaPath.l
 A ``lookup`` whose every block is in the table is answered from it when the table says so
 (the host arena is the node's fastest tier). Either way the daemon is told in a frame it
 does not answer (TOUCH, or a LOOKUP it only records), for its eviction policies and its
-statistics; a busy channel drops the note (advice), never the read.
+statistics: queued on the control channel and sent by the client's release thread a few ms
+later (:class:`kvstore.client.lease_releaser.LeaseReleaser`), never on the read's path; a
+queue the daemon is too slow to take drops notes (advice), never a read.
 
 What is served is what a lease would have served: a block is read only while its entry is
 live, its space is not reused while this client's read is announced in its reader page (or
@@ -19,13 +21,8 @@ reuse fails the seqlock check and is read again by lease.
 
 from __future__ import annotations
 
-import logging
-
-from kvstore.common import errors
 from kvstore.common.arena_wire import MAX_FRAME_KEYS
 from kvstore.common.types import LookupResult, TierKind
-
-log = logging.getLogger("kvstore.client")
 
 HOST = int(TierKind.HOST)
 
@@ -40,12 +37,13 @@ class _Found:
         self.tier_codes = bytes([HOST]) * len(sizes)
 
 
-def table_copy(arena, copy_out, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout) -> int:
+def table_copy(arena, copy_out, wake, keys, bufs, ranges, stop_at_miss, sizes, codes) -> int:
     """Copy the longest prefix of ``keys`` found in ``arena``'s block table into ``bufs``
     (``copy_out``: :meth:`kvstore.client.arena.ArenaPath._copy_out`), setting ``sizes`` and
-    ``codes`` of the blocks kept. Returns the index of the first key left to the lease path
-    (0: nothing read here; ``len(keys)``: done, including a ``stop_at_miss`` read that met
-    a block too short for ``ranges``)."""
+    ``codes`` of the blocks kept, and queue the note of what was read (``wake()``: have it
+    sent). Returns the index of the first key left to the lease path (0: nothing read here;
+    ``len(keys)``: done, including a ``stop_at_miss`` read that met a block too short for
+    ``ranges``)."""
     table = arena.table
     if table is None or not keys or not _ours(arena) or not table.open():
         return 0
@@ -66,13 +64,13 @@ def table_copy(arena, copy_out, keys, bufs, ranges, stop_at_miss, sizes, codes, 
         sizes[i], codes[i] = 0, 0
     if not kept:
         return 0
-    _note(arena, keys[:kept], timeout, lookup=False)
+    _note(arena, wake, keys[:kept], lookup=False)
     if stop_at_miss and 0 in codes[:kept]:  # a block too short for the ranges: a miss, the read ends
         return len(keys)
     return kept
 
 
-def table_lookup(arena, keys, timeout) -> LookupResult | None:
+def table_lookup(arena, wake, keys) -> LookupResult | None:
     """``lookup`` of ``keys`` answered from ``arena``'s block table when every block is
     there and the table allows it (:attr:`tiers.block_table.TableView.answers_lookups`);
     None otherwise (the caller asks the daemon)."""
@@ -88,7 +86,7 @@ def table_lookup(arena, keys, timeout) -> LookupResult | None:
         table.leave(slot)
     if run < len(keys) or not arena.alive():
         return None
-    _note(arena, keys, timeout, lookup=True)
+    _note(arena, wake, keys, lookup=True)
     return LookupResult(run, bytes([HOST]) * run)
 
 
@@ -99,15 +97,12 @@ def _ours(arena) -> bool:
     return ch is not None and ch.usable()
 
 
-def _note(arena, keys, timeout, *, lookup: bool) -> None:
-    """Tell the daemon what was read or looked up in the table (dropped when the channel is
-    busy or gone: the read it describes stands either way)."""
+def _note(arena, wake, keys, *, lookup: bool) -> None:
+    """Queue the note of what was read or looked up in the table, for the client's release
+    thread to send (``wake``); dropped when too many wait: the read stands either way."""
     ch = arena.control
-    if ch is None or not ch.usable():
-        return
-    try:
-        for start in range(0, len(keys), MAX_FRAME_KEYS):
-            if not ch.note(keys[start:start + MAX_FRAME_KEYS], timeout, lookup=lookup):
-                return
-    except (OSError, errors.KVStoreError) as e:   # the next call on the channel finds it lost
-        log.debug("a block-table note was not sent (%s)", e)
+    queued = False
+    for start in range(0, len(keys), MAX_FRAME_KEYS):
+        queued = ch.note(keys[start:start + MAX_FRAME_KEYS], lookup=lookup) or queued
+    if queued:
+        wake()

@@ -232,11 +232,17 @@ class ArenaServer:
             log.warning("arena hand-out: cannot reopen the block table read-only (%s); leases only", e)
             return []
         try:
-            return [table, self.table.open_reader(session)]
+            reader = self.table.open_reader(session)
         except OSError as e:
             os.close(table)
             log.warning("arena hand-out: no reader page for a session (%s); leases only", e)
             return []
+        if not self.sessions.is_served(session):    # it ended meanwhile: its end may have run first
+            self.table.close_reader(session)
+            os.close(reader)
+            os.close(table)
+            return []
+        return [table, reader]
 
     def _close(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         self._pending.pop(p.conn, None)

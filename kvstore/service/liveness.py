@@ -119,6 +119,11 @@ class ClientSessions:
     def served_sessions(self) -> int:
         return len(self._served)
 
+    def is_served(self, session: str) -> bool:
+        """Whether ``session``'s serving thread still runs (its end is still to come)."""
+        with self._lock:
+            return session in self._served
+
     def _serve(self, conn: socket.socket, session: str, serve: Callable[[socket.socket, str], None]) -> None:
         try:
             serve(conn, session)

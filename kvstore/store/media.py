@@ -279,6 +279,15 @@ class TierAdapter:
         except terr.MediaError as e:
             raise store_error(e) from None
 
+    def unpublish(self, key: bytes) -> None:
+        """Take ``key`` out of the shared arena's block table now (deleted while pinned)."""
+        if self._shared is not None:
+            self._shared.unpublish(key)
+
+    def retired_bytes(self) -> int:
+        """Freed space of the shared arena waiting for its table's readers (bytes; 0 otherwise)."""
+        return self._shared.retired_bytes() if self._shared is not None else 0
+
     def ipc_handle(self, key: bytes) -> IpcHandle:
         """Where a client on the GPU opens ``key`` (CUDA IPC)."""
         try:

@@ -132,6 +132,8 @@ class Placement:
                 deleted += 1
                 if e.pins:
                     e.deleted = True
+                    for i in e.tiers:           # no client finds it in a block table meanwhile
+                        self.tiers[i].unpublish(key)
                 else:
                     self.free_entry(e, "deleted")
         self.counters.inc("blocks_deleted", deleted)

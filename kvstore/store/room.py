@@ -41,6 +41,7 @@ from kvstore.store.counters import Counters
 from kvstore.store.media import TierAdapter
 from kvstore.store.placement import Placement
 from kvstore.store.transfers import Transfer, Transfers
+from tiers.block_table import STUCK_READER_S
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.cleaner import CleanerSignal
@@ -51,6 +52,8 @@ CLEAN_SCAN = 256
 """Blocks the cleaner lets a policy look at to find its next dirty victim before it
 takes the least recently used dirty block instead."""
 
+RETIRED_POLL_S = 0.002
+"""How often a put waiting for retired arena space to come free looks again (seconds)."""
 CLEAN_WAIT_S = 5.0
 """How long a put that found no clean victim waits for the cleaner's demotions before it
 demotes a block itself (seconds)."""
@@ -136,7 +139,16 @@ class Room:
         clean = self._clean_in(i) if cleaner is not None and i < self.last else None
         waited_until = None
         redundant = self._redundant_in(i)
+        retired_until = None
         while not tier.fits(nbytes):
+            if tier.retired_bytes() >= nbytes:
+                # freed space waits for clients reading the block table (a bounded time):
+                # wait for it rather than evicting more for space that is coming
+                if retired_until is None:
+                    retired_until = time.monotonic() + STUCK_READER_S
+                if time.monotonic() < retired_until:
+                    self.cat.changed.wait(RETIRED_POLL_S)
+                    continue
             victim = None
             if redundant is not None:
                 try:

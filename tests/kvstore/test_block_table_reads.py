@@ -354,3 +354,101 @@ def test_a_process_that_did_not_map_the_table_reads_by_lease(d):
         assert c.get_into(keys, out).found == 4 and np.array_equal(out, data)
         assert c.lookup(keys).hit_blocks == 4
     assert d.manager.counters.get("table_read_blocks", 0) == 0
+
+
+def test_a_block_deleted_while_leased_is_gone_from_the_table_at_once(d):
+    data = payloads(4, seed=12)
+    keys = [key(i, "dl") for i in range(4)]
+    with KVStoreClient(d.address, timeout=DEADLINE_S) as c:
+        c.put_from(keys, data)
+        lease = c.lease(keys[1:2])                          # pinned: the delete hides it, frees it later
+        assert lease.lease_id and d.manager.delete(keys[1:2]) == 1
+        out = np.zeros((4, BLOCK), np.uint8)
+        r = c.get_into(keys, out)
+        assert r.found == 1 and r.sizes == [BLOCK, 0, 0, 0] and np.array_equal(out[0], data[0])
+        assert c.lookup(keys).hit_blocks == 1
+        assert c.release([lease.lease_id]) == 1
+
+
+def test_a_reader_stopped_inside_a_read_costs_a_put_one_eviction_not_the_tier(tmp_path, monkeypatch):
+    """Freed space a stopped reader holds back is waited for (at most STUCK_READER_S), not
+    evicted around: one new block evicts one block."""
+    monkeypatch.setattr("tiers.host.STUCK_READER_S", 0.3)
+    monkeypatch.setattr("kvstore.store.room.STUCK_READER_S", 0.3)
+    d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))         # 32 blocks of 32 KiB
+    try:
+        keys = [key(i, "full") for i in range(32)]
+        with KVStoreClient(d.address, timeout=DEADLINE_S) as c:
+            c.put_from(keys, payloads(32, seed=13))
+            assert c.lookup(keys).hit_blocks == 32
+            table = c.arena().table
+            slot = table.enter()                            # stopped here, holding the epoch
+            try:
+                assert c.put_from([key(0, "new")], payloads(1, seed=14)).stored == 1
+                assert sum(c.lookup([k]).hit_blocks for k in keys) == 31     # one evicted, not all
+            finally:
+                table.leave(slot)
+            assert d.manager.counters.get("blocks_dropped", 0) == 1
+    finally:
+        d.stop(0)
+
+
+def test_a_session_that_ends_during_its_hand_out_leaves_no_reader_page(d):
+    server = next(b for b in d.background if isinstance(b, arena_server.ArenaServer))
+    table = host_of(d).block_table
+    assert server._table_fds("no-such-session") == [] and table.readers == 0
+
+
+def test_block_table_notes_are_queued_never_sent_on_the_read_path():
+    import socket
+    from kvstore.client.arena_control import MAX_NOTE_BYTES, ControlChannel
+    ours, daemon = socket.socketpair()
+    try:
+        ch = ControlChannel(ours)                           # a daemon that reads nothing
+        keys = [key(i, "n") for i in range(128)]
+        queued = 0
+        while ch.note(keys):
+            queued += 1
+        assert queued == MAX_NOTE_BYTES // (16 + 128 * 32) and ch.notes_dropped == 1
+        daemon.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            daemon.recv(1)                                  # nothing was written by note()
+        daemon.setblocking(True)
+        got = bytearray()
+        reader = __import__("threading").Thread(target=lambda: [got.extend(daemon.recv(1 << 20))
+                                                                for _ in range(64) if len(got) < queued * 4112])
+        reader.start()
+        assert ch.send_notes(DEADLINE_S) == queued
+        reader.join(DEADLINE_S)
+        assert len(got) == queued * (16 + 128 * 32) and ch.usable()
+    finally:
+        ours.close()
+        daemon.close()
+
+
+def test_the_table_is_sized_as_the_arena_clients_map(d):
+    host = host_of(d)
+    from tiers.block_table import H_ARENA
+    assert int(host.block_table._header[H_ARENA]) == host.segment().size
+
+
+def test_fence_works_in_a_child_forked_while_another_thread_fences():
+    import threading
+    from tiers.block_table import fence
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [fence() for _ in iter(lambda: stop.is_set(), True)], daemon=True)
+    busy.start()
+    try:
+        children = []
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(20)                            # a fence that hangs ends the child, nonzero
+                fence()
+                os._exit(0)
+            children.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+        assert codes == [0] * 20
+    finally:
+        stop.set()
+        busy.join(DEADLINE_S)
