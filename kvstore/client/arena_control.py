@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import os
+import select
 import socket
 import struct
 import threading
@@ -38,6 +39,11 @@ for one round trip."""
 MAX_NOTE_BYTES = 1 << 20
 """Block-table notes queued at most (bytes of frames: about 8,000 of 128 keys); more are
 dropped until the queue is sent."""
+
+
+NOW_NOTE_BYTES = 64 << 10
+"""Queued notes up to this many bytes are sent by the read that queued them, when the socket
+has room (one write, no wait); more, or a busy channel, go to the release thread."""
 
 
 class ControlLost(OSError):
@@ -135,8 +141,9 @@ class ControlChannel:
         """Queue a frame the daemon does not answer saying that ``keys`` (at most
         :data:`~kvstore.common.arena_wire.MAX_FRAME_KEYS`) were read from the block table
         (TOUCH: the eviction policies see the hits) or, with ``lookup``, looked up there (a
-        LOOKUP it only records); :meth:`send_notes` sends the queue, off the data path.
-        False when :data:`MAX_NOTE_BYTES` wait already (the note is dropped: it is advice)."""
+        LOOKUP it only records); :meth:`try_send_notes` sends the queue when that cannot
+        wait, :meth:`send_notes` in any case (the client's release thread). False when
+        :data:`MAX_NOTE_BYTES` wait already (the note is dropped: it is advice)."""
         frame = w.lookup_frame(0, keys, reply=False) if lookup else w.touch_frame(0, keys)
         with self._notes_lock:
             if self._notes_bytes + len(frame) > MAX_NOTE_BYTES:
@@ -145,6 +152,31 @@ class ControlChannel:
             self._notes.append(frame)
             self._notes_bytes += len(frame)
         return True
+
+    def try_send_notes(self) -> bool:
+        """Send the queued notes now if that cannot wait: the channel free (no other call on
+        it), at most :data:`NOW_NOTE_BYTES` queued, and the socket with room for them (a poll
+        that does not wait; the kernel then takes them whole). True when none are left
+        queued (the caller has the rest sent by the release thread otherwise)."""
+        if not self._notes:
+            return True
+        if not self.usable() or self._notes_bytes > NOW_NOTE_BYTES or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            poller = select.poll()
+            poller.register(self._sock.fileno(), select.POLLOUT)
+            if not poller.poll(0):
+                return False
+            with self._notes_lock:
+                notes, self._notes, self._notes_bytes = self._notes, [], 0
+            try:
+                self._sock.sendall(b"".join(notes))
+            except OSError:                 # part of a frame may be out: the stream is lost
+                self.lost = True
+                return True
+            return True
+        finally:
+            self._lock.release()
 
     def send_notes(self, timeout: float) -> int:
         """Send the queued notes in one write (waiting for the channel, at most ``timeout``

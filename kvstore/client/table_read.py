@@ -9,8 +9,9 @@ block not kept, takes a lease as before (:meth:`kvstore.client.arena.ArenaPath.l
 A ``lookup`` whose every block is in the table is answered from it when the table says so
 (the host arena is the node's fastest tier). Either way the daemon is told in a frame it
 does not answer (TOUCH, or a LOOKUP it only records), for its eviction policies and its
-statistics: queued on the control channel and sent by the client's release thread a few ms
-later (:class:`kvstore.client.lease_releaser.LeaseReleaser`), never on the read's path; a
+statistics: queued on the control channel and written at once when the socket has room for
+them (a poll that does not wait, one write), else sent by the client's release thread
+(:class:`kvstore.client.lease_releaser.LeaseReleaser`); a read never waits for a note, and a
 queue the daemon is too slow to take drops notes (advice), never a read.
 
 What is served is what a lease would have served: a block is read only while its entry is
@@ -98,11 +99,11 @@ def _ours(arena) -> bool:
 
 
 def _note(arena, wake, keys, *, lookup: bool) -> None:
-    """Queue the note of what was read or looked up in the table, for the client's release
-    thread to send (``wake``); dropped when too many wait: the read stands either way."""
+    """Queue the note of what was read or looked up in the table and send it now when that
+    cannot wait, else have the client's release thread send it (``wake``); dropped when too
+    many wait: the read stands either way."""
     ch = arena.control
-    queued = False
     for start in range(0, len(keys), MAX_FRAME_KEYS):
-        queued = ch.note(keys[start:start + MAX_FRAME_KEYS], lookup=lookup) or queued
-    if queued:
+        ch.note(keys[start:start + MAX_FRAME_KEYS], lookup=lookup)
+    if not ch.try_send_notes():             # the channel busy, or the daemon slow: in the background
         wake()

@@ -452,3 +452,31 @@ def test_fence_works_in_a_child_forked_while_another_thread_fences():
     finally:
         stop.set()
         busy.join(DEADLINE_S)
+
+
+def test_a_note_is_written_at_once_when_the_socket_has_room_and_queued_when_not():
+    import socket
+    from kvstore.client.arena_control import ControlChannel
+    ours, daemon = socket.socketpair()
+    try:
+        ch = ControlChannel(ours)
+        ch.note([key(1, "w")])
+        assert ch.try_send_notes()                          # written whole, now
+        daemon.settimeout(DEADLINE_S)
+        assert len(daemon.recv(1 << 16)) == 16 + 32
+        filler = socket.socket(fileno=os.dup(ours.fileno()))
+        filler.setblocking(False)
+        try:                                                # the daemon reads nothing: fill the socket
+            while True:
+                filler.send(bytes(1 << 16))
+        except BlockingIOError:
+            pass
+        finally:
+            filler.setblocking(True)                        # the descriptor's flags are ours' too
+            os.close(filler.detach())
+        ch.note([key(2, "w")])
+        assert not ch.try_send_notes()                      # no room: left for the release thread
+        assert ch.usable() and ch._notes_bytes == 16 + 32
+    finally:
+        ours.close()
+        daemon.close()

@@ -614,23 +614,30 @@ def test_answer_lookups_is_seen_by_the_view(table, session):
 
 
 class _DaemonActsBetweenReads:
-    """A view's entries whose second read (the row, after the seq) first lets the daemon
-    retire ``old`` and start publishing ``new`` into the same slot (its seq odd, offset and
-    size written, key words not yet)."""
+    """A view's entries whose row read (after the seq read, before the second one) first lets
+    the daemon retire ``old`` and start publishing another block into the same slot (its seq
+    odd, offset and size written, key words not yet)."""
 
     def __init__(self, real, table, old, slot):
         self.real, self.table, self.old, self.slot, self.reads = real, table, old, slot, 0
 
-    def __getitem__(self, index):
+    def _daemon_acts(self):
+        self.table.retire(self.old)
+        e = self.table._entries
+        e[self.slot, E_SEQ] += 1
+        e[self.slot, E_OFFSET] = 8192
+        e[self.slot, E_SIZE] = 65536
+        e[self.slot, bt.E_STATE] = bt.LIVE
+
+    def __getitem__(self, index):               # a view reading the seq and the rows by indexing
         self.reads += 1
         if self.reads == 2:
-            self.table.retire(self.old)
-            e = self.table._entries
-            e[self.slot, E_SEQ] += 1
-            e[self.slot, E_OFFSET] = 8192
-            e[self.slot, E_SIZE] = 65536
-            e[self.slot, bt.E_STATE] = bt.LIVE
+            self._daemon_acts()
         return self.real[index]
+
+    def take(self, index, axis=None):           # ... or the rows by one take, between its seq reads
+        self._daemon_acts()
+        return self.real.take(index, axis=axis)
 
 
 def test_a_row_rewritten_between_its_seq_and_its_fields_is_not_found(table, session):
