@@ -36,9 +36,9 @@ Layout (little-endian 8-byte words; the header is 8 words, every entry 8 words =
   (:meth:`BlockTable.reusable`), or after :data:`STUCK_READER_S` (a stopped client then
   costs only the seqlock's re-read). So a client does not read space that is being reused
   while its read is announced; the seqlock covers the rest.
-- **Fences**: the announce-then-read of a client and the retire-then-scan of the daemon are
-  store-then-load sequences, which x86 may reorder; :func:`fence` (an uncontended lock
-  taken and released: a locked instruction, a full barrier on x86) stands between them.
+- **Fences**: a client's announce-then-read and the daemon's retire-then-scan are
+  store-then-load sequences, which x86 may reorder; :func:`fence` (a lock taken and
+  released: a locked instruction, a full barrier on x86) stands between them.
 
 The table is an accelerator, never the authority: a key not found in it is asked of the
 daemon (it may be on NVMe, in a reservation, or unpublished), and a closed table (the
@@ -51,6 +51,7 @@ import mmap
 import os
 import platform
 import threading
+import time
 
 import numpy as np
 
@@ -63,14 +64,13 @@ E_SEQ, E_OFFSET, E_SIZE, E_STATE, E_KEY = 0, 1, 2, 3, 4
 EMPTY, LIVE, TOMBSTONE = 0, 1, 2
 OPEN, CLOSED = 1, 2
 LOOKUPS = 1
-"""Flag: the arena's tier is the node's fastest, so a client may answer a lookup whose every
-block it finds in the table itself (the daemon would name the same tier for each)."""
+"""Flag: the arena's tier is the node's fastest (a lookup found whole here may be answered here)."""
 
 PROBE = 8
 """Slots a key may lie in from its home slot (linear probing)."""
 MIN_SLOTS = 1 << 10
 MAX_SLOTS = 1 << 21
-"""Most entries (128 MiB of table): an arena of small blocks beyond it has some unpublished."""
+"""Most entries (128 MiB of table): an arena of small blocks past that has some unpublished."""
 SLOT_PER_BYTES = 8 << 10
 """One slot per this many bytes of arena (two per 16 KiB block), within the bounds above."""
 READER_SLOTS = 512
@@ -81,8 +81,7 @@ STUCK_READER_S = 1.0
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 WORD_MIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x9FB21C651E98DF25, 0xD6E8FEB86659FD93)
-"""Odd multipliers of the key's words before they are xored (MurmurHash3's and
-SplitMix's finaliser constants)."""
+"""Odd multipliers of the key's words before they are xored (MurmurHash3's, SplitMix's)."""
 _MIX = np.array(WORD_MIX, dtype=np.uint64)
 
 
@@ -92,9 +91,9 @@ def supported() -> bool:
 
 
 def fence() -> None:
-    """A full memory barrier: a new lock taken and released (a locked read-modify-write
-    instruction on x86, which orders every earlier store before every later load). A lock of
-    its own each time: one shared by threads could be left held in a forked child."""
+    """A full memory barrier: a new lock taken and released (a locked instruction on x86 orders
+    every earlier store before every later load); a new one, as a shared one could be left
+    held in a forked child."""
     lock = threading.Lock()
     lock.acquire()
     lock.release()
@@ -177,6 +176,7 @@ class BlockTable:
         self._slot_of: dict[bytes, int] = {}
         self._readers: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
         self._readers_lock = threading.Lock()
+        self._held_since: dict[str, dict[int, float]] = {}   # session -> epoch -> first seen held
         self.unpublished = 0
         """Blocks committed that found no free entry in their probe window (read by lease)."""
 
@@ -228,17 +228,27 @@ class BlockTable:
         return tag
 
     def oldest_reader(self) -> int | None:
-        """The oldest epoch a reader announced and still holds, or None when none reads."""
+        """The oldest epoch a reader announced and still holds, or None when none reads. An
+        epoch a session has held for :data:`STUCK_READER_S` (seen so by these scans) counts
+        as no reader's: a client stopped inside a read holds space back once, for that long,
+        not again for every block freed after (its copies fail the seqlock check)."""
         fence()                                   # the retire's stores before the readers' loads
-        with self._readers_lock:
-            pages = [page for _, page in self._readers.values()]
+        now = time.monotonic()
         oldest = None
-        for page in pages:
-            snap = page.copy()                # one read of the page: a slot may clear meanwhile
-            held = snap[snap != 0]
-            if held.size:
-                low = int(held.min())
-                oldest = low if oldest is None else min(oldest, low)
+        with self._readers_lock:
+            for session, (_, page) in self._readers.items():
+                snap = page.copy()            # one read of the page: a slot may clear meanwhile
+                nonzero = snap[snap != 0]
+                if not nonzero.size:
+                    self._held_since.pop(session, None)
+                    continue
+                held = set(nonzero.tolist())
+                seen = self._held_since.setdefault(session, {})
+                for epoch in [e for e in seen if e not in held]:
+                    del seen[epoch]
+                for epoch in held:
+                    if now - seen.setdefault(epoch, now) < STUCK_READER_S:
+                        oldest = epoch if oldest is None else min(oldest, epoch)
         return oldest
 
     def reusable(self, tag: int) -> bool:
@@ -259,6 +269,7 @@ class BlockTable:
         """The session ended: its reader page no longer holds space back."""
         with self._readers_lock:          # its mapping closes with its last array
             self._readers.pop(session, None)
+            self._held_since.pop(session, None)
 
     @property
     def readers(self) -> int:

@@ -76,9 +76,9 @@ class SharedSegment(Protocol):
         """Stop offering ``key`` to clients that read the segment's block table, while it
         stays stored (deleted while pinned). No-op when the segment keeps no table."""
 
-    def retired_bytes(self) -> int:
-        """Bytes of freed blocks whose space waits for clients still reading (coming free
-        within a bounded time; 0 without a block table)."""
+    def retired_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` would fit once the freed space that waits for clients still
+        reading is reused (within a bounded time; False without a block table)."""
 
 
 @dataclass(frozen=True)

@@ -287,11 +287,22 @@ class HostTier(Tier):
         except Exception:                       # never lose the space: it waits its STUCK_READER_S instead
             return False
 
-    def retired_bytes(self) -> int:
-        """Bytes of freed blocks whose space waits for the table's readers (at most
-        :data:`~tiers.block_table.STUCK_READER_S` seconds): free space coming, not to evict for."""
+    def retired_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` would fit once the freed space that waits for the table's
+        readers (at most :data:`~tiers.block_table.STUCK_READER_S` seconds) is reused: free
+        space coming, not to evict other blocks for."""
         with self._lock:
-            return sum(alloc for _, _, _, alloc in self._retired)
+            if not self._retired:
+                return False
+            spans = sorted(self._alloc.free_extents() + [(start, alloc) for _, _, start, alloc in self._retired])
+        need, best, run_start, run_end = self._alloc.round_up(nbytes), 0, -1, -1
+        for start, size in spans:                 # coalesce neighbours, as the allocator will
+            if start == run_end:
+                run_end += size
+            else:
+                run_start, run_end = start, start + size
+            best = max(best, run_end - run_start)
+        return best >= need
 
     def _reuse_retired(self) -> None:
         """Free the retired blocks' space that no reader holds back any more (lock held)."""

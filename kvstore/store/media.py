@@ -284,9 +284,10 @@ class TierAdapter:
         if self._shared is not None:
             self._shared.unpublish(key)
 
-    def retired_bytes(self) -> int:
-        """Freed space of the shared arena waiting for its table's readers (bytes; 0 otherwise)."""
-        return self._shared.retired_bytes() if self._shared is not None else 0
+    def retired_fit(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit once the shared arena's space waiting for its table's
+        readers is reused (False for other tiers)."""
+        return self._shared is not None and self._shared.retired_fit(nbytes)
 
     def ipc_handle(self, key: bytes) -> IpcHandle:
         """Where a client on the GPU opens ``key`` (CUDA IPC)."""

@@ -141,7 +141,7 @@ class Room:
         redundant = self._redundant_in(i)
         retired_until = None
         while not tier.fits(nbytes):
-            if tier.retired_bytes() >= nbytes:
+            if tier.retired_fit(nbytes):
                 # freed space waits for clients reading the block table (a bounded time):
                 # wait for it rather than evicting more for space that is coming
                 if retired_until is None:

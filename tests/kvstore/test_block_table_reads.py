@@ -372,9 +372,10 @@ def test_a_block_deleted_while_leased_is_gone_from_the_table_at_once(d):
 
 def test_a_reader_stopped_inside_a_read_costs_a_put_one_eviction_not_the_tier(tmp_path, monkeypatch):
     """Freed space a stopped reader holds back is waited for (at most STUCK_READER_S), not
-    evicted around: one new block evicts one block."""
-    monkeypatch.setattr("tiers.host.STUCK_READER_S", 0.3)
-    monkeypatch.setattr("kvstore.store.room.STUCK_READER_S", 0.3)
+    evicted around: one new block evicts one block; and the reader holds space back once,
+    not again for every later put."""
+    for where in ("tiers.host", "tiers.block_table", "kvstore.store.room"):
+        monkeypatch.setattr(f"{where}.STUCK_READER_S", 0.3)
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))         # 32 blocks of 32 KiB
     try:
         keys = [key(i, "full") for i in range(32)]
@@ -386,9 +387,13 @@ def test_a_reader_stopped_inside_a_read_costs_a_put_one_eviction_not_the_tier(tm
             try:
                 assert c.put_from([key(0, "new")], payloads(1, seed=14)).stored == 1
                 assert sum(c.lookup([k]).hit_blocks for k in keys) == 31     # one evicted, not all
+                # held past STUCK_READER_S: the stopped reader holds nothing back any more
+                assert host_of(d).block_table.oldest_reader() is None
+                assert c.put_from([key(1, "new")], payloads(1, seed=15)).stored == 1
+                assert sum(c.lookup([k]).hit_blocks for k in keys) == 30
             finally:
                 table.leave(slot)
-            assert d.manager.counters.get("blocks_dropped", 0) == 1
+            assert d.manager.counters.get("blocks_dropped", 0) == 2      # one per new block
     finally:
         d.stop(0)
 
