@@ -23,13 +23,12 @@ counted in ``used_bytes``.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Iterable
 
 import numpy as np
 
 from tiers.allocator import ExtentAllocator
-from tiers.block_table import STUCK_READER_S, BlockTable, supported
+from tiers.block_table import BlockTable, supported
 from tiers.base import Tier, TierKind
 from tiers.buffers import ByteRanges, byte_view, check_chunk, check_ranges, output_view
 from tiers.capabilities import Capabilities, SegmentInfo
@@ -106,7 +105,7 @@ class HostTier(Tier):
         self._caps = Capabilities(host=self, shared=self if shared else None)
         self.block_table = (BlockTable(self._buffer.mapped_bytes or self._buffer.nbytes)   # the size clients map
                             if block_table and shared and supported() else None)
-        self._retired: list[tuple[int, float, int, int]] = []   # (epoch tag, retired at, start, alloc)
+        self._retired: list[tuple[int, int, int]] = []   # (epoch tag, start, alloc)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -261,10 +260,10 @@ class HostTier(Tier):
             if block is None:
                 raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}")
             tag = self._unlist(key, block)
-            if tag is None or self._reusable(tag):
+            if tag is None or self.block_table.reusable(tag):
                 self._alloc.release(block.start, block.alloc)
             else:                               # a client may be copying it: reused once it is done
-                self._retired.append((tag, time.monotonic(), block.start, block.alloc))
+                self._retired.append((tag, block.start, block.alloc))
 
     def unpublish(self, key: bytes) -> None:
         """Take block ``key`` out of the block table now, while it stays stored (it was
@@ -281,12 +280,6 @@ class HostTier(Tier):
             block.tag = self.block_table.retire(key) if self.block_table is not None else None
         return block.tag
 
-    def _reusable(self, tag: int) -> bool:
-        try:
-            return self.block_table.reusable(tag)
-        except Exception:                       # never lose the space: it waits its STUCK_READER_S instead
-            return False
-
     def retired_fit(self, nbytes: int) -> bool:
         """Whether ``nbytes`` would fit once the freed space that waits for the table's
         readers (at most :data:`~tiers.block_table.STUCK_READER_S` seconds) is reused: free
@@ -294,7 +287,7 @@ class HostTier(Tier):
         with self._lock:
             if not self._retired:
                 return False
-            spans = sorted(self._alloc.free_extents() + [(start, alloc) for _, _, start, alloc in self._retired])
+            spans = sorted(self._alloc.free_extents() + [(start, alloc) for _, start, alloc in self._retired])
         need, best, run_start, run_end = self._alloc.round_up(nbytes), 0, -1, -1
         for start, size in spans:                 # coalesce neighbours, as the allocator will
             if start == run_end:
@@ -305,16 +298,14 @@ class HostTier(Tier):
         return best >= need
 
     def _reuse_retired(self) -> None:
-        """Free the retired blocks' space that no reader holds back any more (lock held)."""
-        try:
-            oldest = self.block_table.oldest_reader() if self.block_table is not None else None
-        except Exception:                       # the readers could not be read: wait out STUCK_READER_S
-            oldest = 0
-        now, keep = time.monotonic(), []
+        """Free the retired blocks' space that no reader holds back any more (lock held; a
+        reader stopped for :data:`~tiers.block_table.STUCK_READER_S` holds none:
+        :meth:`~tiers.block_table.BlockTable.oldest_reader`)."""
+        oldest = self.block_table.oldest_reader()
+        keep = []
         for item in self._retired:
-            tag, since, start, alloc = item
-            if oldest is None or oldest > tag or now - since >= STUCK_READER_S:
-                self._alloc.release(start, alloc)
+            if oldest is None or oldest > item[0]:
+                self._alloc.release(item[1], item[2])
             else:
                 keep.append(item)
         self._retired = keep

@@ -244,7 +244,7 @@ READER = textwrap.dedent('''
 
 
 def test_a_client_killed_inside_a_read_holds_no_space_after_its_session(tmp_path, monkeypatch):
-    monkeypatch.setattr("tiers.host.STUCK_READER_S", 3600.0)       # only the session's end frees it
+    monkeypatch.setattr("tiers.block_table.STUCK_READER_S", 3600.0)    # only the session's end frees it
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))
     host = host_of(d)
     try:
@@ -374,7 +374,7 @@ def test_a_reader_stopped_inside_a_read_costs_a_put_one_eviction_not_the_tier(tm
     """Freed space a stopped reader holds back is waited for (at most STUCK_READER_S), not
     evicted around: one new block evicts one block; and the reader holds space back once,
     not again for every later put."""
-    for where in ("tiers.host", "tiers.block_table", "kvstore.store.room"):
+    for where in ("tiers.block_table", "kvstore.store.room"):
         monkeypatch.setattr(f"{where}.STUCK_READER_S", 0.3)
     d = start_server(daemon_config(tmp_path, host="1MiB", nvme=None))         # 32 blocks of 32 KiB
     try:
