@@ -303,6 +303,30 @@ def mooncake_batch_get(reps: int) -> list[float] | None:
         master.stop()
 
 
+GET_ROWS = (          # (label, arm, its baseline arm, target): the rows of the arms a pass measured
+    ("lookup + get_into, end to end (block table, no round trip)", "target", "frames", "p50 <= 0.5, p99 <= 1.5"),
+    ("  the same by control frames (before: LOOKUP and LEASE)", "frames", "frames", ""),
+    ("  the same by gRPC (Lookup and Lease RPCs)", "before", "frames", ""),
+    ("get_into alone (block table)", "get_only", "get_frames", ""),
+    ("  the same by a LEASE frame (before; its prefix lease is the lookup)", "get_frames", "get_frames", ""),
+    ("  the same by gRPC", "get_before", "get_frames", ""),
+    ("  lookup of the 128 keys in the block table (and its NO_REPLY note)", "table_lookup", "lookup", ""),
+    ("  LOOKUP frame of the 128 keys", "lookup", "lookup", ""),
+    ("  LEASE frame + RELEASE frame answered (synchronous)", "lease", "lease_before", ""),
+    ("  Lease RPC + Release RPC (before)", "lease_before", "lease_before", ""),
+    ("  server: manager.lease + release of the 128 blocks", "manager", None, ""),
+    ("  copy of the 128 blocks out of the mapped arena", "copy", "memcpy", ""),
+    ("    the same by one memcpy per block (slice assignment)", "copy_memcpy", "memcpy", ""),
+    ("  memcpy of the same 4 MiB (np.copyto, the floor)", "memcpy", "memcpy", ""),
+)
+
+
+def get_rows(t: dict[str, list[float]]) -> None:
+    for label, arm, base, target in GET_ROWS:
+        if arm in t:
+            row(label, t[arm], t[base] if base else None, target)
+
+
 def bench_get(c: KVStoreClient, frames: KVStoreClient, before: KVStoreClient, daemon, label: str,
               reps: int) -> None:
     if not c.shared_memory:
@@ -361,22 +385,7 @@ def bench_get(c: KVStoreClient, frames: KVStoreClient, before: KVStoreClient, da
     mib = GET_BLOCKS * GET_BLOCK_BYTES / (1 << 20)
     header(f"Lookup + get_into of a {GET_BLOCKS}-block prefix of {GET_BLOCK_BYTES >> 10} KiB blocks "
            f"({mib:.0f} MiB, shared memory), {label}, {reps} interleaved rounds, load {load0:.1f} -> {load1:.1f}")
-    row("lookup + get_into, end to end (block table, no round trip)", t["target"], t["frames"],
-        "p50 <= 0.5, p99 <= 1.5")
-    row("  the same by control frames (before: LOOKUP and LEASE)", t["frames"], t["frames"])
-    row("  the same by gRPC (Lookup and Lease RPCs)", t["before"], t["frames"])
-    row("get_into alone (block table)", t["get_only"], t["get_frames"])
-    row("  the same by a LEASE frame (before; its prefix lease is the lookup)", t["get_frames"], t["get_frames"])
-    row("  the same by gRPC", t["get_before"], t["get_frames"])
-    row("  lookup of the 128 keys in the block table (and its NO_REPLY note)", t["table_lookup"], t["lookup"])
-    row("  LOOKUP frame of the 128 keys", t["lookup"])
-    row("  LEASE frame + RELEASE frame answered (synchronous)", t["lease"], t["lease_before"])
-    row("  Lease RPC + Release RPC (before)", t["lease_before"], t["lease_before"])
-    if "manager" in t:
-        row("  server: manager.lease + release of the 128 blocks", t["manager"])
-    row("  copy of the 128 blocks out of the mapped arena", t["copy"], t["memcpy"])
-    row("    the same by one memcpy per block (slice assignment)", t["copy_memcpy"], t["memcpy"])
-    row("  memcpy of the same 4 MiB (np.copyto, the floor)", t["memcpy"], t["memcpy"])
+    get_rows(t)
     print(f"  (block copies take {'the word loop where memcpy is slow here' if words_enabled() else 'memcpy'}: "
           "kvstore.common.host_copy; KVSTORE_HOST_COPY=memcpy|words forces either)")
     # The same-node arms again without the gRPC ones: a gRPC call leaves the client's gRPC
@@ -386,15 +395,7 @@ def bench_get(c: KVStoreClient, frames: KVStoreClient, before: KVStoreClient, da
     u = interleaved({name: fns[name] for name in local}, reps)
     header(f"The same, same-node arms only (no gRPC call in these rounds), {reps} interleaved rounds, "
            f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    row("lookup + get_into, end to end (block table, no round trip)", u["target"], u["frames"],
-        "p50 <= 0.5, p99 <= 1.5")
-    row("  the same by control frames (before: LOOKUP and LEASE)", u["frames"], u["frames"])
-    row("get_into alone (block table)", u["get_only"], u["get_frames"])
-    row("  the same by a LEASE frame (before)", u["get_frames"], u["get_frames"])
-    row("  lookup of the 128 keys in the block table (and its NO_REPLY note)", u["table_lookup"], u["lookup"])
-    row("  LOOKUP frame of the 128 keys", u["lookup"], u["lookup"])
-    row("  copy of the 128 blocks out of the mapped arena", u["copy"], u["memcpy"])
-    row("  memcpy of the same 4 MiB (np.copyto, the floor)", u["memcpy"], u["memcpy"])
+    get_rows(u)
     mooncake = mooncake_batch_get(reps)
     if mooncake is not None:
         row("Mooncake in-process batch_is_exist + batch_get_into", mooncake)

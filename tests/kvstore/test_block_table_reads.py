@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -32,30 +31,13 @@ from kvstore.service.arena_server import ArenaServer
 from kvstore.service.auth import Authenticator, tenant_key
 from kvstore.service.liveness import ClientSessions
 from kvstore.service.startup import start_server
-from support.daemon import daemon_config, short_socket_dir
+from support.daemon import ROOT, daemon_config, short_socket_dir
 from tiers.base import TierKind
 from tiers.block_table import supported
 
+from test_arena_control import BLOCK, DEADLINE_S, key, payloads, wait_for
+
 pytestmark = pytest.mark.skipif(not supported(), reason="the block table is offered on x86-64 only")
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BLOCK = 32 << 10
-DEADLINE_S = 30.0
-
-
-def key(i: int, tag: str = "t") -> bytes:
-    return (f"{tag}:{i}:".encode() * 32)[:32]
-
-
-def payloads(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, BLOCK), dtype=np.uint8)
-
-
-def wait_for(condition, what: str, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def no_round_trips(c: KVStoreClient) -> list[str]:
