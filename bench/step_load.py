@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """One engine step's load of a 32-layer model: a ``get_into`` per layer (before) against one
-leased read of every layer (``store_io.load_stages``, after), measured in the same run.
+leased read of every layer (``store_io.load_stages``, after), with the daemon's block table
+and without it (leased), measured in the same run.
 
 Both arms fill the same per-layer staging tensors with the rank's KV heads of every block
 (two byte ranges per layer, ``docs/block_layout.md``), as the vLLM worker's loader thread does:
 
 - **before**: ``store_io.load_blocks`` once per layer (a Lease per layer, or more when the
   load is larger than one lease may hold);
-- **after**: ``store_io.load_stages`` (every block leased once, layers copied one after the other).
+- **after**: ``store_io.load_stages`` (blocks in the daemon's block table read with no lease,
+  the others leased once; layers copied one after the other);
+- **leased**: the same with the block table off (``KVSTORE_BLOCK_TABLE=0`` for that client's
+  mapping): every block leased once, one Lease round trip per step.
 
 Two cases, each against its own daemon in its own process (unix socket, shared arena):
 
@@ -28,6 +32,7 @@ reports; it does not judge.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import statistics
@@ -130,22 +135,28 @@ def run_case(name: str, daemon: Daemon, args, n: int, head_dim: int, nvme: bool)
     keys = [f"{name}-{i}".encode().ljust(32, b".") for i in range(n)]
     blocks = torch.randn((n,) + layout.block_shape(), generator=torch.Generator().manual_seed(1)).to(torch.float16)
     want = [blocks[:, layer:layer + 1, :, heads[0]:heads[1]].contiguous() for layer in range(layout.num_layers)]
-    arms = {"before": load_before, "after": load_after}
+    arms = {"before": load_before, "after": load_after, "leased": load_after}
     rows: dict[str, dict[str, list[float]]] = {a: {"load": [], "first": [], "lease": [], "get": [], "promotions": []}
                                                for a in arms}
-    with KVStoreClient(daemon.address, shared_memory=True, timeout=120) as c:
+    os.environ["KVSTORE_BLOCK_TABLE"] = "0"          # read when a client maps the arena
+    leased = KVStoreClient(daemon.address, shared_memory=True, timeout=120)
+    assert leased.arena() is not None and leased.arena().table is None
+    del os.environ["KVSTORE_BLOCK_TABLE"]
+    with KVStoreClient(daemon.address, shared_memory=True, timeout=120) as c, leased:
         assert c.put_from(keys, blocks, sizes=layout.block_bytes).stored == n
-        assert c.shared_memory
+        assert c.shared_memory and c.arena() is not None
+        client = {"before": c, "after": c, "leased": leased}
         staging = [torch.empty_like(w) for w in want]
+        order = list(arms)
         for r in range(args.rounds):
-            for arm in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            for arm in (order if r % 2 == 0 else order[::-1]):
                 if nvme:
                     daemon.demote(keys)
                 for s in staging:
                     s.zero_()
                 rpc, promo = daemon.rpcs(), c.stats()["counters"].get("promotions", 0)
                 t0 = time.perf_counter()
-                first = arms[arm](store_io, c, keys, layout, heads, staging)
+                first = arms[arm](store_io, client[arm], keys, layout, heads, staging)
                 took = time.perf_counter() - t0
                 after_rpc = daemon.rpcs()
                 assert all(torch.equal(s, w) for s, w in zip(staging, want)), f"{arm}: wrong bytes"
@@ -165,12 +176,13 @@ def report(name: str, res: dict, n: int, tp: int) -> None:
           f"({n * lay.block_bytes / 2 ** 20:.1f} MiB leased, {n * lay.block_bytes / tp / 2 ** 20:.1f} MiB "
           f"copied: rank 0 of TP={tp})")
     print(f"  {'arm':8} {'load ms':>9} {'layer 0 ms':>11} {'Lease/step':>11} {'GetRaw/step':>12} {'promotions':>11}")
-    for arm in ("before", "after"):
+    for arm in ("before", "after", "leased"):
         m = med[arm]
         print(f"  {arm:8} {m['load'] * 1e3:9.2f} {m['first'] * 1e3:11.2f} {m['lease']:11.0f} {m['get']:12.0f} "
               f"{m['promotions']:11.0f}")
-    print(f"  after/before: load {med['after']['load'] / med['before']['load']:.2f}x, "
-          f"layer 0 {med['after']['first'] / med['before']['first']:.2f}x")
+    for base in ("before", "leased"):
+        print(f"  after/{base}: load {med['after']['load'] / med[base]['load']:.2f}x, "
+              f"layer 0 {med['after']['first'] / med[base]['first']:.2f}x")
 
 
 def main() -> None:

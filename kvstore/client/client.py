@@ -5,18 +5,17 @@
 ...     hit = c.lookup(keys).hit_blocks
 ...     c.get_into(keys[:hit], out)                   # straight into numpy / torch memory
 
-Data path: on the daemon's own unix socket the client maps the daemon's shared host
-arena once (:mod:`kvstore.client.arena_mapping`) and copies blocks straight between it and the caller's
-buffers; Lookup, Lease and Release are control frames on the arena session
-(:mod:`kvstore.client.arena_control`), gRPC carries Reserve/Commit. Elsewhere (TCP, a
+Data path: on the daemon's own unix socket the client maps the daemon's shared host arena once
+(:mod:`kvstore.client.arena_mapping`) and copies blocks straight between it and the caller's buffers
+(blocks in its block table with no round trip, others by Lease and Release control frames on the arena
+session, :mod:`kvstore.client.arena_control`); gRPC carries Reserve/Commit. Elsewhere (TCP, a
 multi-tenant daemon, ``shared_memory=False``) blocks travel as raw frames
 (:mod:`kvstore.common.wire`) on gRPC. Both paths give the same results.
 
-The client is composed of parts that own their state, each given what it shares through its
-constructor: the :class:`~kvstore.client.connection.Connection` (channel, call, limits, the daemon's
-info), the :class:`~kvstore.client.raw.RawPath` (raw frames), the :class:`~kvstore.client.arena.ArenaPath`
-(the mapping, reservations, leases and their background release) and the :class:`~kvstore.client.hints.HintCalls`.
-This class holds the public verbs and delegates the data movement.
+The client is composed of parts that own their state, each given what it shares through its constructor:
+the :class:`~kvstore.client.connection.Connection` (channel, call, limits, the daemon's info), the
+:class:`~kvstore.client.raw.RawPath` (raw frames), the :class:`~kvstore.client.arena.ArenaPath` (mapping,
+reservations, leases, their release), the :class:`~kvstore.client.hints.HintCalls`; this class holds the verbs.
 
 Errors: gRPC status codes become :mod:`kvstore.common.errors` exceptions (:mod:`kvstore.common.status`);
 a message over the size limit is :class:`~kvstore.common.errors.MessageTooLarge`, never a full store.
@@ -345,8 +344,9 @@ class KVStoreClient:
         return self._arena_path.mapping()
 
     def leased_read(self, keys: Sequence[bytes], stages: Sequence[ReadStage], timeout: float | None = None):
-        """A read of ``stages`` of ``keys``, each block leased once (:class:`LeasedRead`: call its ``run``)."""
-        return LeasedRead(self, keys, stages, timeout=timeout, release_later=self._arena_path.releaser.add)
+        """A read of ``stages`` of ``keys``, each block read or leased once (:class:`LeasedRead`: its ``run``)."""
+        rel = self._arena_path.releaser         # blocks in the block table: no lease; notes sent by rel
+        return LeasedRead(self, keys, stages, timeout=timeout, release_later=rel.add, notes_waiting=rel.notes_waiting)
 
     # -------------------------------------------------------------- agent hints
 

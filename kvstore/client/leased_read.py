@@ -29,6 +29,16 @@ of a lease later than :data:`kvstore.client.arena.SAFE_FRACTION` of its TTL afte
 was sent is thrown away (its space may hold other blocks by then) and read by gRPC; a gRPC
 reply of another length than asked for is a miss.
 
+Blocks in the daemon's block table (:mod:`kvstore.client.table_read`) take no lease: the
+longest prefix of the keys found there is copied straight out of the arena while the read
+is announced in the session's reader page; after each stage the table must still vouch for
+every block copied (seqlocks unchanged, the table open, the session up), and a block it no
+longer vouches for is read by gRPC from that stage on. A step whose blocks are all in the
+host arena makes no round trip at all, its stages published as they are copied. Otherwise
+every stage of the table's blocks is copied and the table left before the rest is leased
+(the lease's promotions may need the space an announced read holds back); the stages are
+then published as the last part's are copied.
+
 Built on the client's public ``lease``, ``release``, ``arena`` and ``get``
 (:class:`kvstore.client.KVStoreClient`), which :meth:`KVStoreClient.leased_read` hands in.
 """
@@ -45,6 +55,7 @@ import numpy as np
 from kvstore.client.arena import SAFE_FRACTION, ArenaChanged
 from kvstore.client.buffers import BlockBuffers
 from kvstore.client.checks import check_keys
+from kvstore.client.table_read import TableRead, note_reads
 from kvstore.common.errors import InvalidRequest
 from kvstore.common.host_copy import copy
 from kvstore.common.transport import MAX_KEYS_PER_REQUEST, keys_per_request
@@ -102,17 +113,20 @@ class LeasedRead:
         timeout: deadline of each store call (seconds; None: the client's).
         release_later: ends a lease without waiting (the client's background release);
             None: a Release call at once.
+        notes_waiting: have queued block-table notes sent (the client's background
+            release); None: the block table is not read, every block is leased.
     Raises InvalidRequest (a key that is not 32 bytes, no stages, a stage without ranges,
     a buffer too small for a stage's bytes).
 
     Attributes (after :meth:`run`): ``sizes[s][i]``, the bytes of stage ``s`` copied for block
     ``i`` (0: a miss); ``leases``, ``releases``, ``gets``: the Lease, Release (between parts)
     and gRPC get calls made; ``parts``: leases granted; ``grpc_blocks``: blocks read by gRPC;
-    ``bytes_copied``.
+    ``table_blocks``: blocks read from the block table (every stage); ``bytes_copied``.
     """
 
     def __init__(self, client, keys: Sequence[bytes], stages: Sequence[ReadStage], *,
-                 timeout: float | None = None, release_later: Callable[[str], None] | None = None):
+                 timeout: float | None = None, release_later: Callable[[str], None] | None = None,
+                 notes_waiting: Callable[[], None] | None = None):
         self.client = client
         self.keys = check_keys(keys)
         if not stages:
@@ -120,6 +134,9 @@ class LeasedRead:
         n = len(self.keys)
         self.timeout = timeout
         self._release_later = release_later or (lambda lease_id: client.release([lease_id], timeout))
+        self._notes_waiting = notes_waiting
+        self._table: TableRead | None = None
+        self._table_stage = 0                       # stages copied out of the table so far
         self._ranges = [_merged(s.ranges) for s in stages]
         if not all(self._ranges):
             raise InvalidRequest("every stage needs at least one byte range")
@@ -138,6 +155,7 @@ class LeasedRead:
                     self._bufs[s].slot(i, self._want[s])
         self.sizes = [[0] * n for _ in stages]
         self.leases = self.releases = self.gets = self.parts = self.grpc_blocks = self.bytes_copied = 0
+        self.table_blocks = 0
         self._published = 0
         self._warned = False
 
@@ -166,11 +184,38 @@ class LeasedRead:
         """
         publish = publish or (lambda stage, sizes: None)
         cancelled = cancelled or (lambda: False)
+        n = len(self.keys)
+        arena = self.client.arena() if n else None
+        if arena is not None and self._notes_waiting is not None:
+            self._table = TableRead.begin(arena, self.keys)
+        table = self._table
+        try:
+            sizes = self._run(arena, publish, cancelled)
+        finally:
+            if table is not None:
+                table.end()
+                self.table_blocks = table.run
+        if table is not None and table.run:          # the daemon's policies see the hits
+            note_reads(table.arena, self._notes_waiting, self.keys[:table.run])
+        return sizes
+
+    def _run(self, arena, publish: Publish, cancelled) -> list[list[int]]:
         n, client = len(self.keys), self.client
         need: dict[int, int] = {}                   # block -> first stage it needs by gRPC
-        arena = client.arena() if n else None
         per = keys_per_request(client.max_message_bytes, extra=128, max_keys=MAX_KEYS_PER_REQUEST)
-        start, remapped = 0, False
+        start, remapped = (self._table.run if self._table is not None else 0), False
+        if start == n:                               # every block in the table: no round trip
+            for s in range(len(self._ranges)):
+                if cancelled():
+                    return self.sizes
+                self._table_upto(s + 1, need)
+                if not need:
+                    self._publish_upto(s + 1, publish)
+        elif self._table is not None:
+            # every stage of the table's blocks first, and the table left, before any Lease: the
+            # promotions of a lease may need space that this read's announcement holds back
+            self._table_upto(len(self._ranges), need)
+            self._table.end()
         while arena is not None and start < n:
             if cancelled():
                 return self.sizes
@@ -248,6 +293,34 @@ class LeasedRead:
             if publish is not None and not need:
                 self._publish_upto(s + 1, publish)
         return True
+
+    def _table_upto(self, upto: int, need: dict[int, int]) -> None:
+        """Copy the stages before ``upto`` not copied yet of the blocks found in the block
+        table; a block the table no longer vouches for after a stage's copy (and every block
+        after it) leaves the table read and goes in ``need`` from that stage."""
+        table = self._table
+        while table is not None and self._table_stage < upto:
+            s = self._table_stage
+            self._table_stage += 1
+            if not table.run:
+                continue
+            ranges, want, end = self._ranges[s], self._want[s], self._end[s]
+            src, slots, got = table.arena.array, self._slots(s), self.sizes[s]
+            for i, base, size in zip(range(table.run), table.offsets, table.sizes):
+                if size < end:
+                    continue                          # too short for the ranges: a miss
+                dst, pos = slots[i], 0
+                for off, m in ranges:
+                    copy(dst[pos:pos + m], src[base + off:base + off + m])
+                    pos += m
+                got[i] = want
+            kept = table.kept()
+            for i in range(kept, table.run):          # their bytes of this stage may not be theirs
+                need[i] = s
+                for later in range(s, len(self._ranges)):
+                    self.sizes[later][i] = 0
+            self.bytes_copied += want * sum(1 for i in range(kept) if got[i])
+            table.run = kept
 
     def _by_grpc(self, need: dict[int, int]) -> None:
         """One gRPC get per first stage needed (usually one) of every stage the blocks in

@@ -38,6 +38,56 @@ class _Found:
         self.tier_codes = bytes([HOST]) * len(sizes)
 
 
+class TableRead:
+    """The longest prefix of ``keys`` found in ``arena``'s block table, announced in this
+    session's reader page until :meth:`end` (the blocks' space is not reused meanwhile, for
+    :data:`tiers.block_table.STUCK_READER_S` at least). Made by :meth:`begin`.
+
+    Attributes: ``arena`` (the mapping read), ``run`` (blocks found, from the first),
+    ``offsets`` and ``sizes`` (lists of ``run`` ints: each block's bytes in ``arena.array``).
+    """
+
+    __slots__ = ("arena", "run", "offsets", "sizes", "_table", "_slot", "_slots", "_seqs")
+
+    def __init__(self, arena, table, slot, run, slots, seqs, offsets, sizes):
+        self.arena, self._table, self._slot, self.run = arena, table, slot, run
+        self._slots, self._seqs = slots, seqs
+        self.offsets, self.sizes = offsets.tolist(), sizes.tolist()
+
+    @classmethod
+    def begin(cls, arena, keys) -> "TableRead | None":
+        """Announce a read and find ``keys``; None when nothing can be read from the table
+        (no table, not this process's, closed, every reader slot taken, the first key absent)."""
+        table = getattr(arena, "table", None)
+        if table is None or not keys or not _ours(arena) or not table.open():
+            return None
+        slot = table.enter()
+        if slot is None:
+            return None
+        try:
+            run, slots, seqs, offsets, sizes = table.find(keys)
+        except BaseException:
+            table.leave(slot)
+            raise
+        if not run:
+            table.leave(slot)
+            return None
+        return cls(arena, table, slot, run, slots, seqs, offsets, sizes)
+
+    def kept(self) -> int:
+        """How many of the blocks found (from the first) the table still vouches for now, the
+        bytes copied out of them so far being theirs (seqlocks unchanged, the table open,
+        the session up: one ``poll``)."""
+        kept = self._table.valid(self._slots[:self.run], self._seqs[:self.run])
+        return kept if kept and self.arena.alive() else 0
+
+    def end(self) -> None:
+        """Leave the reader page (idempotent)."""
+        if self._slot is not None:
+            self._table.leave(self._slot)
+            self._slot = None
+
+
 def table_copy(arena, copy_out, wake, keys, bufs, ranges, stop_at_miss, sizes, codes) -> int:
     """Copy the longest prefix of ``keys`` found in ``arena``'s block table into ``bufs``
     (``copy_out``: :meth:`kvstore.client.arena.ArenaPath._copy_out`), setting ``sizes`` and
@@ -45,27 +95,19 @@ def table_copy(arena, copy_out, wake, keys, bufs, ranges, stop_at_miss, sizes, c
     sent). Returns the index of the first key left to the lease path (0: nothing read here;
     ``len(keys)``: done, including a ``stop_at_miss`` read that met a block too short for
     ``ranges``)."""
-    table = arena.table
-    if table is None or not keys or not _ours(arena) or not table.open():
-        return 0
-    slot = table.enter()
-    if slot is None:
+    found = TableRead.begin(arena, keys)
+    if found is None:
         return 0
     try:
-        run, slots, seqs, offsets, block_sizes = table.find(keys)
-        if not run:
-            return 0
-        copy_out(arena.array, _Found(offsets.tolist(), block_sizes.tolist()), 0, bufs, ranges, sizes, codes)
-        kept = table.valid(slots, seqs)
+        copy_out(arena.array, _Found(found.offsets, found.sizes), 0, bufs, ranges, sizes, codes)
+        kept = found.kept()
     finally:
-        table.leave(slot)
-    if kept and not arena.alive():          # the daemon is gone: its old table proves nothing
-        kept = 0
-    for i in range(kept, run):
+        found.end()
+    for i in range(kept, found.run):
         sizes[i], codes[i] = 0, 0
     if not kept:
         return 0
-    _note(arena, wake, keys[:kept], lookup=False)
+    note_reads(arena, wake, keys[:kept])
     if stop_at_miss and 0 in codes[:kept]:  # a block too short for the ranges: a miss, the read ends
         return len(keys)
     return kept
@@ -96,6 +138,11 @@ def _ours(arena) -> bool:
     the parent's reader page and session; it reads by lease, over its own mapping, instead)."""
     ch = arena.control
     return ch is not None and ch.usable()
+
+
+def note_reads(arena, wake, keys) -> None:
+    """Tell the daemon ``keys`` were read from the table (for its policies; see :func:`_note`)."""
+    _note(arena, wake, keys, lookup=False)
 
 
 def _note(arena, wake, keys, *, lookup: bool) -> None:

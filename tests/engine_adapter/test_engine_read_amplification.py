@@ -32,6 +32,9 @@ the daemon's queued transfers drained, and the loaders' ``bytes_received``):
   per rank (for all 16 layers), bytes copied out of the arena == served (x1). NVMe: a block
   is promoted into the arena once (a full-block NVMe read, for every rank):
   ``promotions == 6``, i.e. the NVMe medium read ``6 x block == served`` (x1).
+  Host case: the blocks are in the daemon's block table, so each rank copies them with no
+  lease at all (``calls == 0``, ``leased_blocks == 0``); the daemon counts them afterwards
+  in ``table_read_blocks`` (``tp x 6``, from the ranks' TOUCH notes).
 - Host cases, both paths: ``promotions == 0`` and nothing read from NVMe.
 """
 
@@ -50,6 +53,7 @@ from engine_adapter.reference.transfer import LayerLoader
 from kvstore.client.client import KVStoreClient
 from kvstore.service.startup import start_server
 from tiers.base import TierKind
+from tiers.block_table import supported
 
 LAYOUT = BlockLayout(num_layers=16, num_kv_heads=4, block_tokens=16, head_dim=32, dtype=torch.float32)
 BLOCKS = 6
@@ -133,7 +137,9 @@ def test_page_back_reads_each_byte_once(daemon, tier, tp, path):
 
     copied = sum(ld.bytes_received for ld in loaders)
     assert copied == SERVED
-    assert all(ld.calls == 1 for ld in loaders)                  # one Lease (shm) or one Get (gRPC)
+    from_table = path == "shm" and tier == "host" and supported()
+    # one Lease (shm) or one Get (gRPC); none for blocks the block table holds
+    assert all(ld.calls == (0 if from_table else 1) for ld in loaders)
     assert delta.get("promotions", 0) == (BLOCKS if tier == "nvme" else 0)
     if path == "grpc":
         assert delta.get("read_bytes_host", 0) + delta.get("read_bytes_nvme", 0) == SERVED
@@ -143,5 +149,13 @@ def test_page_back_reads_each_byte_once(daemon, tier, tp, path):
         assert delta.get("leased_blocks", 0) == 0
     else:
         assert delta.get("reads", 0) == delta.get("read_bytes", 0) == 0
-        assert delta.get("leased_blocks", 0) == tp * BLOCKS
-        assert delta.get("leased_bytes", 0) == tp * SERVED
+        if from_table:                      # read with no lease; the daemon told afterwards (TOUCH notes)
+            assert delta.get("leased_blocks", 0) == 0
+            deadline = time.monotonic() + 60
+            while counters(daemon).get("table_read_blocks", 0) - before.get("table_read_blocks", 0) < tp * BLOCKS:
+                assert time.monotonic() < deadline, "the TOUCH notes of the table reads"
+                time.sleep(0.01)
+            assert counters(daemon)["table_read_blocks"] - before.get("table_read_blocks", 0) == tp * BLOCKS
+        else:
+            assert delta.get("leased_blocks", 0) == tp * BLOCKS
+            assert delta.get("leased_bytes", 0) == tp * SERVED

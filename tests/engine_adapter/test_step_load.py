@@ -1,5 +1,6 @@
 """One store call per engine step (issue 21, acceptance 3): the vLLM worker's load of a step
-is one Lease round trip whatever the layer count, a load larger than the host tier is read
+is one Lease round trip whatever the layer count (none when the daemon's block table holds
+every block), a load larger than the host tier is read
 in parts with each NVMe block promoted once, and every fault still costs only a recompute.
 
 Fake vLLM caches (``cpu`` layout) and a real daemon in this process; round trips are counted
@@ -24,6 +25,7 @@ from engine_adapter.vllm.worker import WorkerTransfers
 from kvstore.client.client import KVStoreClient
 from kvstore.client.leased_read import LeasedRead
 from kvstore.service.startup import start_server
+from tiers.block_table import supported
 
 from support.daemon import daemon_config
 from support.store_checks import only_on_nvme, rpcs
@@ -69,8 +71,14 @@ def load_step(w: WorkerTransfers, layers: int, transfers: list[BlockTransfer]) -
     return w.take_load_errors()
 
 
+@pytest.mark.parametrize("table", [False, True], ids=["leased", "block_table"])
 @pytest.mark.parametrize("layers", [2, 32])
-def test_a_loading_step_is_one_store_round_trip_whatever_the_layer_count(tmp_path, layers):
+def test_a_loading_step_is_one_store_round_trip_whatever_the_layer_count(tmp_path, monkeypatch, layers, table):
+    """One Lease for the step (the block table off), or none at all (every block is in the
+    daemon's block table: read from it, the daemon told afterwards in TOUCH notes)."""
+    if table and not supported():
+        pytest.skip("the block table is offered on x86-64 only")
+    monkeypatch.setenv("KVSTORE_BLOCK_TABLE", "1" if table else "0")
     d = start(tmp_path)
     try:
         layout = layout_of(layers)
@@ -83,8 +91,17 @@ def test_a_loading_step_is_one_store_round_trip_whatever_the_layer_count(tmp_pat
             ids = tuple(range(1, 13))
             assert load_step(w, layers, [BlockTransfer("a", tuple(keys[:5]), ids[:5]),
                                          BlockTransfer("b", tuple(keys[5:]), ids[5:])]) == set()
-            assert rpcs(d, "Lease", before["Lease"] + 1) - before["Lease"] == 1
+            if table:                                           # the notes arrive after the step
+                deadline = time.monotonic() + 60
+                while d.manager.counters.get("table_read_blocks", 0) < 12:
+                    assert time.monotonic() < deadline, "the TOUCH notes of the table reads"
+                    time.sleep(0.01)
+                assert d.manager.counters.get("table_read_blocks", 0) == 12
+                assert rpcs(d, "Lease") - before["Lease"] == 0
+            else:
+                assert rpcs(d, "Lease", before["Lease"] + 1) - before["Lease"] == 1
             assert rpcs(d, "GetRaw") - before["GetRaw"] == 0
+            assert rpcs(d, "Release") - before["Release"] == 0
             assert w.blocks_loaded == 12
         for i, b in enumerate(ids):
             assert torch.equal(cache_block(caches, layers, b), blocks[i])

@@ -4,6 +4,7 @@ the same blocks for one store round trip, each block leased once.
 Round trips are counted at the daemon (its ``kvstore:request_seconds`` histogram counts
 every RPC by method), promotions by its ``promotions`` counter, and every byte read is
 compared with what was stored. A stall of the client is simulated by its clock jumping.
+The block table is off here (every block leased); reads from it: ``test_leased_read_table.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def read(c, keys, **kw) -> tuple[LeasedRead, list[np.ndarray], list[int]]:
     r = c.leased_read(keys, [ReadStage(stage_ranges(s), outs[s]) for s in range(STAGES)])
     r.run(lambda s, sizes: order.append(s), **kw)
     return r, outs, order
+
+
+@pytest.fixture(autouse=True)
+def leases_only(monkeypatch):
+    """Every block leased: leases are what these tests count (blocks in the daemon's block
+    table take none: ``test_leased_read_table.py``)."""
+    monkeypatch.setenv("KVSTORE_BLOCK_TABLE", "0")
 
 
 @pytest.fixture
