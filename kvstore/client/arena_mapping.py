@@ -94,6 +94,7 @@ class ArenaMapping:
         table = table_wanted() if table is None else table and control
         hellos = (HELLO_TABLE, HELLO_CONTROL, HELLO_SESSION, HELLO)
         self.table = None
+        self.last_find = None                           # kept by kvstore.client.table_read
         for hello in hellos[0 if table else 1 if control else 2:]:
             self._conn = self._hello(path, token, timeout, hello)
             try:

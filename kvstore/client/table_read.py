@@ -23,7 +23,7 @@ reuse fails the seqlock check and is read again by lease.
 from __future__ import annotations
 
 from kvstore.common.arena_wire import MAX_FRAME_KEYS
-from kvstore.common.types import LookupResult, TierKind
+from kvstore.common.types import KEY_BYTES, LookupResult, TierKind
 
 HOST = int(TierKind.HOST)
 
@@ -65,7 +65,7 @@ class TableRead:
         if slot is None:
             return None
         try:
-            run, slots, seqs, offsets, sizes = table.find(keys)
+            run, slots, seqs, offsets, sizes = find(arena, table, keys)
         except BaseException:
             table.leave(slot)
             raise
@@ -124,13 +124,29 @@ def table_lookup(arena, wake, keys) -> LookupResult | None:
     if slot is None:
         return None
     try:
-        run = table.find(keys)[0]
+        run = find(arena, table, keys)[0]
     finally:
         table.leave(slot)
     if run < len(keys) or not arena.alive():
         return None
     _note(arena, wake, keys, lookup=True)
     return LookupResult(run, bytes([HOST]) * run)
+
+
+def find(arena, table, keys):
+    """``table.find(keys)`` (read while announced), reusing the rows of the last find over
+    ``arena`` when ``keys`` are a prefix of what it found and those rows are unchanged: their
+    seqlocks read now, while announced, as they were then, prove the rows live now as a fresh
+    find would (an engine's ``lookup`` then ``get_into`` of the same prefix finds it once)."""
+    last, n = arena.last_find, len(keys)
+    joined = b"".join(keys)                    # a copy: a caller's bytearray key may change later
+    if last is not None and last[0] is table and n <= last[2] and joined == last[1][:len(joined)]:
+        slots, seqs = last[3][:n], last[4][:n]
+        if table.valid(slots, seqs) == n:
+            return n, slots, seqs, last[5][:n], last[6][:n]
+    found = table.find(keys)
+    arena.last_find = (table, joined[:KEY_BYTES * found[0]], *found) if found[0] else None
+    return found
 
 
 def _ours(arena) -> bool:

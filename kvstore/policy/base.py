@@ -45,7 +45,7 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 from kvstore.common.errors import ConfigError, KVStoreError
 from kvstore.policy.uses import UseLedger
@@ -215,6 +215,18 @@ class EvictionPolicy(abc.ABC):
             if key in self._let_go:
                 self._still_let_go(key, now)
             self._access(key, now)
+
+    def access_all(self, keys: Sequence[bytes], now: float) -> None:
+        """:meth:`access` of each of ``keys`` (resident) at one time, under one lock: the hits
+        of a lease or of a block-table read (128 blocks: 0.15 ms one by one)."""
+        with self._lock:
+            self._now = max(self._now, now)
+            self.uses.note_all(keys, now, self)
+            let_go, access = self._let_go, self._access
+            for key in keys:
+                if key in let_go:
+                    self._still_let_go(key, now)
+                access(key, now)
 
     def remove(self, key: bytes) -> None:
         """``key`` left the tier for a reason other than pressure. No-op if unknown."""

@@ -55,6 +55,24 @@ class UseLedger:
             rec[2] = id(noter)
             return rec[0]
 
+    def note_all(self, keys, now: float, noter: object) -> None:
+        """:meth:`note` of each of ``keys`` (one lock)."""
+        uses, me = self._uses, id(noter)
+        with self._lock:
+            for key in keys:
+                rec = uses.get(key)
+                if rec is None:
+                    rec = uses[key] = [0, None, 0]
+                    if len(uses) > self.max_keys:
+                        uses.popitem(last=False)
+                else:
+                    uses.move_to_end(key)
+                    if rec[1] == now and rec[2] != me:
+                        continue
+                rec[0] += 1
+                rec[1] = now
+                rec[2] = me
+
     def count(self, key: bytes) -> int:
         """Uses of ``key`` noted so far (0 when unknown)."""
         rec = self._uses.get(key)

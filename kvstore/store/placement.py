@@ -151,14 +151,18 @@ class Placement:
     def touch_all(self, entries: Iterable[Entry]) -> None:
         """:meth:`touch` of each of ``entries`` at one time (lock held): a lease's blocks."""
         now = self.clock()
-        policies, dirty_keys = self.policies, self._dirty_keys
+        dirty_keys = self._dirty_keys
+        hits: list[list[bytes]] = [[] for _ in self.policies]      # per tier, in order: one call each
         for entry in entries:
             key = entry.key
             for i in entry.tiers:
-                policies[i].access(key, now)
+                hits[i].append(key)
             d = self._dirty_tier(entry)
             if d >= 0 and key in dirty_keys[d]:
                 dirty_keys[d].move_to_end(key)
+        for policy, keys in zip(self.policies, hits):
+            if keys:
+                policy.access_all(keys, now)
 
     def count_read(self, tier: TierAdapter, nbytes: int, block: bool = True) -> None:
         """Count ``nbytes`` served from ``tier``; ``block``: and one block read (False for

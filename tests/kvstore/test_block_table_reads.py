@@ -441,16 +441,25 @@ def test_fence_works_in_a_child_forked_while_another_thread_fences():
         busy.join(DEADLINE_S)
 
 
-def test_a_note_is_written_at_once_when_the_socket_has_room_and_queued_when_not():
+def test_notes_wait_for_a_batch_then_go_in_one_write_when_the_socket_has_room_and_queued_when_not():
     import socket
-    from kvstore.client.arena_control import ControlChannel
+    from kvstore.client.arena_control import NOTE_BATCH_S, ControlChannel
     ours, daemon = socket.socketpair()
     try:
         ch = ControlChannel(ours)
         ch.note([key(1, "w")])
-        assert ch.try_send_notes()                          # written whole, now
+        assert not ch.try_send_notes()                      # young: the release thread is asked (once)
+        ch.note([key(2, "w")])
+        assert ch.try_send_notes()                          # already asked: nothing more to do
+        daemon.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            daemon.recv(1)                                  # nothing written yet
+        daemon.setblocking(True)
+        ch._notes_at -= NOTE_BATCH_S                        # the batch has waited long enough
+        assert ch.try_send_notes()                          # both written whole, now, in one write
         daemon.settimeout(DEADLINE_S)
-        assert len(daemon.recv(1 << 16)) == 16 + 32
+        assert len(daemon.recv(1 << 16)) == 2 * (16 + 32)
+        assert ch.send_notes(DEADLINE_S) == 0 and not ch._flush_asked   # the thread's turn: nothing left
         filler = socket.socket(fileno=os.dup(ours.fileno()))
         filler.setblocking(False)
         try:                                                # the daemon reads nothing: fill the socket
@@ -461,7 +470,8 @@ def test_a_note_is_written_at_once_when_the_socket_has_room_and_queued_when_not(
         finally:
             filler.setblocking(True)                        # the descriptor's flags are ours' too
             os.close(filler.detach())
-        ch.note([key(2, "w")])
+        ch.note([key(3, "w")])
+        ch._notes_at -= NOTE_BATCH_S
         assert not ch.try_send_notes()                      # no room: left for the release thread
         assert ch.usable() and ch._notes_bytes == 16 + 32
     finally:

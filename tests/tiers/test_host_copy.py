@@ -68,6 +68,44 @@ def test_copy_spans_matches_slices_and_refuses_a_span_outside(mode):
         host_copy.copy(dst[:10], src[:11])
 
 
+def test_spans_back_to_back_in_both_arrays_are_one_copy_and_the_same_bytes(mode, monkeypatch):
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    # three blocks back to back in both; one continuing in dst only; one in src only; an empty one
+    spans = [(0, 4096, 32 << 10), (32 << 10, 4096 + (32 << 10), 32 << 10), (64 << 10, 4096 + (64 << 10), 32 << 10),
+             (96 << 10, 300 << 10, 8192), (200 << 10, (300 << 10) + 8192, 8192), (208 << 10, 0, 0)]
+    assert host_copy._runs(*zip(*[(d, s, n) for d, s, n in spans])) == [
+        (0, 4096, 96 << 10), (96 << 10, 300 << 10, 8192), (200 << 10, (300 << 10) + 8192, 8192), (208 << 10, 0, 0)]
+    calls = []
+    real = host_copy.np.copyto
+    monkeypatch.setattr(host_copy.np, "copyto", lambda *a, **k: (calls.append(a[0].size), real(*a, **k))[1])
+    host_copy.copy_spans(dst, [d for d, _, _ in spans], src, [s for _, s, _ in spans], [n for _, _, n in spans])
+    want = np.zeros_like(dst)
+    for d, s, n in spans:
+        want[d:d + n] = src[s:s + n]
+    assert np.array_equal(dst, want)
+    if mode == "memcpy":
+        assert calls == [96 << 10, 8192, 8192, 0]
+    # many spans (compared in numpy): the same runs as the loop, on back-to-back blocks with breaks
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        k = int(rng.integers(16, 60))
+        n = rng.choice([0, 8, 4096], size=k).tolist()
+        d = np.concatenate(([0], np.cumsum(n)[:-1] + rng.choice([0, 0, 0, 8], size=k - 1))).tolist()
+        s = np.concatenate(([64], np.cumsum(n)[:-1] + 64 + rng.choice([0, 0, 0, 16], size=k - 1))).tolist()
+        want, d_end, s_end = [], -1, -1
+        for dd, ss, nn in zip(d, s, n):
+            if dd == d_end and ss == s_end and nn > 0 and want and want[-1][2] > 0:
+                want[-1] = (want[-1][0], want[-1][1], want[-1][2] + nn)
+            else:
+                want.append((dd, ss, nn))
+            d_end, s_end = dd + nn, ss + nn
+        assert host_copy._runs(d, s, n) == want
+    with pytest.raises(ValueError):                     # a merged run is checked as a whole
+        host_copy.copy_spans(dst, [dst.size - 20, dst.size - 10], src, [0, 10], [10, 20])
+
+
 @pytest.mark.parametrize("env,want", [("memcpy", False), ("words", True), ("WORDS", True)])
 def test_the_mode_can_be_forced(monkeypatch, env, want):
     monkeypatch.setattr(host_copy, "_words", None)
