@@ -15,7 +15,8 @@ Errors: the :mod:`kvstore.common.errors` exceptions of the client (``StoreUnavai
 daemon cannot be reached or does not answer in time, ``InvalidRequest``, ``TierFull``)
 propagate; a miss is a normal result (``False`` in the returned mask, or a shorter hit).
 
-An engine step's load is one call, :func:`load_stages`: every block leased once and copied
+An engine step's load is one call, :func:`load_stages`: every block read from the daemon's
+block table or leased, once, and copied
 stage by stage (a stage: one layer's K and V of the rank's heads) as each is due, not one
 ``get_into`` per layer (:mod:`kvstore.client.leased_read`).
 

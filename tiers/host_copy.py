@@ -116,7 +116,7 @@ def copy_spans(dst: np.ndarray, dst_offsets: Sequence[int], src: np.ndarray, src
     words = _words if _words is not None else words_enabled()
     d0, s0 = (address(dst), address(src)) if words else (0, 0)
     for d, s, n in _runs(dst_offsets, src_offsets, sizes):
-        if d < 0 or s < 0 or d + n > dst.size or s + n > src.size:
+        if d < 0 or s < 0 or n < 0 or d + n > dst.size or s + n > src.size:
             raise ValueError(f"span of {n} bytes at {s} -> {d} outside {src.size} -> {dst.size} bytes")
         if words:
             copy(dst[d:d + n], src[s:s + n], d0 + d, s0 + s)
@@ -131,9 +131,10 @@ def _runs(dst_offsets: Sequence[int], src_offsets: Sequence[int], sizes: Sequenc
     if len(sizes) >= 16:
         try:
             d, s, n = np.array((dst_offsets, src_offsets, sizes), dtype=np.int64)
-        except OverflowError:                   # not offsets of any buffer: the caller's check refuses them
-            pass
-        else:
+        except (OverflowError, ValueError):     # not offsets of any buffer, or lists of unequal lengths
+            d = None
+        if d is not None and min(d.min(), s.min(), n.min()) >= 0 and max(d.max(), s.max(), n.max()) < 1 << 40:
+            # (values that large or negative go by the loop: no int64 sum can wrap, the caller's check refuses them)
             pos = n > 0
             cont = (d[1:] == d[:-1] + n[:-1]) & (s[1:] == s[:-1] + n[:-1]) & pos[1:] & pos[:-1]
             if cont.all():

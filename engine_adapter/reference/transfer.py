@@ -5,7 +5,7 @@
 - :class:`LayerLoader` pages back a prefix in a loader thread. From a store that leases
   (a :class:`kvstore.client.KVStoreClient`, behind its breaker or not:
   ``store_io.offers_leased_read``), one store call for the page back: every hit block
-  leased once and this rank's KV heads copied out of it layer by layer straight into
+  read from the block table or leased, once, and this rank's KV heads copied out of it layer by layer straight into
   the loader's staging tensor, each layer published when copied
   (``store_io.load_stages``). From any other :class:`BlockStore`, the batch-first
   ``get_into``: one call per group of layers (growing groups: layer 0, layers 1-2,

@@ -55,7 +55,7 @@ class _LayerLoads:
     """Loader thread of one step: staging tensors and per-layer readiness.
 
     One store call for the step (:func:`engine_adapter.store_io.load_stages`): every planned
-    block leased once, its layers copied out one after the other into ``staging[layer]``,
+    block read from the block table or leased, once, its layers copied out one after the other into ``staging[layer]``,
     each layer published (``ok``, ``ready``) as soon as its copy is in place. A layer that
     is never published (the store failed, the load was cancelled) fails every block.
     ``calls``: the store round trips the load made.

@@ -49,8 +49,9 @@ NOTE_BATCH_S = 0.002
 """Notes wait this long for the notes of later reads, to go in one write (seconds): each write
 wakes the daemon, whose work then competes with the reads for the same cores (a lookup +
 ``get_into`` of 128 x 32 KiB took 0.55 ms p50 with a write per note, 0.43 ms with none). The
-first note of a batch asks the release thread to send it after this long (its ``delay_s``:
-one wake per batch, not per read); a read that finds the batch that old writes it itself."""
+first note of a batch asks the release thread to send it, which it does after its own wait
+(:attr:`kvstore.client.lease_releaser.LeaseReleaser.delay_s`, the same 2 ms by default: one
+wake per batch, not per read); a read that finds the batch this old writes it itself."""
 
 
 class ControlLost(OSError):

@@ -1,5 +1,5 @@
-"""A read of several byte ranges of the same blocks with each block leased once: an engine
-step's load, layer by layer, for one store round trip.
+"""A read of several byte ranges of the same blocks with each block read or leased once: an
+engine step's load, layer by layer, for one store round trip at most (none from the block table).
 
 An engine that pages a prefix back layer by layer wants the same blocks once per layer,
 a different pair of byte ranges each time (``docs/block_layout.md``). A ``get_into`` per
@@ -103,7 +103,8 @@ def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class LeasedRead:
-    """Stages of the blocks ``keys``, each block leased once (see the module docstring).
+    """Stages of the blocks ``keys``, each block read from the block table or leased, once
+    (see the module docstring).
 
     Args:
         client: a :class:`kvstore.client.KVStoreClient` (its ``arena``, ``lease``,
@@ -204,17 +205,15 @@ class LeasedRead:
         need: dict[int, int] = {}                   # block -> first stage it needs by gRPC
         per = keys_per_request(client.max_message_bytes, extra=128, max_keys=MAX_KEYS_PER_REQUEST)
         start, remapped = (self._table.run if self._table is not None else 0), False
-        if start == n:                               # every block in the table: no round trip
+        if self._table is not None:                  # (the table is left before any store call)
             for s in range(len(self._ranges)):
                 if cancelled():
                     return self.sizes
                 self._table_upto(s + 1, need)
-                if not need:
+                if start == n and not need:          # every block in the table: published as copied
                     self._publish_upto(s + 1, publish)
-        elif self._table is not None:
-            # every stage of the table's blocks first, and the table left, before any Lease: the
-            # promotions of a lease may need space that this read's announcement holds back
-            self._table_upto(len(self._ranges), need)
+            # left before a Lease: its promotions may need space that this read's announcement
+            # holds back; and before a gRPC get of what the table stopped vouching for
             self._table.end()
         while arena is not None and start < n:
             if cancelled():

@@ -9,10 +9,13 @@ block not kept, takes a lease as before (:meth:`kvstore.client.arena.ArenaPath.l
 A ``lookup`` whose every block is in the table is answered from it when the table says so
 (the host arena is the node's fastest tier). Either way the daemon is told in a frame it
 does not answer (TOUCH, or a LOOKUP it only records), for its eviction policies and its
-statistics: queued on the control channel and written at once when the socket has room for
-them (a poll that does not wait, one write), else sent by the client's release thread
-(:class:`kvstore.client.lease_releaser.LeaseReleaser`); a read never waits for a note, and a
-queue the daemon is too slow to take drops notes (advice), never a read.
+statistics: queued on the control channel in batches (:data:`kvstore.client.arena_control.NOTE_BATCH_S`),
+sent by the client's release thread (:class:`kvstore.client.lease_releaser.LeaseReleaser`), asked
+once per batch, or written by a read that finds the batch old enough when the socket has room
+(a poll that does not wait, one write); a read never waits for a note, and a queue the daemon
+is too slow to take drops notes (advice), never a read. An engine step's load reads the table
+too (:class:`kvstore.client.leased_read.LeasedRead`, which reads what the table stops vouching
+for by gRPC). Rows found are kept for the next find of a prefix of the same keys (:func:`find`).
 
 What is served is what a lease would have served: a block is read only while its entry is
 live, its space is not reused while this client's read is announced in its reader page (or

@@ -28,8 +28,9 @@ the daemon's queued transfers drained, and the loaders' ``bytes_received``):
   client copies this rank's ranges out of it (the loader counts those bytes: the only
   reads of the arena). The daemon counts leases in ``leased_blocks`` / ``leased_bytes``
   (whole blocks pinned: it cannot see which ranges the client copies), not in
-  ``reads``. Asserted: ``reads == 0`` (no block went by gRPC), one lease of every block
-  per rank (for all 16 layers), bytes copied out of the arena == served (x1). NVMe: a block
+  ``reads``. Asserted: ``reads == 0`` (no block went by gRPC), every block of every rank
+  leased once (for all 16 layers) or read from the block table (a block another rank's lease
+  promoted before this rank's read began), bytes copied out of the arena == served (x1). NVMe: a block
   is promoted into the arena once (a full-block NVMe read, for every rank):
   ``promotions == 6``, i.e. the NVMe medium read ``6 x block == served`` (x1).
   Host case: the blocks are in the daemon's block table, so each rank copies them with no
@@ -138,8 +139,14 @@ def test_page_back_reads_each_byte_once(daemon, tier, tp, path):
     copied = sum(ld.bytes_received for ld in loaders)
     assert copied == SERVED
     from_table = path == "shm" and tier == "host" and supported()
-    # one Lease (shm) or one Get (gRPC); none for blocks the block table holds
-    assert all(ld.calls == (0 if from_table else 1) for ld in loaders)
+    # one Lease (shm) or one Get (gRPC); none for blocks the block table holds. On NVMe a rank
+    # whose read starts after another rank's lease promoted blocks finds those in the table
+    if from_table:
+        assert all(ld.calls == 0 for ld in loaders)
+    elif path == "shm" and tier == "nvme":
+        assert all(ld.calls <= 1 for ld in loaders) and sum(ld.calls for ld in loaders) >= 1
+    else:
+        assert all(ld.calls == 1 for ld in loaders)
     assert delta.get("promotions", 0) == (BLOCKS if tier == "nvme" else 0)
     if path == "grpc":
         assert delta.get("read_bytes_host", 0) + delta.get("read_bytes_nvme", 0) == SERVED
@@ -149,13 +156,15 @@ def test_page_back_reads_each_byte_once(daemon, tier, tp, path):
         assert delta.get("leased_blocks", 0) == 0
     else:
         assert delta.get("reads", 0) == delta.get("read_bytes", 0) == 0
+        leased = delta.get("leased_blocks", 0)
+        assert delta.get("leased_bytes", 0) == leased * LAYOUT.block_bytes
         if from_table:                      # read with no lease; the daemon told afterwards (TOUCH notes)
-            assert delta.get("leased_blocks", 0) == 0
-            deadline = time.monotonic() + 60
-            while counters(daemon).get("table_read_blocks", 0) - before.get("table_read_blocks", 0) < tp * BLOCKS:
-                assert time.monotonic() < deadline, "the TOUCH notes of the table reads"
-                time.sleep(0.01)
-            assert counters(daemon)["table_read_blocks"] - before.get("table_read_blocks", 0) == tp * BLOCKS
-        else:
-            assert delta.get("leased_blocks", 0) == tp * BLOCKS
-            assert delta.get("leased_bytes", 0) == tp * SERVED
+            assert leased == 0
+
+        def table_reads() -> int:
+            return counters(daemon).get("table_read_blocks", 0) - before.get("table_read_blocks", 0)
+        deadline = time.monotonic() + 60    # every rank's every block: leased, or read from the table
+        while leased + table_reads() < tp * BLOCKS:
+            assert time.monotonic() < deadline, "the TOUCH notes of the table reads"
+            time.sleep(0.01)
+        assert leased + table_reads() == tp * BLOCKS

@@ -123,8 +123,15 @@ def test_a_block_deleted_while_a_layer_is_computed_is_a_miss_from_then_on_never_
                 if s == 2:                                  # the engine computes layer 2 meanwhile
                     assert other.delete([keys[3]]) == 1
 
+            table, get, announced = table_of(c), c.get, []
+
+            def watched_get(*a, **kw):                      # the table is left before the gRPC get
+                announced.append(int(np.count_nonzero(table._reader)))
+                return get(*a, **kw)
+            c.get = watched_get
             r = c.leased_read(keys, stages)
             r.run(publish)
+            assert announced == [0]
             assert [s for s, _ in published] == list(range(STAGES))
             for s, sizes in published:
                 assert sizes == [4096 if (i != 3 or s <= 2) else 0 for i in range(8)]
@@ -178,6 +185,24 @@ def test_a_cancelled_read_stops_and_frees_the_reader_slot(tmp_path):
             assert published == [0, 1, 2]
             assert np.array_equal(outs[2], expected(data, 2))
             assert not outs[3].any()
+            assert len(table_of(c)._free) == READER_SLOTS
+    finally:
+        d.stop(0)
+
+
+def test_a_read_cancelled_while_it_copies_the_tables_blocks_leases_nothing(tmp_path):
+    d = start(tmp_path, nvme="64MiB")
+    try:
+        keys, data = blocks(8, 13)
+        with KVStoreClient(d.address, shared_memory=True) as c:
+            assert c.put_from(keys, data).stored == 8
+            only_on_nvme(d, c, keys[4:])                    # 0-3 in the table, 4-7 to lease
+            stages, outs = stages_for(8)
+            asked: list[int] = []
+            r = c.leased_read(keys, stages)
+            r.run(lambda s, sizes: None, cancelled=lambda: (asked.append(1), len(asked) > 2)[1])
+            assert (r.leases, r.gets) == (0, 0)             # stopped before stage 2: no store call
+            assert np.array_equal(outs[1][:4], expected(data, 1)[:4]) and not outs[2].any()
             assert len(table_of(c)._free) == READER_SLOTS
     finally:
         d.stop(0)

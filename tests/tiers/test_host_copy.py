@@ -102,6 +102,12 @@ def test_spans_back_to_back_in_both_arrays_are_one_copy_and_the_same_bytes(mode,
                 want.append((dd, ss, nn))
             d_end, s_end = dd + nn, ss + nn
         assert host_copy._runs(d, s, n) == want
+    big = 1 << 62                                       # two back-to-back spans whose int64 sum would wrap
+    far = [0, big] + [4096 * (2 * i + 2) for i in range(14)]
+    with pytest.raises(ValueError):                     # refused, never a negative no-op copy
+        host_copy.copy_spans(dst, far, src, far, [big, big] + [1] * 14)
+    with pytest.raises(ValueError):                     # a negative size
+        host_copy.copy_spans(dst, [0] * 16, src, [0] * 16, [8] * 15 + [-8])
     with pytest.raises(ValueError):                     # a merged run is checked as a whole
         host_copy.copy_spans(dst, [dst.size - 20, dst.size - 10], src, [0, 10], [10, 20])
 
