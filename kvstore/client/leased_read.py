@@ -272,10 +272,7 @@ class LeasedRead:
                 j = i - start
                 if not codes[j] or sizes[j] < end:
                     continue                          # not found, or too short for the ranges: a miss
-                base, dst, pos = offsets[j], slots[i], 0
-                for off, m in ranges:
-                    copy(dst[pos:pos + m], src[base + off:base + off + m])
-                    pos += m
+                _copy_ranges(slots[i], src, offsets[j], ranges)
                 got[i] = want
             if _clock() - sent > safe_s:             # the copies may have outlived the lease
                 if not self._warned:
@@ -284,9 +281,7 @@ class LeasedRead:
                     self._warned = True
                 for i in range(start, stop):
                     if codes[i - start]:
-                        need[i] = s
-                        for later in range(s, len(self._ranges)):
-                            self.sizes[later][i] = 0
+                        self._by_grpc_from(i, s, need)
                 return True
             self.bytes_copied += want * sum(1 for i in range(start, stop) if got[i])
             if publish is not None and not need:
@@ -308,18 +303,19 @@ class LeasedRead:
             for i, base, size in zip(range(table.run), table.offsets, table.sizes):
                 if size < end:
                     continue                          # too short for the ranges: a miss
-                dst, pos = slots[i], 0
-                for off, m in ranges:
-                    copy(dst[pos:pos + m], src[base + off:base + off + m])
-                    pos += m
+                _copy_ranges(slots[i], src, base, ranges)
                 got[i] = want
             kept = table.kept()
             for i in range(kept, table.run):          # their bytes of this stage may not be theirs
-                need[i] = s
-                for later in range(s, len(self._ranges)):
-                    self.sizes[later][i] = 0
+                self._by_grpc_from(i, s, need)
             self.bytes_copied += want * sum(1 for i in range(kept) if got[i])
             table.run = kept
+
+    def _by_grpc_from(self, i: int, s: int, need: dict[int, int]) -> None:
+        """Block ``i`` goes by gRPC from stage ``s`` on (what was copied of it since may not be its)."""
+        need[i] = s
+        for later in range(s, len(self._ranges)):
+            self.sizes[later][i] = 0
 
     def _by_grpc(self, need: dict[int, int]) -> None:
         """One gRPC get per first stage needed (usually one) of every stage the blocks in
@@ -350,3 +346,11 @@ class LeasedRead:
             self._published += 1
             self._bufs[s].finish()                  # device buffers: their host staging copied back
             publish(s, self.sizes[s])
+
+
+def _copy_ranges(dst: np.ndarray, src: np.ndarray, base: int, ranges: list[tuple[int, int]]) -> None:
+    """The ``ranges`` of the block at byte ``base`` of ``src``, concatenated into ``dst``."""
+    pos = 0
+    for off, m in ranges:
+        copy(dst[pos:pos + m], src[base + off:base + off + m])
+        pos += m

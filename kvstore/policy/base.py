@@ -209,12 +209,7 @@ class EvictionPolicy(abc.ABC):
 
     def access(self, key: bytes, now: float) -> None:
         """A hit on resident ``key``."""
-        with self._lock:
-            self._now = max(self._now, now)
-            self.uses.note(key, now, self)
-            if key in self._let_go:
-                self._still_let_go(key, now)
-            self._access(key, now)
+        self.access_all((key,), now)
 
     def access_all(self, keys: Sequence[bytes], now: float) -> None:
         """:meth:`access` of each of ``keys`` (resident) at one time, under one lock: the hits

@@ -41,37 +41,30 @@ class UseLedger:
         """One use of ``key`` at ``now`` (seconds) seen by ``noter`` (a policy); returns
         the count. A note at the same time from another noter is the same use."""
         with self._lock:
-            rec = self._uses.get(key)
-            if rec is None:
-                rec = self._uses[key] = [0, None, 0]
-                if len(self._uses) > self.max_keys:
-                    self._uses.popitem(last=False)
-            else:
-                self._uses.move_to_end(key)
-                if rec[1] == now and rec[2] != id(noter):
-                    return rec[0]
-            rec[0] += 1
-            rec[1] = now
-            rec[2] = id(noter)
-            return rec[0]
+            return self._note(key, now, id(noter))
 
     def note_all(self, keys, now: float, noter: object) -> None:
         """:meth:`note` of each of ``keys`` (one lock)."""
-        uses, me = self._uses, id(noter)
+        me, one = id(noter), self._note
         with self._lock:
             for key in keys:
-                rec = uses.get(key)
-                if rec is None:
-                    rec = uses[key] = [0, None, 0]
-                    if len(uses) > self.max_keys:
-                        uses.popitem(last=False)
-                else:
-                    uses.move_to_end(key)
-                    if rec[1] == now and rec[2] != me:
-                        continue
-                rec[0] += 1
-                rec[1] = now
-                rec[2] = me
+                one(key, now, me)
+
+    def _note(self, key: bytes, now: float, noter_id: int) -> int:
+        """:meth:`note` with the lock held."""
+        rec = self._uses.get(key)
+        if rec is None:
+            rec = self._uses[key] = [0, None, 0]
+            if len(self._uses) > self.max_keys:
+                self._uses.popitem(last=False)
+        else:
+            self._uses.move_to_end(key)
+            if rec[1] == now and rec[2] != noter_id:
+                return rec[0]
+        rec[0] += 1
+        rec[1] = now
+        rec[2] = noter_id
+        return rec[0]
 
     def count(self, key: bytes) -> int:
         """Uses of ``key`` noted so far (0 when unknown)."""

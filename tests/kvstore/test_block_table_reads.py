@@ -35,7 +35,7 @@ from support.daemon import ROOT, daemon_config, short_socket_dir
 from tiers.base import TierKind
 from tiers.block_table import supported
 
-from test_arena_control import BLOCK, DEADLINE_S, key, payloads, wait_for
+from test_arena_control import BLOCK, DEADLINE_S, d, key, payloads, wait_for  # noqa: F401 (d: a fixture)
 
 pytestmark = pytest.mark.skipif(not supported(), reason="the block table is offered on x86-64 only")
 
@@ -60,13 +60,6 @@ def no_round_trips(c: KVStoreClient) -> list[str]:
 def host_of(d):
     m = d.manager
     return m.tiers[m.shared_tier]
-
-
-@pytest.fixture
-def d(tmp_path):
-    daemon = start_server(daemon_config(tmp_path, host="16MiB", nvme=None))
-    yield daemon
-    daemon.stop(0)
 
 
 def test_lookup_and_get_into_from_the_table_make_no_round_trip_and_match_grpc(d):

@@ -10,20 +10,11 @@ import numpy as np
 import pytest
 
 from kvstore.client.client import KVStoreClient
-from kvstore.service.startup import start_server
-from support.daemon import daemon_config
 from tiers.block_table import TableView, supported
 
-from test_arena_control import BLOCK, DEADLINE_S, key, payloads
+from test_arena_control import BLOCK, DEADLINE_S, d, key, payloads  # noqa: F401 (d: a fixture)
 
 pytestmark = pytest.mark.skipif(not supported(), reason="the block table is offered on x86-64 only")
-
-
-@pytest.fixture
-def d(tmp_path):
-    daemon = start_server(daemon_config(tmp_path, host="16MiB", nvme=None))
-    yield daemon
-    daemon.stop(0)
 
 
 def fresh_finds(monkeypatch) -> list[int]:
