@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from kvstore.common.errors import TierFull, TierIOError
@@ -28,6 +29,9 @@ from kvstore.store.room import Room
 from kvstore.store.transfers import Transfers
 
 log = logging.getLogger("kvstore.store.placement")
+
+WAIT_S = 0.05
+"""Longest the cleaner waits for one of its copies to end before it looks again (seconds)."""
 
 
 class CleanerSignal:
@@ -119,9 +123,12 @@ class Cleaner:
         return done
 
     def _clean(self, i: int, cap: int) -> int:
-        """Copy tier ``i``'s coldest dirty blocks down, several copies in flight, until its
-        free and clean bytes reach ``1 - low`` of ``cap`` (at least the bytes of ``width``
-        blocks, so that a disk has ``width`` writes in flight). Returns blocks cleaned."""
+        """Copy tier ``i``'s coldest dirty blocks down, up to ``width`` copies in flight,
+        until its free and clean bytes reach the goal: ``1 - low`` of ``cap``, and at least
+        the bytes of ``width`` blocks. Bytes being copied do not count as clean: puts find
+        clean room while the next copies run, and a finished copy is replaced at once (the
+        pass waits for whichever copy ends first, not for the oldest), so a disk keeps
+        ``width`` writes in flight while puts outrun it. Returns blocks cleaned."""
         room, p, transfers = self.room, self.placement, self.transfers
         tier = room.tiers[i]
         chosen: set[bytes] = set()
@@ -129,6 +136,7 @@ class Cleaner:
         width = 1 if room.tiers[i + 1].volatile else max(1, self.disk_workers)
         done = {"cleaned": 0, "moving": 0}               # blocks cleaned, bytes being copied
         goal = (1.0 - room.low) * cap
+        dry = False                                      # no dirty victim (or room) left
 
         def settle(t) -> None:
             transfers.run(t, wait=True)
@@ -136,30 +144,49 @@ class Cleaner:
             if t.ok:
                 done["cleaned"] += 1
                 self.counters.inc("precleaned")
+
+        def reap() -> None:
+            for t in [t for t in inflight if t.done.is_set()]:
+                inflight.remove(t)
+                settle(t)
         with self.cat.lock:
             self.signal.busy = True
             try:
                 while not self._stop.is_set():
+                    reap()
                     free = cap - tier.used_bytes
-                    clean = p.resident_bytes(i) - p.dirty_bytes(i) + done["moving"]
-                    if free + clean >= goal:
+                    clean = p.resident_bytes(i) - p.dirty_bytes(i)
+                    if free + clean >= goal and not inflight:
                         break
-                    victim = room.dirty_victim(i, chosen)
-                    if victim is None:
+                    if not dry and len(inflight) < width and free + clean < goal:
+                        victim = room.dirty_victim(i, chosen)
+                        t = None
+                        if victim is not None:
+                            chosen.add(victim)
+                            try:
+                                t = room.start_copy_locked(self.cat.raw(victim), i, i + 1, "demoted")
+                            except (TierFull, NoVictim, TierIOError) as e:
+                                log.debug("pre-cleaning %s skipped: %s", victim.hex()[:16], e)
+                        if t is None:
+                            dry = True
+                            continue
+                        transfers.run(t, wait=False)
+                        inflight.append(t)
+                        done["moving"] += t.entry.size
+                        # room for ``width`` copies in flight, even in a tier of a few large blocks
+                        goal = max(goal, min(cap, width * t.entry.size))
+                        continue
+                    if not inflight:
                         break
-                    chosen.add(victim)
-                    try:
-                        t = room.start_copy_locked(self.cat.raw(victim), i, i + 1, "demoted")
-                    except (TierFull, NoVictim, TierIOError) as e:
-                        log.debug("pre-cleaning %s skipped: %s", victim.hex()[:16], e)
-                        break
-                    transfers.run(t, wait=False)
-                    inflight.append(t)
-                    done["moving"] += t.entry.size
-                    # room for ``width`` copies in flight, even in a tier of a few large blocks
-                    goal = max(goal, min(cap, width * t.entry.size))
-                    if len(inflight) >= width:
-                        settle(inflight.pop(0))
+                    oldest = inflight[0]
+                    if oldest.done.is_set():
+                        continue
+                    if time.monotonic() - oldest.started > transfers.transfer_timeout_s:
+                        inflight.pop(0)
+                        settle(oldest)               # waits out its deadline, then abandons it
+                        continue
+                    self.cat.changed.wait(WAIT_S)    # a copy ended (notified), or look again
+                reap()
                 while inflight:
                     settle(inflight.pop(0))
             finally:

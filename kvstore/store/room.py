@@ -14,7 +14,9 @@ the store. Pinned and leased blocks are never victims.
 :class:`~kvstore.store.cleaner.Cleaner` thread watches each tier's watermarks. When a
 tier other than the last holds more than ``high`` of its capacity, it copies its
 coldest dirty blocks down until the free and clean bytes reach ``1 - low`` of the
-capacity: in the tier policy's order while its next dirty block is near the front
+capacity, with up to ``disk_workers`` copies into a disk in flight, each replaced as soon
+as it ends (one slow write holds up no other): in the tier policy's order while its next
+dirty block is near the front
 (:data:`CLEAN_SCAN`), else the least recently used dirty block (the placement's dirty
 list), so a tier whose coldest blocks are all clean already costs no scan per cleaned
 block. A put into a full tier then evicts a clean block, which costs a free and no I/O;

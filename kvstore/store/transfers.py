@@ -52,6 +52,7 @@ class Transfer:
     abandoned: bool = False
     reserved: bool = False      # room reserved in ``dst``: the copy may run
     submitted: bool = False
+    started: float = field(default_factory=time.monotonic)    # when phase one began (monotonic s)
     done: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
