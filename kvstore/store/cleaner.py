@@ -134,15 +134,15 @@ class Cleaner:
         chosen: set[bytes] = set()
         inflight: list = []
         width = 1 if room.tiers[i + 1].volatile else max(1, self.disk_workers)
-        done = {"cleaned": 0, "moving": 0}               # blocks cleaned, bytes being copied
+        cleaned = 0
         goal = (1.0 - room.low) * cap
         dry = False                                      # no dirty victim (or room) left
 
         def settle(t) -> None:
+            nonlocal cleaned
             transfers.run(t, wait=True)
-            done["moving"] -= t.entry.size
             if t.ok:
-                done["cleaned"] += 1
+                cleaned += 1
                 self.counters.inc("precleaned")
 
         def reap() -> None:
@@ -172,7 +172,6 @@ class Cleaner:
                             continue
                         transfers.run(t, wait=False)
                         inflight.append(t)
-                        done["moving"] += t.entry.size
                         # room for ``width`` copies in flight, even in a tier of a few large blocks
                         goal = max(goal, min(cap, width * t.entry.size))
                         continue
@@ -183,7 +182,7 @@ class Cleaner:
                         continue
                     if time.monotonic() - oldest.started > transfers.transfer_timeout_s:
                         inflight.pop(0)
-                        settle(oldest)               # waits out its deadline, then abandons it
+                        settle(oldest)     # waits up to transfer_timeout_s more, then abandons it
                         continue
                     self.cat.changed.wait(WAIT_S)    # a copy ended (notified), or look again
                 reap()
@@ -192,7 +191,7 @@ class Cleaner:
             finally:
                 self.signal.busy = False
                 self.cat.changed.notify_all()
-        return done["cleaned"]
+        return cleaned
 
 
 __all__ = ["Cleaner", "CleanerSignal"]
