@@ -134,6 +134,18 @@ class BlockLayout:
         return [((layer * 2 + kv) * per_kv + h0 * self.head_bytes, (h1 - h0) * self.head_bytes)
                 for kv in (0, 1)]
 
+    def head_major_ranges(self, layer: int, heads: tuple[int, int]) -> list[tuple[int, int]]:
+        """``(offset, length)`` byte ranges of KV heads ``[h0, h1)`` of ``layer``, head by head:
+        head ``h0``'s k, its v, then head ``h0 + 1``'s k, ...
+
+        Fetched and concatenated, they form a ``(h1 - h0, 2, block_tokens, head_dim)`` buffer:
+        one block of vLLM's CPU cache layer (``engine_adapter.vllm.kv_views``, ``"cpu"``), so
+        a page back can copy straight into it. Raises ValueError as :meth:`layer_ranges`.
+        """
+        (k, n), (v, _) = self.layer_ranges(layer, heads)
+        hb = self.head_bytes
+        return [(base + j * hb, hb) for j in range(n // hb) for base in (k, v)]
+
     def group_ranges(self, layers: tuple[int, int], heads: tuple[int, int]) -> list[tuple[int, int]]:
         """``(offset, length)`` byte ranges of KV heads ``[h0, h1)`` of layers ``[l0, l1)``.
 

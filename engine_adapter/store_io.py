@@ -29,6 +29,7 @@ outage is logged once with one summary at its end. A plug-in treats any
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -110,9 +111,11 @@ class GuardedStore:
         return self._call(LOAD, len(keys), self.store.get_into, keys, out, **kwargs)
 
     def load_stages(self, keys: Sequence[bytes], stages: Sequence[ReadStage], timeout_s: float | None,
-                    publish: Publish | None, cancelled: Callable[[], bool] | None) -> StagesLoaded:
+                    publish: Publish | None, cancelled: Callable[[], bool] | None,
+                    write_lock=None) -> StagesLoaded:
         """:func:`load_stages` of the store behind the breaker (one breaker call for the whole read)."""
-        return self._call(LOAD, len(keys), _load_stages, self.store, keys, stages, timeout_s, publish, cancelled)
+        return self._call(LOAD, len(keys), _load_stages, self.store, keys, stages, timeout_s, publish, cancelled,
+                          write_lock)
 
     def put_from(self, keys: Sequence[bytes], src, **kwargs) -> PutResult:
         """:meth:`KVStoreClient.put_from` behind the breaker."""
@@ -241,7 +244,7 @@ def offers_leased_read(client) -> bool:
 
 def load_stages(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], stages: Sequence[ReadStage], *,
                 timeout_s: float | None = None, publish: Publish | None = None,
-                cancelled: Callable[[], bool] | None = None) -> StagesLoaded:
+                cancelled: Callable[[], bool] | None = None, write_lock=None) -> StagesLoaded:
     """Copy each stage's byte ranges of the blocks ``keys`` into its buffer: an engine step's load.
 
     Args:
@@ -254,6 +257,11 @@ def load_stages(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], sta
             too short, not the bytes asked for). Called from this thread.
         cancelled: asked between store calls and stages; when true the load stops and the
             stages not published are never published.
+        write_lock: a ``threading.Lock`` held around every write into the stages' buffers,
+            each made only after ``cancelled()`` was asked under it: make ``cancelled()``
+            true, then take the lock and let go, and no byte lands in the buffers afterwards
+            (buffers that are an engine's own KV cache can be given back at once, even with
+            a store call out).
     Returns the round trips made and the bytes copied.
     Raises:
         kvstore.common.errors.KVStoreError: the store failed (``StoreUnavailable``,
@@ -265,35 +273,40 @@ def load_stages(client: KVStoreClient | GuardedStore, keys: Sequence[bytes], sta
     (anything with ``get_into``) is asked once for every stage's ranges.
     """
     if isinstance(client, GuardedStore):
-        return client.load_stages(keys, stages, timeout_s, publish, cancelled)
-    return _load_stages(client, keys, stages, timeout_s, publish, cancelled)
+        return client.load_stages(keys, stages, timeout_s, publish, cancelled, write_lock)
+    return _load_stages(client, keys, stages, timeout_s, publish, cancelled, write_lock)
 
 
-def _load_stages(store, keys, stages, timeout_s, publish, cancelled) -> StagesLoaded:
+def _load_stages(store, keys, stages, timeout_s, publish, cancelled, write_lock=None) -> StagesLoaded:
     keys = list(keys)
     publish = publish or (lambda stage, sizes: None)
+    cancelled = cancelled or (lambda: False)
     if hasattr(store, "leased_read"):
         read = store.leased_read(keys, stages, timeout=timeout_s)
-        read.run(publish, cancelled)
+        read.run(publish, cancelled, write_lock=write_lock)
         return StagesLoaded(read.calls, read.bytes_copied)
     n = len(keys)                          # one get_into of every stage's ranges, then split
     ranges = [r for stage in stages for r in stage.ranges]
     wants = [sum(m for _, m in stage.ranges) for stage in stages]
     scratch = np.empty((n, sum(wants)), dtype=np.uint8)
-    if cancelled is not None and cancelled():
+    if cancelled():
         return StagesLoaded(0, 0)
     got = store.get_into(keys, scratch, ranges=ranges, stop_at_miss=False, timeout=timeout_s).sizes if n else []
     copied, pos = 0, 0
+    lock = write_lock if write_lock is not None else contextlib.nullcontext()
     for s, (stage, want) in enumerate(zip(stages, wants)):
         bufs = BlockBuffers(stage.out, n, writable=True, offsets=stage.offsets)
         sizes = [0] * n
-        for i in range(n):
-            if got[i] == scratch.shape[1]:
-                copy(bufs.slot(i, want), scratch[i, pos:pos + want])
-                sizes[i] = want
-                copied += want
+        with lock:
+            if cancelled():
+                break
+            for i in range(n):
+                if got[i] == scratch.shape[1]:
+                    copy(bufs.slot(i, want), scratch[i, pos:pos + want])
+                    sizes[i] = want
+                    copied += want
+            bufs.finish()
         pos += want
-        bufs.finish()
         publish(s, sizes)
     return StagesLoaded(1 if n else 0, copied)
 

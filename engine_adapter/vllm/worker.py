@@ -6,12 +6,14 @@ One instance per TP rank, driven by the hooks vLLM calls in every step:
 - ``start_load()``: a loader thread leases every planned block once (one store round
   trip for the step whatever the layer count, ``store_io.load_stages``; a load larger
   than one lease may hold is read in parts, each block promoted from NVMe once) and
-  copies this rank's KV heads out of it layer by layer (two byte ranges per layer,
-  ``docs/block_layout.md``) into staging tensors of its own;
-- ``wait_layer(l)`` (before layer ``l``'s attention): waits for layer ``l`` and scatters
-  its blocks into the cache (``kernels.scatter_blocks``). A block missing, short or
-  late in any layer is never used: it and the rest of its request's loaded blocks are
-  reported by ``take_load_errors`` and vLLM recomputes them;
+  copies this rank's KV heads out of it layer by layer (``docs/block_layout.md``):
+  with vLLM's CPU cache straight into the planned cache blocks (a block's k and v of
+  each head, in the cache's order), with another cache into staging tensors of its own;
+- ``wait_layer(l)`` (before layer ``l``'s attention): waits for layer ``l`` (and, for a
+  staged load, scatters its blocks into the cache, ``kernels.scatter_blocks``). A block
+  missing, short or late in any layer is never used: it and the rest of its request's
+  loaded blocks are reported by ``take_load_errors`` and vLLM recomputes them; a load
+  given up is stopped before vLLM goes on, so it writes nothing into the cache later;
 - ``save_layer(l)`` (after layer ``l``'s attention): copies layer ``l`` of the blocks
   this step completes out of the cache (``kernels.gather_blocks``), so vLLM may reuse
   the cache blocks as soon as the step ends;
@@ -52,43 +54,63 @@ GatherHeads = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 class _LayerLoads:
-    """Loader thread of one step: staging tensors and per-layer readiness.
+    """Loader thread of one step: per-layer readiness of the blocks copied in.
 
     One store call for the step (:func:`engine_adapter.store_io.load_stages`): every planned
-    block read from the block table or leased, once, its layers copied out one after the other into ``staging[layer]``,
-    each layer published (``ok``, ``ready``) as soon as its copy is in place. A layer that
-    is never published (the store failed, the load was cancelled) fails every block.
+    block read from the block table or leased, once, its layers copied out one after the
+    other, each layer published (``ok``, ``ready``) as soon as its copy is in place. A layer
+    that is never published (the store failed, the load was cancelled) fails every block.
     ``calls``: the store round trips the load made.
+
+    With ``direct`` (per layer, vLLM's own cache tensor in the CPU layout, contiguous) each
+    layer is copied straight into the planned cache blocks (``BlockLayout.head_major_ranges``
+    puts a block's bytes in that layout's order) and ``staging`` is None; otherwise into
+    ``staging[layer]``, ``(n, 1, 2, rank_heads, bs, hd)``, which ``wait_layer`` scatters.
+    Every write into either is made under a lock after the cancel flag was checked, and
+    :meth:`cancel` sets the flag, then takes the lock (waiting out a copy under way): once
+    ``cancel`` returns nothing more is written, so a load given up (late, failed) never
+    touches cache blocks vLLM recomputes or reuses.
     """
 
     def __init__(self, client, loads: Sequence[BlockTransfer], layout: BlockLayout,
-                 heads: tuple[int, int], timeout_s: float):
+                 heads: tuple[int, int], timeout_s: float, direct: Sequence[torch.Tensor] | None = None):
         self.loads = list(loads)
         self.keys = [k for t in self.loads for k in t.keys]
         self.layout, self.heads, self.timeout_s = layout, heads, timeout_s
         n, nh = len(self.keys), heads[1] - heads[0]
-        self.staging = [torch.empty((n, 1, 2, nh, layout.block_tokens, layout.head_dim), dtype=layout.dtype)
-                        for _ in range(layout.num_layers)]
+        self.want = 2 * nh * layout.head_bytes              # bytes of one block of one layer
+        self.direct = list(direct) if direct is not None else None
+        self.staging = None if direct is not None else [
+            torch.empty((n, 1, 2, nh, layout.block_tokens, layout.head_dim), dtype=layout.dtype)
+            for _ in range(layout.num_layers)]
         self.ok: list[list[bool] | None] = [None] * layout.num_layers
         self.ready = [threading.Event() for _ in range(layout.num_layers)]
         self.problem: str | None = None
         self.calls = 0
         self._cancel = threading.Event()
+        self._writing = threading.Lock()
         self._client = client
         threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True).start()
 
     def _publish(self, layer: int, sizes: list[int]) -> None:
-        want = self.staging[layer][0].nbytes
-        self.ok[layer] = [size == want for size in sizes]
+        self.ok[layer] = [size == self.want for size in sizes]
         self.ready[layer].set()
+
+    def _stages(self) -> list[store_io.ReadStage]:
+        layers = range(self.layout.num_layers)
+        if self.direct is None:
+            return [store_io.ReadStage(self.layout.layer_ranges(layer, self.heads), self.staging[layer])
+                    for layer in layers]
+        offsets = [b * self.want for t in self.loads for b in t.block_ids]
+        return [store_io.ReadStage(self.layout.head_major_ranges(layer, self.heads), self.direct[layer], offsets)
+                for layer in layers]
 
     def _run(self) -> None:
         layers = range(self.layout.num_layers)
-        stages = [store_io.ReadStage(self.layout.layer_ranges(layer, self.heads), self.staging[layer])
-                  for layer in layers]
         try:
-            self.calls = store_io.load_stages(self._client, self.keys, stages, timeout_s=self.timeout_s,
-                                              publish=self._publish, cancelled=self._cancel.is_set).calls
+            self.calls = store_io.load_stages(self._client, self.keys, self._stages(), timeout_s=self.timeout_s,
+                                              publish=self._publish, cancelled=self._cancel.is_set,
+                                              write_lock=self._writing).calls
         except Exception as e:  # store down or a bug: the blocks are recomputed, never used
             first = next((layer for layer in layers if not self.ready[layer].is_set()), None)
             self.problem = f"layer {first}: {e}" if first is not None else str(e)
@@ -98,7 +120,10 @@ class _LayerLoads:
                 self.ready[layer].set()
 
     def cancel(self) -> None:
+        """Stop the load; when this returns, nothing more is written into the cache or staging."""
         self._cancel.set()
+        with self._writing:         # a copy that began before the flag has ended; none follows
+            pass
 
 
 @dataclass
@@ -125,12 +150,16 @@ class WorkerTransfers:
         timeout_s: deadline of each store call; load_timeout_s: wait for one layer.
         max_pending_saves: steps' saves queued for the writer; beyond it a step's save is
             dropped (a later miss, never wrong KV) rather than stalling the engine.
+        direct_loads: page back straight into the cache where it allows (the ``"cpu"``
+            layout, every layer's tensor on the CPU and contiguous): no staging copy and no
+            scatter before a layer's attention. False, or another cache: staged (the twin
+            that tests compare it with).
     """
 
     def __init__(self, client, layer_names: Sequence[str], kv_caches: dict[str, torch.Tensor], kv_layout: str,
                  layout: BlockLayout, heads: tuple[int, int], *, is_first_rank: bool = True,
                  gather_heads: GatherHeads | None = None, timeout_s: float = 10.0, load_timeout_s: float = 30.0,
-                 max_pending_saves: int = 64):
+                 max_pending_saves: int = 64, direct_loads: bool = True):
         self.client = client
         self.layout = layout
         self.heads = heads
@@ -147,6 +176,9 @@ class WorkerTransfers:
                 raise ValueError(f"layer {name} cache is {kv.dtype}, the store namespace says {layout.dtype}")
             view, self.kernel_layout = kernel_view(kv, kv_layout, layout.head_dim)
             self.views.append(view)
+        caches = [kv_caches[name] for name in layer_names]
+        self.direct = caches if direct_loads and kv_layout == "cpu" and all(
+            kv.device.type == "cpu" and kv.is_contiguous() for kv in caches) else None
         shape = self.views[0].shape
         cache_heads = shape[2] if self.kernel_layout == "HND" else shape[3]
         cache_bs = shape[3] if self.kernel_layout == "HND" else shape[2]
@@ -185,7 +217,7 @@ class WorkerTransfers:
         plan = self._plan
         if plan is None or not plan.loads or self._load is not None:
             return
-        self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s)
+        self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s, self.direct)
         self._load_valid = [len(t.keys) for t in plan.loads]
         self._waited = [False] * self.layout.num_layers
         self._deadline = time.monotonic() + self.load_timeout_s
@@ -220,7 +252,7 @@ class WorkerTransfers:
                             lead, t.req_id, layer, f" ({load.problem})" if load.problem else "")
                 self._fail(i, lead)
             valid = self._load_valid[i]
-            if valid:
+            if valid and load.staging is not None:
                 scatter_blocks([self.views[layer]], list(t.block_ids[:valid]),
                                load.staging[layer][start:start + valid].to(self.views[layer].device),
                                heads=None, layers=[0], layout=self.kernel_layout)

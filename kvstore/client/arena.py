@@ -190,9 +190,19 @@ class ArenaPath:
             raise
 
     def lookup(self, keys: list[bytes], timeout: float | None) -> LookupResult | None:
-        """``lookup`` on the control channel of the arena mapped now; None when there is
-        none or it is busy (the caller asks by gRPC). Raises the store error answered."""
+        """``lookup`` from the daemon's block table, else on the control channel of the
+        arena (mapped on first use, as by a get: an engine's scheduler, which only looks
+        up, reads the block table instead of paying a Lookup round trip per request);
+        None when there is no arena or its channel is busy (the caller asks by gRPC).
+        Raises the store error answered, StoreUnavailable (no Info answer in time)."""
         arena = self._arena
+        if arena is None and self._want is not False:
+            try:
+                arena = self.mapping(timeout)
+            except errors.FeatureDisabled:      # the Lookup RPC answers; a get says why
+                return None
+            if arena is None:
+                return None
         found = table_lookup(arena, self.releaser.notes_waiting, keys)
         if found is not None:
             return found

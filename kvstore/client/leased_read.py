@@ -45,6 +45,7 @@ Built on the client's public ``lease``, ``release``, ``arena`` and ``get``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -159,6 +160,7 @@ class LeasedRead:
         self.table_blocks = 0
         self._published = 0
         self._warned = False
+        self._lock: Any = contextlib.nullcontext()  # run's write_lock
 
     def _slots(self, s: int) -> list[np.ndarray]:
         """Each block's slot of stage ``s`` (made on first use)."""
@@ -173,18 +175,26 @@ class LeasedRead:
         """Store round trips made for the data: Lease, Release between parts, gRPC get."""
         return self.leases + self.releases + self.gets
 
-    def run(self, publish: Publish | None = None, cancelled: Callable[[], bool] | None = None) -> list[list[int]]:
+    def run(self, publish: Publish | None = None, cancelled: Callable[[], bool] | None = None,
+            write_lock: Any = None) -> list[list[int]]:
         """Read every stage of every block; returns :attr:`sizes`.
 
         ``publish(stage, sizes)`` is called once per stage, in stage order, when that stage's
         bytes of every block are in place (from this thread). ``cancelled()`` is asked
         before each Lease and each stage: when true, the read stops there (the stages not
         published yet are never published) and its lease is released.
+        ``write_lock`` (a ``threading.Lock``; None: none): every write into the stages'
+        buffers is made holding it, after ``cancelled()`` was asked under it. A caller that
+        makes ``cancelled()`` true and then takes the lock (and lets go) knows that nothing
+        more is written into the buffers: a copy under way has ended, no other starts (an
+        engine's own KV cache may then be handed back to it, even while a store call of
+        this read is still out). ``publish`` is called without the lock held.
         Raises StoreUnavailable, InvalidRequest, FeatureDisabled (``shared_memory=True``
         without an arena), as the client's calls do; the stages published before stay valid.
         """
         publish = publish or (lambda stage, sizes: None)
         cancelled = cancelled or (lambda: False)
+        self._lock = write_lock if write_lock is not None else contextlib.nullcontext()
         n = len(self.keys)
         arena = self.client.arena() if n else None
         if arena is not None and self._notes_waiting is not None:
@@ -207,11 +217,10 @@ class LeasedRead:
         start, remapped = (self._table.run if self._table is not None else 0), False
         if self._table is not None:                  # (the table is left before any store call)
             for s in range(len(self._ranges)):
-                if cancelled():
+                if not self._table_upto(s + 1, need, cancelled):
                     return self.sizes
-                self._table_upto(s + 1, need)
-                if start == n and not need:          # every block in the table: published as copied
-                    self._publish_upto(s + 1, publish)
+                if start == n and not need and not self._publish_upto(s + 1, publish, cancelled):
+                    return self.sizes                 # every block in the table: published as copied
             # left before a Lease: its promotions may need space that this read's announcement
             # holds back; and before a gRPC get of what the table stopped vouching for
             self._table.end()
@@ -252,9 +261,9 @@ class LeasedRead:
             return self.sizes
         for i in range(start, n):
             need[i] = 0
-        if need:
-            self._by_grpc(need)
-        self._publish_upto(len(self._ranges), publish)
+        if need and not self._by_grpc(need, cancelled):
+            return self.sizes
+        self._publish_upto(len(self._ranges), publish, cancelled)
         return self.sizes
 
     def _copy_part(self, src: np.ndarray, reply, start: int, stop: int, sent: float, safe_s: float,
@@ -264,16 +273,17 @@ class LeasedRead:
         Returns False when cancelled."""
         offsets, sizes, codes = reply.offsets, reply.sizes, reply.tier_codes
         for s in range(len(self._ranges)):
-            if cancelled():
-                return False
             ranges, want, end = self._ranges[s], self._want[s], self._end[s]
             slots, got = self._slots(s), self.sizes[s]
-            for i in range(start, stop):
-                j = i - start
-                if not codes[j] or sizes[j] < end:
-                    continue                          # not found, or too short for the ranges: a miss
-                _copy_ranges(slots[i], src, offsets[j], ranges)
-                got[i] = want
+            with self._lock:
+                if cancelled():
+                    return False
+                for i in range(start, stop):
+                    j = i - start
+                    if not codes[j] or sizes[j] < end:
+                        continue                      # not found, or too short for the ranges: a miss
+                    _copy_ranges(slots[i], src, offsets[j], ranges)
+                    got[i] = want
             if _clock() - sent > safe_s:             # the copies may have outlived the lease
                 if not self._warned:
                     log.warning("a lease of the shared arena was too old when its copy finished (the client "
@@ -284,32 +294,39 @@ class LeasedRead:
                         self._by_grpc_from(i, s, need)
                 return True
             self.bytes_copied += want * sum(1 for i in range(start, stop) if got[i])
-            if publish is not None and not need:
-                self._publish_upto(s + 1, publish)
+            if publish is not None and not need and not self._publish_upto(s + 1, publish, cancelled):
+                return False
         return True
 
-    def _table_upto(self, upto: int, need: dict[int, int]) -> None:
+    def _table_upto(self, upto: int, need: dict[int, int], cancelled) -> bool:
         """Copy the stages before ``upto`` not copied yet of the blocks found in the block
         table; a block the table no longer vouches for after a stage's copy (and every block
-        after it) leaves the table read and goes in ``need`` from that stage."""
+        after it) leaves the table read and goes in ``need`` from that stage. Returns False
+        when cancelled."""
         table = self._table
         while table is not None and self._table_stage < upto:
             s = self._table_stage
             self._table_stage += 1
             if not table.run:
+                if cancelled():
+                    return False
                 continue
             ranges, want, end = self._ranges[s], self._want[s], self._end[s]
             src, slots, got = table.arena.array, self._slots(s), self.sizes[s]
-            for i, base, size in zip(range(table.run), table.offsets, table.sizes):
-                if size < end:
-                    continue                          # too short for the ranges: a miss
-                _copy_ranges(slots[i], src, base, ranges)
-                got[i] = want
+            with self._lock:
+                if cancelled():
+                    return False
+                for i, base, size in zip(range(table.run), table.offsets, table.sizes):
+                    if size < end:
+                        continue                      # too short for the ranges: a miss
+                    _copy_ranges(slots[i], src, base, ranges)
+                    got[i] = want
             kept = table.kept()
             for i in range(kept, table.run):          # their bytes of this stage may not be theirs
                 self._by_grpc_from(i, s, need)
             self.bytes_copied += want * sum(1 for i in range(kept) if got[i])
             table.run = kept
+        return True
 
     def _by_grpc_from(self, i: int, s: int, need: dict[int, int]) -> None:
         """Block ``i`` goes by gRPC from stage ``s`` on (what was copied of it since may not be its)."""
@@ -317,9 +334,9 @@ class LeasedRead:
         for later in range(s, len(self._ranges)):
             self.sizes[later][i] = 0
 
-    def _by_grpc(self, need: dict[int, int]) -> None:
+    def _by_grpc(self, need: dict[int, int], cancelled) -> bool:
         """One gRPC get per first stage needed (usually one) of every stage the blocks in
-        ``need`` still lack, split into the stages' slots."""
+        ``need`` still lack, split into the stages' slots. Returns False when cancelled."""
         by_first: dict[int, list[int]] = {}
         for i, s in sorted(need.items()):
             by_first.setdefault(s, []).append(i)
@@ -330,22 +347,31 @@ class LeasedRead:
             results = self.client.get([self.keys[i] for i in blocks], ranges=ranges, stop_at_miss=False,
                                       timeout=self.timeout)
             self.grpc_blocks += len(blocks)
-            for i, res in zip(blocks, results):
-                if not res.found or len(res.data) != total:
-                    continue                          # a miss, or not the bytes asked for
-                data, pos = np.frombuffer(res.data, dtype=np.uint8), 0
-                for s in range(first, len(self._ranges)):
-                    copy(self._slots(s)[i], data[pos:pos + self._want[s]])
-                    self.sizes[s][i] = self._want[s]
-                    pos += self._want[s]
-                self.bytes_copied += total
+            with self._lock:
+                if cancelled():
+                    return False
+                for i, res in zip(blocks, results):
+                    if not res.found or len(res.data) != total:
+                        continue                      # a miss, or not the bytes asked for
+                    data, pos = np.frombuffer(res.data, dtype=np.uint8), 0
+                    for s in range(first, len(self._ranges)):
+                        copy(self._slots(s)[i], data[pos:pos + self._want[s]])
+                        self.sizes[s][i] = self._want[s]
+                        pos += self._want[s]
+                    self.bytes_copied += total
+        return True
 
-    def _publish_upto(self, upto: int, publish: Publish) -> None:
+    def _publish_upto(self, upto: int, publish: Publish, cancelled) -> bool:
+        """Publish the stages before ``upto`` not published yet. False when cancelled."""
         while self._published < upto:
             s = self._published
             self._published += 1
-            self._bufs[s].finish()                  # device buffers: their host staging copied back
+            with self._lock:
+                if cancelled():
+                    return False
+                self._bufs[s].finish()              # device buffers: their host staging copied back
             publish(s, self.sizes[s])
+        return True
 
 
 def _copy_ranges(dst: np.ndarray, src: np.ndarray, base: int, ranges: list[tuple[int, int]]) -> None:

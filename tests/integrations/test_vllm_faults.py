@@ -10,10 +10,11 @@ guarantee of the connector on them:
 - a daemon SIGSTOPped for several requests costs each request at most the scheduler's
   lookup deadline (``lookup_timeout_s``) plus 100 ms over the store-less TTFT measured in
   the same run (medians of interleaved requests: the verdict does not depend on the
-  machine's speed), with identical tokens, and at most one Lookup reaches it per outage;
-  after SIGCONT the store serves hits again;
+  machine's speed), with identical tokens; a request whose blocks are all in the stopped
+  daemon's block table is served from it (no round trip), the others compute, and when none
+  was served so at most one Lookup reaches it per outage; after SIGCONT the store serves hits again;
 - a daemon started after the engine serves the engine's loads through zero-copy leases of
-  the shared arena (the daemon's ``leased_blocks``; no gRPC Get, ``reads``);
+  the shared arena (the daemon's ``leased_blocks`` and ``table_read_blocks``; no gRPC Get, ``reads``);
 - after a daemon is SIGKILLed and started again on the same socket and NVMe folder, every
   request started 2 s or more after it is ready gets its blocks from the store.
 
@@ -44,7 +45,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BLOCK = 32
 EXPECTED_HITS = 576                 # 18 full 32-token blocks of the 600-token prompt
-LAYERS = 2                          # of the tiny Llama: the worker leases each block once per layer
 TTFT_MARGIN_S = 0.1                 # the issue's bound: the lookup deadline plus 100 ms
 RESUME_WITHIN_S = 2.0               # the issue's bound after a restart
 
@@ -59,14 +59,18 @@ def ttft(r: dict) -> float:
 
 def loaded(r: dict) -> bool:
     """The request's prefix really came from the store: every full block read in place from
-    the shared arena in every layer (vLLM's external hits also count blocks the worker then
-    recomputed)."""
-    return r["hits"] == EXPECTED_HITS and r.get("daemon", {}).get("leased_blocks", 0) >= EXPECTED_HITS // BLOCK * LAYERS
+    the shared arena, leased or from the block table, once for the step (vLLM's external hits
+    also count blocks the worker then recomputed)."""
+    return r["hits"] == EXPECTED_HITS and in_place(r.get("daemon", {})) >= EXPECTED_HITS // BLOCK
+
+
+def in_place(counts: dict) -> int:
+    return counts.get("leased_blocks", 0) + counts.get("table_read_blocks", 0)
 
 
 def summary(requests: list[dict], t0: float) -> str:
-    """``start-t0 s: TTFT ms / hits / leased blocks`` of each request."""
-    return ", ".join(f"{r['start'] - t0:+.2f}s:{ms(ttft(r))}/{r['hits']}/{r.get('daemon', {}).get('leased_blocks', '-')}"
+    """``start-t0 s: TTFT ms / hits / blocks read in place`` of each request."""
+    return ", ".join(f"{r['start'] - t0:+.2f}s:{ms(ttft(r))}/{r['hits']}/{in_place(r.get('daemon', {}))}"
                      for r in requests)
 
 
@@ -154,7 +158,7 @@ def test_a_model_with_other_weights_gets_no_blocks_of_a_same_shape_model(report)
     assert first["hits"] == 0                                  # B loads none of them
     assert first["daemon"]["lookups"] >= 1                     # its Lookup reached the daemon ...
     assert first["daemon"]["lookup_hit_blocks"] == 0           # ... which found no block under B's keys
-    assert first["daemon"]["leased_blocks"] == first["daemon"]["reads"] == 0
+    assert in_place(first["daemon"]) == first["daemon"]["reads"] == 0
     assert first["tokens"] == b_tokens                         # B's tokens are its store-less run's
     assert loaded(two["b_again"][-1])                          # B pages back its own blocks
     assert two["b_again"][-1]["tokens"] == b_tokens
@@ -173,12 +177,17 @@ def test_a_sigstopped_daemon_costs_each_request_at_most_the_lookup_deadline(repo
     bound = statistics.median(storeless) + deadline + TTFT_MARGIN_S
     print(f"\nSIGSTOP: median TTFT store-less {ms(statistics.median(storeless))} ms ({len(storeless)} requests), "
           f"daemon stopped {ms(statistics.median(stopped))} ms ({len(stopped)} requests; max {ms(max(stopped))} ms), "
-          f"first request of each outage {ms(statistics.median(first))} ms; bound {ms(bound)} ms")
+          f"first request of each outage {ms(statistics.median(first))} ms; bound {ms(bound)} ms; "
+          f"served from the block table {sum(1 for rnd in rounds for r in rnd['stopped'] if r['hits'])}")
     for rnd in rounds:
         assert [r["tokens"] for r in rnd["storeless"]] == [tokens] * len(rnd["storeless"])
-        assert [r["hits"] for r in rnd["stopped"]] == [0] * len(rnd["stopped"])
+        # a stopped daemon cannot answer, but its block table still vouches for the blocks in
+        # host memory (nothing there can change while it is stopped): a request is served
+        # from the table (every block, no round trip) or computes without the store
+        assert all(r["hits"] in (0, EXPECTED_HITS) for r in rnd["stopped"])
         assert [r["tokens"] for r in rnd["stopped"]] == [tokens] * len(rnd["stopped"])
-        assert rnd["daemon_while_stopped"]["lookups"] <= 1     # the breaker kept the others from it
+        if not any(r["hits"] for r in rnd["stopped"]):        # (table lookups are counted, as notes)
+            assert rnd["daemon_while_stopped"]["lookups"] <= 1  # the breaker kept the others from it
         back = rnd["after_sigcont"][-1]                        # after SIGCONT the store serves again
         assert loaded(back) and back["tokens"] == tokens
     assert statistics.median(stopped) <= bound

@@ -89,6 +89,24 @@ def test_lookup_and_get_into_from_the_table_make_no_round_trip_and_match_grpc(d)
         wait_for(lambda: d.manager.counters.get("lookups") == 2, "the table lookup's note (and g's lookup)")
 
 
+def test_a_client_that_only_looks_up_maps_the_arena_and_then_looks_up_with_no_round_trip(d):
+    """An engine's scheduler only looks up (its workers read): its first lookup maps the
+    shared arena, and the lookups after it are answered from the block table."""
+    data = payloads(8, seed=5)
+    keys = [key(i, "sched") for i in range(8)]
+    with KVStoreClient(d.address, timeout=DEADLINE_S) as w, KVStoreClient(d.address, timeout=DEADLINE_S) as s, \
+            KVStoreClient(d.address, timeout=DEADLINE_S, shared_memory=False) as g:
+        w.put_from(keys, data)
+        want = g.lookup(keys)
+        assert want.hit_blocks == 8
+        assert s._arena_path.current is None                   # nothing mapped before its first call
+        assert s.lookup(keys) == want
+        assert s._arena_path.current is not None               # mapped by that lookup
+        made = no_round_trips(s)
+        assert s.lookup(keys) == want and s.lookup(keys[:3]) == g.lookup(keys[:3])
+        assert made == []
+
+
 def test_a_prefix_past_the_table_continues_by_lease_with_the_same_answers(d):
     data = payloads(40, seed=3)
     keys = [key(i) for i in range(40)]

@@ -234,3 +234,95 @@ def test_a_daemon_that_is_not_there_raises_store_unavailable(tmp_path):
         r = c.leased_read([b"k" * 32], [ReadStage([(0, 8)], np.zeros((1, 8), np.uint8))])
         with pytest.raises(StoreUnavailable):
             r.run()
+
+
+@pytest.mark.parametrize("path", ["lease", "block_table", "grpc"])
+def test_nothing_is_written_after_a_cancel_made_under_the_write_lock(tmp_path, monkeypatch, path):
+    """A caller that cancels, then takes ``write_lock`` (an engine giving its cache blocks back),
+    finds no later stage written, whichever way the blocks are read: stages after the
+    cancel stay as they were and are never published."""
+    from tiers.block_table import supported
+
+    if path == "block_table" and not supported():
+        pytest.skip("the block table is offered on x86-64 only")
+    monkeypatch.setenv("KVSTORE_BLOCK_TABLE", "1" if path == "block_table" else "0")
+    d = start(tmp_path)
+    try:
+        keys, data = blocks(6, 9)
+        with KVStoreClient(d.address, shared_memory=path != "grpc") as c:
+            assert c.put_from(keys, data).stored == 6
+            lock, stop = threading.Lock(), threading.Event()
+            outs = [np.zeros((6, 4096), dtype=np.uint8) for _ in range(STAGES)]
+            order: list[int] = []
+            at_cancel: list[np.ndarray] = []
+
+            def publish(s, sizes):
+                order.append(s)
+                if s == 2:                       # the engine gives up after stage 2
+                    stop.set()
+                    with lock:
+                        at_cancel.extend(o.copy() for o in outs)
+
+            r = c.leased_read(keys, [ReadStage(stage_ranges(s), outs[s]) for s in range(STAGES)])
+            r.run(publish, stop.is_set, write_lock=lock)
+            assert order == [0, 1, 2]
+            for s in range(3):
+                assert np.array_equal(outs[s], expected(data, s))
+            for s in range(STAGES):
+                assert np.array_equal(outs[s], at_cancel[s]), f"stage {s} written after the cancel"
+            if path != "grpc":                   # (one gRPC get fills every stage before the first is published)
+                assert not any(outs[s].any() for s in range(3, STAGES))
+    finally:
+        d.stop(0)
+
+
+@pytest.mark.parametrize("path", ["lease", "block_table"])
+def test_a_cancel_during_a_stage_copy_waits_for_it_and_nothing_follows(tmp_path, monkeypatch, path):
+    """Another thread cancels while stage 3 is being copied: taking ``write_lock`` then waits
+    for that copy to end, and no byte lands in any stage afterwards."""
+    from tiers.block_table import supported
+
+    if path == "block_table" and not supported():
+        pytest.skip("the block table is offered on x86-64 only")
+    monkeypatch.setenv("KVSTORE_BLOCK_TABLE", "1" if path == "block_table" else "0")
+    real, calls, copying = leased_mod._copy_ranges, [0], threading.Event()
+
+    def copy_ranges(*args):
+        calls[0] += 1
+        if calls[0] == 3 * 6 + 1:                # stage 3's first block (6 blocks a stage)
+            copying.set()
+            time.sleep(0.2)                     # the canceller arrives mid-copy
+        real(*args)
+
+    monkeypatch.setattr(leased_mod, "_copy_ranges", copy_ranges)
+    d = start(tmp_path)
+    try:
+        keys, data = blocks(6, 10)
+        with KVStoreClient(d.address, shared_memory=True) as c:
+            assert c.put_from(keys, data).stored == 6
+            lock, stop = threading.Lock(), threading.Event()
+            outs = [np.zeros((6, 4096), dtype=np.uint8) for _ in range(STAGES)]
+            at_cancel: list[np.ndarray] = []
+
+            order: list[int] = []
+            published: list[int] = []
+
+            def cancel():
+                assert copying.wait(60)
+                stop.set()
+                with lock:
+                    at_cancel.extend(o.copy() for o in outs)
+                    published.append(len(order))
+
+            canceller = threading.Thread(target=cancel)
+            canceller.start()
+            r = c.leased_read(keys, [ReadStage(stage_ranges(s), outs[s]) for s in range(STAGES)])
+            r.run(lambda s, sizes: order.append(s), stop.is_set, write_lock=lock)
+            canceller.join(60)
+            assert len(at_cancel) == STAGES
+            for s in range(STAGES):
+                assert np.array_equal(outs[s], at_cancel[s]), f"stage {s} written after the cancel"
+            assert len(order) == published[0] < STAGES              # none published after the cancel
+            assert np.array_equal(outs[3], expected(data, 3))        # the copy under way was finished
+    finally:
+        d.stop(0)
