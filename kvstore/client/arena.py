@@ -1,17 +1,13 @@
 """The client's same-node data path: blocks copied through the daemon's shared host arena.
 
-:class:`ArenaPath` is a part of :class:`kvstore.client.KVStoreClient`, built on its
-:class:`~kvstore.client.connection.Connection` and :class:`~kvstore.client.raw.RawPath`. It
-owns the arena's mapping (:class:`kvstore.client.arena_mapping.ArenaMapping`, made on first
-use, dropped when the daemon restarts), ``put_from`` through it (Reserve, one copy into the
-arena, Commit), ``get_into``'s copies out of it, and the background release of its leases
-(:class:`kvstore.client.lease_releaser.LeaseReleaser`). Blocks it cannot move (arena full or
-busy, a lease or reservation too old to use) go by the raw path. Blocks in the daemon's
-block table are read with no round trip (:mod:`kvstore.client.table_read`); the others under
-a lease. With a daemon that serves control frames on the mapping's session
-(:mod:`kvstore.client.arena_control`) leases, releases and lookups go there instead of gRPC
-(one unix-socket round trip each); gRPC stays for reservations, HBM leases, a channel busy
-with another thread's call, and a daemon that serves none.
+:class:`ArenaPath`, a part of :class:`kvstore.client.KVStoreClient` (on its ``Connection`` and
+``RawPath``), owns the arena's mapping (``ArenaMapping``: made on the first get, put or lookup,
+dropped when the daemon restarts), ``put_from`` through it (Reserve, one copy in, Commit),
+``get_into``'s copies out of it and the background release of leases (``LeaseReleaser``); what it
+cannot move goes by the raw path. Blocks in the daemon's block table are read and looked up with
+no round trip (:mod:`kvstore.client.table_read`), the others leased; leases, releases and lookups
+go as control frames on the mapping's session (:mod:`kvstore.client.arena_control`) where the
+daemon serves them, else (and for reservations, HBM leases, a busy channel) by gRPC.
 """
 
 from __future__ import annotations
@@ -190,19 +186,13 @@ class ArenaPath:
             raise
 
     def lookup(self, keys: list[bytes], timeout: float | None) -> LookupResult | None:
-        """``lookup`` from the daemon's block table, else on the control channel of the
-        arena (mapped on first use, as by a get: an engine's scheduler, which only looks
-        up, reads the block table instead of paying a Lookup round trip per request);
-        None when there is no arena or its channel is busy (the caller asks by gRPC).
-        Raises the store error answered, StoreUnavailable (no Info answer in time)."""
-        arena = self._arena
-        if arena is None and self._want is not False:
-            try:
-                arena = self.mapping(timeout)
-            except errors.FeatureDisabled:      # the Lookup RPC answers; a get says why
-                return None
-            if arena is None:
-                return None
+        """``lookup`` from the daemon's block table, else on the arena's control channel (the
+        arena mapped on first use: a scheduler that only looks up reads the table); None when
+        there is none or it is busy (the caller asks by gRPC). Raises the store error answered."""
+        try:
+            arena = self._arena or self.mapping(timeout)
+        except errors.FeatureDisabled:      # the Lookup RPC answers it; a get says why
+            return None
         found = table_lookup(arena, self.releaser.notes_waiting, keys)
         if found is not None:
             return found

@@ -1,9 +1,12 @@
 """A real daemon that hangs (SIGSTOP) or restarts, seen through the engine plug-ins' store
 (:class:`engine_adapter.store_io.GuardedStore`, issue 19 items 3 and 4).
 
-- SIGSTOP: every lookup with the plug-ins' 50 ms deadline returns 0 hits; after the first,
-  none even reaches the daemon (the breaker is open), so N lookups cost about one deadline,
-  not N x 10 s as before. After SIGCONT hits resume without a new client or plug-in.
+- SIGSTOP: every lookup the daemon must answer (here by gRPC) with the plug-ins' 50 ms
+  deadline returns 0 hits; after the first, none even reaches the daemon (the breaker is
+  open), so N lookups cost about one deadline, not N x 10 s as before. After SIGCONT hits
+  resume without a new client or plug-in. A same-node client's lookups of blocks in host
+  memory are answered from the stopped daemon's block table (nothing there can change while
+  it is stopped): hits, with no call and no wait.
 - Restart (SIGKILL, then a new daemon on the same socket, the blocks put again by a new
   client): lookups made all along find hits again soon after (the figure is printed; the
   assertion allows 5 s, the aim is 2 s).
@@ -71,7 +74,7 @@ def wait_until(predicate, timeout: float = 60.0) -> float:
 
 def test_a_sigstopped_daemon_costs_one_short_deadline_then_nothing(tmp_path):
     d = daemon(tmp_path).start()
-    client = KVStoreClient(d.address, timeout=10)
+    client = KVStoreClient(d.address, timeout=10, shared_memory=False)     # lookups the daemon answers
     counting = CountingClient(client)
     store = store_io.GuardedStore(counting, BreakerSettings())
     keys = [key(i, "stop") for i in range(8)]
@@ -98,6 +101,34 @@ def test_a_sigstopped_daemon_costs_one_short_deadline_then_nothing(tmp_path):
         if stopped:
             os.kill(d.pid, signal.SIGCONT)
         store.close()
+        client.close()
+        d.stop()
+
+
+def test_a_sigstopped_daemon_s_block_table_still_answers_same_node_lookups(tmp_path):
+    from tiers.block_table import supported
+
+    if not supported():
+        pytest.skip("the block table is offered on x86-64 only")
+    d = daemon(tmp_path).start()
+    client = KVStoreClient(d.address, timeout=10)
+    keys = [key(i, "table") for i in range(8)]
+    stopped = False
+    try:
+        client.put([(k, b"t" * 2048) for k in keys])
+        assert client.lookup(keys).hit_blocks == 8                   # maps the arena
+        if client.arena() is None or client.arena().table is None or not client.arena().table.answers_lookups:
+            pytest.skip("the daemon offers no block table that answers lookups here")
+        os.kill(d.pid, signal.SIGSTOP)
+        stopped = True
+        d.wait_stopped()
+        store = store_io.GuardedStore(client, BreakerSettings())
+        assert [hits(store, keys) for _ in range(5)] == [8] * 5
+        assert hits(store, keys + [key(99, "table")]) == 0          # one not in the table: the daemon is asked
+        store.close()
+    finally:
+        if stopped:
+            os.kill(d.pid, signal.SIGCONT)
         client.close()
         d.stop()
 

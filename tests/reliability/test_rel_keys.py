@@ -186,9 +186,10 @@ def test_every_call_that_lists_keys_splits_by_the_daemon_cap(node, monkeypatch):
     monkeypatch.setenv("KVSTORE_BLOCK_TABLE", "0")     # get_into by leases, which are split (the table needs none)
     keys = [key(i, "cap") for i in range(2500)]
     rows = np.stack([np.full(32, i % 251, np.uint8) for i in range(2500)])
-    with KVStoreClient(node.address, timeout=60) as c:
+    with KVStoreClient(node.address, timeout=60, shared_memory=False) as g:
         with pytest.raises(errors.InvalidRequest, match="at most 1000"):
-            c.lookup(keys)                          # the daemon's cap, before the client knows it
+            g.lookup(keys)                          # the daemon's cap on a Lookup RPC, before the client knows it
+    with KVStoreClient(node.address, timeout=60) as c:  # (same node: lookups go as control frames, split)
         c._connection.max_keys_per_request = cap
         assert c.put_from(keys, rows).stored == 2500
         assert c.lookup(keys + [key(9999, "cap")]).hit_blocks == 2500
