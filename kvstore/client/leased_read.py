@@ -160,7 +160,8 @@ class LeasedRead:
         self.table_blocks = 0
         self._published = 0
         self._warned = False
-        self._lock: Any = contextlib.nullcontext()  # run's write_lock
+        self._lock: Any = contextlib.nullcontext()  # run's write_lock and cancelled
+        self._cancelled: Callable[[], bool] = lambda: False
 
     def _slots(self, s: int) -> list[np.ndarray]:
         """Each block's slot of stage ``s`` (made on first use)."""
@@ -195,6 +196,7 @@ class LeasedRead:
         publish = publish or (lambda stage, sizes: None)
         cancelled = cancelled or (lambda: False)
         self._lock = write_lock if write_lock is not None else contextlib.nullcontext()
+        self._cancelled = cancelled
         n = len(self.keys)
         arena = self.client.arena() if n else None
         if arena is not None and self._notes_waiting is not None:
@@ -217,9 +219,9 @@ class LeasedRead:
         start, remapped = (self._table.run if self._table is not None else 0), False
         if self._table is not None:                  # (the table is left before any store call)
             for s in range(len(self._ranges)):
-                if not self._table_upto(s + 1, need, cancelled):
+                if not self._table_upto(s + 1, need):
                     return self.sizes
-                if start == n and not need and not self._publish_upto(s + 1, publish, cancelled):
+                if start == n and not need and not self._publish_upto(s + 1, publish):
                     return self.sizes                 # every block in the table: published as copied
             # left before a Lease: its promotions may need space that this read's announcement
             # holds back; and before a gRPC get of what the table stopped vouching for
@@ -261,9 +263,9 @@ class LeasedRead:
             return self.sizes
         for i in range(start, n):
             need[i] = 0
-        if need and not self._by_grpc(need, cancelled):
+        if need and not self._by_grpc(need):
             return self.sizes
-        self._publish_upto(len(self._ranges), publish, cancelled)
+        self._publish_upto(len(self._ranges), publish)
         return self.sizes
 
     def _copy_part(self, src: np.ndarray, reply, start: int, stop: int, sent: float, safe_s: float,
@@ -294,11 +296,11 @@ class LeasedRead:
                         self._by_grpc_from(i, s, need)
                 return True
             self.bytes_copied += want * sum(1 for i in range(start, stop) if got[i])
-            if publish is not None and not need and not self._publish_upto(s + 1, publish, cancelled):
+            if publish is not None and not need and not self._publish_upto(s + 1, publish):
                 return False
         return True
 
-    def _table_upto(self, upto: int, need: dict[int, int], cancelled) -> bool:
+    def _table_upto(self, upto: int, need: dict[int, int]) -> bool:
         """Copy the stages before ``upto`` not copied yet of the blocks found in the block
         table; a block the table no longer vouches for after a stage's copy (and every block
         after it) leaves the table read and goes in ``need`` from that stage. Returns False
@@ -308,13 +310,13 @@ class LeasedRead:
             s = self._table_stage
             self._table_stage += 1
             if not table.run:
-                if cancelled():
+                if self._cancelled():
                     return False
                 continue
             ranges, want, end = self._ranges[s], self._want[s], self._end[s]
             src, slots, got = table.arena.array, self._slots(s), self.sizes[s]
             with self._lock:
-                if cancelled():
+                if self._cancelled():
                     return False
                 for i, base, size in zip(range(table.run), table.offsets, table.sizes):
                     if size < end:
@@ -334,7 +336,7 @@ class LeasedRead:
         for later in range(s, len(self._ranges)):
             self.sizes[later][i] = 0
 
-    def _by_grpc(self, need: dict[int, int], cancelled) -> bool:
+    def _by_grpc(self, need: dict[int, int]) -> bool:
         """One gRPC get per first stage needed (usually one) of every stage the blocks in
         ``need`` still lack, split into the stages' slots. Returns False when cancelled."""
         by_first: dict[int, list[int]] = {}
@@ -348,7 +350,7 @@ class LeasedRead:
                                       timeout=self.timeout)
             self.grpc_blocks += len(blocks)
             with self._lock:
-                if cancelled():
+                if self._cancelled():
                     return False
                 for i, res in zip(blocks, results):
                     if not res.found or len(res.data) != total:
@@ -361,13 +363,13 @@ class LeasedRead:
                     self.bytes_copied += total
         return True
 
-    def _publish_upto(self, upto: int, publish: Publish, cancelled) -> bool:
+    def _publish_upto(self, upto: int, publish: Publish) -> bool:
         """Publish the stages before ``upto`` not published yet. False when cancelled."""
         while self._published < upto:
             s = self._published
             self._published += 1
             with self._lock:
-                if cancelled():
+                if self._cancelled():
                     return False
                 self._bufs[s].finish()              # device buffers: their host staging copied back
             publish(s, self.sizes[s])
