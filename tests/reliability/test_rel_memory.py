@@ -42,7 +42,10 @@ def test_concurrent_gets_of_a_block_larger_than_the_bound(tmp_path):
     assert BLOCK > bound
     address = f"unix:{short_socket_dir()}/kvstore.sock"
     cfg = write_toml(tmp_path / "node.toml", {
-        "server": {"listen": address, "workers": WORKERS, "max_message_bytes": MAX_MESSAGE},
+        # (a reader on a saturated machine may not read for longer than the 30 s default idle
+        # bound: this test is about memory, so a stream is never cancelled for idling here)
+        "server": {"listen": address, "workers": WORKERS, "max_message_bytes": MAX_MESSAGE,
+                   "stream_idle_timeout_s": 600},
         "tiers": {"host": {"capacity": BLOCK + 64 * MiB}, "nvme": {"enabled": False}},
     })
     d = DaemonProcess(cfg, address, tmp_path / "daemon.log").start()
