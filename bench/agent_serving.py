@@ -178,6 +178,20 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+PAUSE_BUCKETS = (("<=1s", -1.0, 1.0), ("1-10s", 1.0, 10.0), (">10s", 10.0, math.inf))
+"""Tool pauses by length (seconds), for the blocks a resumed turn found on NVMe only."""
+
+
+def by_seed(resumed: list[dict]) -> dict[str, float | None]:
+    """The share of loaded blocks found on host, per seed (the ``sN/`` of the agents' names)."""
+    loaded: dict[str, list[int]] = {}
+    for r in resumed:
+        n = loaded.setdefault(r["agent"].split("/")[0], [0, 0])
+        n[0] += r["loaded"]
+        n[1] += r["loaded_fast"]
+    return {seed: round(fast / blocks, 3) if blocks else None for seed, (blocks, fast) in sorted(loaded.items())}
+
+
 def summarise(records: list[dict], reference: list[dict] | None) -> dict:
     """One arm's figures from its turn records (:func:`agent_serving_loop.run_agents`)."""
     resumed = [r for r in records if r["turn"] > 0 and "error" not in r]
@@ -204,6 +218,12 @@ def summarise(records: list[dict], reference: list[dict] | None) -> dict:
            "resumed_turns_short": sum(1 for r in resumed if r.get("cached_tokens") is not None
                                       and r["cached_tokens"] // BLOCK < max(r["local"], r["stored"])),
            "resumed_turns_all_from_host": sum(1 for r in resumed if r["loaded"] and r["loaded_fast"] == r["loaded"]),
+           # per seed (the agents' names begin with it), and the loaded blocks found on NVMe
+           # only by the tool pause before the turn: up to 1 s, 1-10 s, over 10 s
+           "resumed_from_host_share_by_seed": by_seed(resumed),
+           "resumed_blocks_nvme_by_pause": {name: sum(r["loaded"] - r["loaded_fast"] for r in resumed
+                                                      if lo < r.get("pause_s", 0.0) <= hi)
+                                            for name, lo, hi in PAUSE_BUCKETS},
            "ttft_resumed_p50_ms": percentile(ttft, 0.5), "ttft_resumed_p90_ms": percentile(ttft, 0.9),
            "ttft_resumed_mean_ms": statistics.fmean(ttft) if ttft else None,
            "ttft_first_p50_ms": percentile([r["ttft_ms"] for r in records if r["turn"] == 0
@@ -279,7 +299,15 @@ def report(results: dict) -> None:
           f"{plans[0]['host_share']:.2f} of the agents' working set; machine load (1 min) "
           f"{results['load_before']:.1f} before, {results.get('load_after', 0):.1f} after)")
     for arm, r in results["arms"].items():
-        d = r["summary"].get("daemon")
+        s = r.get("summary") or {}
+        mine = summarise([rec for run in r.get("runs", ()) for rec in run["records"]], None)
+        if mine["resumed_blocks"]:
+            print(f"  {arm}: from host per seed "
+                  + ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}"
+                              for k, v in mine["resumed_from_host_share_by_seed"].items())
+                  + "; loaded blocks on NVMe only after a pause of "
+                  + ", ".join(f"{k}: {v}" for k, v in mine["resumed_blocks_nvme_by_pause"].items()))
+        d = s.get("daemon")
         if d:
             print(f"  {arm}: blocks copied up from NVMe {d.get('copied_up')} ({d.get('copied_up_while_in_vllm')} of "
                   f"them while vLLM held them), demotions {d['demotions']}, puts not admitted {d['puts_not_admitted']}, "

@@ -116,6 +116,16 @@ def test_summary_counts_loaded_blocks_from_host_and_compares_tokens():
     assert s["tokens_identical"] is False and s["turns_differing"] == ["a/2"]
 
 
+def test_summary_splits_the_share_by_seed_and_the_misses_by_pause():
+    run = [_rec("s0/a", 1, [1], loaded=4, fast=3) | {"pause_s": 0.3},
+           _rec("s0/a", 2, [1], loaded=5, fast=1) | {"pause_s": 12.0},
+           _rec("s1/b", 1, [1], loaded=2, fast=2) | {"pause_s": 1.0},
+           _rec("s1/b", 2, [1], loaded=6, fast=0) | {"pause_s": 2.5}]
+    s = agent_serving.summarise(run, None)
+    assert s["resumed_from_host_share_by_seed"] == {"s0": pytest.approx(4 / 9, abs=1e-3), "s1": 0.25}
+    assert s["resumed_blocks_nvme_by_pause"] == {"<=1s": 1, "1-10s": 6, ">10s": 4}
+
+
 def test_each_arms_daemon_config_is_valid():
     from kvstore import config
 
