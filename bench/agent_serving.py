@@ -300,8 +300,9 @@ def report(results: dict) -> None:
           f"{results['load_before']:.1f} before, {results.get('load_after', 0):.1f} after)")
     for arm, r in results["arms"].items():
         s = r.get("summary") or {}
-        mine = summarise([rec for run in r.get("runs", ()) for rec in run["records"]], None)
-        if mine["resumed_blocks"]:
+        mine = s if "resumed_blocks_nvme_by_pause" in s else \
+            summarise([rec for run in r.get("runs", ()) for rec in run["records"]], None)   # a run saved before
+        if mine.get("resumed_blocks"):
             print(f"  {arm}: from host per seed "
                   + ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}"
                               for k, v in mine["resumed_from_host_share_by_seed"].items())
