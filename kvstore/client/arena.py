@@ -29,7 +29,7 @@ from kvstore.client.raw import RawPath, block_meta_message
 from kvstore.client.table_read import table_copy, table_lookup
 from kvstore.common.arena import ARENA_CHANGED
 from kvstore.common.arena_wire import MAX_FRAME_KEYS
-from kvstore.common.host_copy import copy, copy_spans
+from kvstore.common.host_copy import copy, copy_slots
 from kvstore.common.transport import parts
 from kvstore.common.types import LookupResult, PutResult, ReserveStatus
 
@@ -373,11 +373,8 @@ class ArenaPath:
         ``src`` into ``bufs``, setting their ``sizes`` and ``codes``."""
         n = len(reply.tier_codes)
         run = None if ranges or not n or 0 in reply.tier_codes else bufs.run(start, reply.sizes)
-        if run is not None:                     # whole blocks into back-to-back slots: one call
-            pos = [0] * n
-            for j in range(1, n):
-                pos[j] = pos[j - 1] + reply.sizes[j - 1]
-            copy_spans(run, pos, src, reply.offsets, reply.sizes)
+        if run is not None:                     # whole blocks into back-to-back slots: one call a run
+            copy_slots(run, src, reply.offsets, bufs.stride)
             sizes[start:start + n] = reply.sizes
             codes[start:start + n] = reply.tier_codes
             return

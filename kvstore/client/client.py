@@ -305,11 +305,9 @@ class KVStoreClient:
                 arena = arena_path.mapping(timeout)
         if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
             self._raw_path.copy_into(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
-        found = 0
-        while found < len(keys) and codes[found]:
-            found += 1
         bufs.finish()
-        return GetIntoResult(found if stop_at_miss else sum(1 for c in codes if c), sizes, bytes(codes))
+        found = codes.find(0) if stop_at_miss else len(codes) - codes.count(0)
+        return GetIntoResult(len(codes) if found < 0 else found, sizes, bytes(codes))
 
     def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
             stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:

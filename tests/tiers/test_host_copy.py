@@ -112,6 +112,32 @@ def test_spans_back_to_back_in_both_arrays_are_one_copy_and_the_same_bytes(mode,
         host_copy.copy_spans(dst, [dst.size - 20, dst.size - 10], src, [0, 10], [10, 20])
 
 
+def test_copy_slots_matches_slices_copies_each_run_once_and_refuses_a_block_outside(mode, monkeypatch):
+    rng = np.random.default_rng(6)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    stride = 8192
+    # blocks 0-2 back to back, then a jump, then 4-5 back to back, then one earlier in src
+    offsets = [4096, 4096 + stride, 4096 + 2 * stride, 300 << 10, (300 << 10) + stride, 0]
+    calls = []
+    real = host_copy.copy
+    monkeypatch.setattr(host_copy, "copy", lambda d, s, *a: (calls.append(d.size), real(d, s, *a))[1])
+    for given in (offsets, np.array(offsets, dtype=np.int64)):
+        calls.clear()
+        dst = np.full(len(offsets) * stride + 100, 0xAB, np.uint8)
+        host_copy.copy_slots(dst, src, given, stride)
+        want = np.full_like(dst, 0xAB)
+        for j, off in enumerate(offsets):
+            want[j * stride:(j + 1) * stride] = src[off:off + stride]
+        assert np.array_equal(dst, want)                    # the tail past the slots untouched
+        assert calls == [3 * stride, 2 * stride, stride]
+    host_copy.copy_slots(dst, src, [], stride)              # nothing to copy
+    for bad in ([src.size - stride + 1], [-8], [1 << 63]):  # past the end, negative, not an int64
+        with pytest.raises(ValueError):
+            host_copy.copy_slots(dst, src, bad, stride)
+    with pytest.raises(ValueError):                         # more slots than the destination holds
+        host_copy.copy_slots(dst[:stride], src, [0, stride], stride)
+
+
 @pytest.mark.parametrize("env,want", [("memcpy", False), ("words", True), ("WORDS", True)])
 def test_the_mode_can_be_forced(monkeypatch, env, want):
     monkeypatch.setattr(host_copy, "_words", None)
