@@ -147,6 +147,62 @@ def copy_slots(dst: np.ndarray, src: np.ndarray, src_offsets: Sequence[int] | np
         copy(dst[a * stride:b * stride], src[s:s + (b - a) * stride])
 
 
+def gather_ranges(dst: np.ndarray, dst_offsets: Sequence[int], src: np.ndarray, src_offsets: Sequence[int],
+                  ranges: Sequence[tuple[int, int]]) -> None:
+    """For every block ``j``: its byte ``ranges`` (``(offset, length)`` within the block at
+    ``src[src_offsets[j]:]``), concatenated, into ``dst[dst_offsets[j]:]`` (1-D uint8 arrays;
+    offsets and lengths in bytes). What a page back does per layer: one layer's KV heads of
+    each block out of the arena into that block's slot of the engine's cache.
+
+    Blocks whose offsets advance by the same two strides (source, destination) are copied
+    as one run: one strided numpy copy per range for the whole run, instead of one copy per
+    range per block (4 ranges of 8 KiB x 59 blocks: 4 calls instead of 236). Where this
+    machine has the slow ``memcpy`` case (:func:`words_enabled`) every range goes by
+    :func:`copy`. A run whose destination slots would overlap is copied block by block, in
+    order, as a loop would. Raises ValueError for a byte outside either array or lists of
+    unequal lengths (nothing is copied then)."""
+    try:
+        s = np.asarray(src_offsets, dtype=np.int64).reshape(-1)
+        d = np.asarray(dst_offsets, dtype=np.int64).reshape(-1)
+        r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    except (OverflowError, ValueError, TypeError) as e:
+        raise ValueError(f"block offsets or ranges not 64-bit integers: {e}") from None
+    n = s.size
+    if d.size != n:
+        raise ValueError(f"{n} source offsets for {d.size} destination offsets")
+    if not n or not r.size:
+        return
+    offs, lens = r[:, 0], r[:, 1]
+    if int(lens.min()) < 0 or int(offs.min()) < 0:
+        raise ValueError(f"byte ranges {r.tolist()} with a negative offset or length")
+    want, end = int(lens.sum()), int((offs + lens).max())
+    if int(s.min()) < 0 or int(s.max()) + end > src.size or int(d.min()) < 0 or int(d.max()) + want > dst.size:
+        raise ValueError(f"blocks at {int(s.min())}..{int(s.max())} (ranges to byte {end}) -> "
+                         f"{int(d.min())}..{int(d.max())} ({want} bytes each) outside {src.size} -> {dst.size} bytes")
+    pos = np.concatenate(([0], np.cumsum(lens)[:-1])).tolist()
+    spans = [(p, o, m) for p, o, m in zip(pos, offs.tolist(), lens.tolist()) if m]
+    sl, dl = s.tolist(), d.tolist()
+    words = _words if _words is not None else words_enabled()
+    a = 0
+    while a < n:
+        b, bs, bd = a + 1, 0, 0
+        if not words and b < n:
+            bs, bd = sl[b] - sl[a], dl[b] - dl[a]
+            if abs(bd) >= want:                 # slots apart: a run may form
+                b += 1
+                while b < n and sl[b] - sl[b - 1] == bs and dl[b] - dl[b - 1] == bd:
+                    b += 1
+        s0, d0, k = sl[a], dl[a], b - a
+        for p, o, m in spans:
+            if k == 1:
+                copy(dst[d0 + p:d0 + p + m], src[s0 + o:s0 + o + m])
+            else:                               # bounds checked above for every block of the run
+                np.copyto(np.lib.stride_tricks.as_strided(dst[d0 + p:], shape=(k, m), strides=(bd, 1)),
+                          np.lib.stride_tricks.as_strided(src[s0 + o:], shape=(k, m), strides=(bs, 1),
+                                                          writeable=False))
+        a = b
+
+
 def _runs(dst_offsets: Sequence[int], src_offsets: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int, int]]:
     """The spans ``(dst, src, size)`` with each span that continues the previous one in both
     arrays merged into it (only spans of a positive size are merged). Many spans are compared

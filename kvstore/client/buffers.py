@@ -145,6 +145,20 @@ class BlockBuffers:
                                  f"{end - start}-byte slot of the {arr.size}-byte buffer")
         return arr[start:start + nbytes]
 
+    @property
+    def array(self) -> np.ndarray | None:
+        """The one buffer's flat uint8 view (None for a list of buffers)."""
+        return self._one.array if self._one is not None else None
+
+    def slot_offsets(self) -> list[int] | None:
+        """Where each block's slot starts in :attr:`array` (bytes); None for a list of
+        buffers. Each slot's fit is :meth:`slot`'s to check."""
+        if self._one is None:
+            return None
+        if self.offsets is not None:
+            return self.offsets
+        return [i * self.stride for i in range(self.n)]
+
     def run(self, i: int, sizes: Sequence[int]) -> np.ndarray | None:
         """One view of the slots of blocks ``i``, ``i + 1``, ... when they lie back to back
         and each block fills its slot (one buffer of equal slots, every size the slot's):

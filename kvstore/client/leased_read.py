@@ -58,7 +58,7 @@ from kvstore.client.buffers import BlockBuffers
 from kvstore.client.checks import check_keys
 from kvstore.client.table_read import TableRead, note_reads
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.host_copy import copy
+from kvstore.common.host_copy import copy, gather_ranges
 from kvstore.common.transport import MAX_KEYS_PER_REQUEST, keys_per_request
 
 log = logging.getLogger("kvstore.client")
@@ -275,17 +275,12 @@ class LeasedRead:
         Returns False when cancelled."""
         offsets, sizes, codes = reply.offsets, reply.sizes, reply.tier_codes
         for s in range(len(self._ranges)):
-            ranges, want, end = self._ranges[s], self._want[s], self._end[s]
-            slots, got = self._slots(s), self.sizes[s]
+            want, end, got = self._want[s], self._end[s], self.sizes[s]
             with self._lock:
                 if cancelled():
                     return False
-                for i in range(start, stop):
-                    j = i - start
-                    if not codes[j] or sizes[j] < end:
-                        continue                      # not found, or too short for the ranges: a miss
-                    _copy_ranges(slots[i], src, offsets[j], ranges)
-                    got[i] = want
+                self._copy_blocks(s, src, [(i, offsets[i - start]) for i in range(start, stop)
+                                           if codes[i - start] and sizes[i - start] >= end])
             if _clock() - sent > safe_s:             # the copies may have outlived the lease
                 if not self._warned:
                     log.warning("a lease of the shared arena was too old when its copy finished (the client "
@@ -313,22 +308,35 @@ class LeasedRead:
                 if self._cancelled():
                     return False
                 continue
-            ranges, want, end = self._ranges[s], self._want[s], self._end[s]
-            src, slots, got = table.arena.array, self._slots(s), self.sizes[s]
+            want, end, got = self._want[s], self._end[s], self.sizes[s]
             with self._lock:
                 if self._cancelled():
                     return False
-                for i, base, size in zip(range(table.run), table.offsets, table.sizes):
-                    if size < end:
-                        continue                      # too short for the ranges: a miss
-                    _copy_ranges(slots[i], src, base, ranges)
-                    got[i] = want
+                self._copy_blocks(s, table.arena.array, [(i, base) for i, base, size in
+                                                         zip(range(table.run), table.offsets, table.sizes)
+                                                         if size >= end])    # shorter: a miss
             kept = table.kept()
             for i in range(kept, table.run):          # their bytes of this stage may not be theirs
                 self._by_grpc_from(i, s, need)
             self.bytes_copied += want * sum(1 for i in range(kept) if got[i])
             table.run = kept
         return True
+
+    def _copy_blocks(self, s: int, src: np.ndarray, blocks: list[tuple[int, int]]) -> None:
+        """Copy stage ``s`` of ``blocks`` (``(i, byte offset of block i in src)``) into their
+        slots and set their sizes: blocks laid out alike in the arena and the stage's buffer
+        by one copy per range for the lot (:func:`kvstore.common.host_copy.gather_ranges`),
+        else range by range."""
+        ranges, want, got = self._ranges[s], self._want[s], self.sizes[s]
+        slot_at = self._bufs[s].slot_offsets() if len(blocks) > 1 else None
+        if slot_at is not None:
+            gather_ranges(self._bufs[s].array, [slot_at[i] for i, _ in blocks], src, [b for _, b in blocks], ranges)
+        else:
+            slots = self._slots(s)
+            for i, base in blocks:
+                _copy_ranges(slots[i], src, base, ranges)
+        for i, _ in blocks:
+            got[i] = want
 
     def _by_grpc_from(self, i: int, s: int, need: dict[int, int]) -> None:
         """Block ``i`` goes by gRPC from stage ``s`` on (what was copied of it since may not be its)."""

@@ -156,3 +156,55 @@ def test_auto_follows_the_measurement(monkeypatch):
 def test_the_probe_measures_both_cases():
     near, far = host_copy.probe(size=16 << 10, pieces=8, reps=1)
     assert near > 0 and far > 0
+
+
+def _gathered(dst, dst_offsets, src, src_offsets, ranges):
+    want = dst.copy()
+    for d, s in zip(dst_offsets, src_offsets):
+        pos = d
+        for off, m in ranges:
+            want[pos:pos + m] = src[s + off:s + off + m]
+            pos += m
+    return want
+
+
+def test_gather_ranges_matches_the_loop_on_runs_breaks_and_reversed_blocks(mode):
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    ranges = [(0, 512), (4096, 512), (1024, 256), (8000, 0), (6000, 100)]     # out of order, an empty one
+    want_bytes = sum(m for _, m in ranges)
+    block = 8192
+    cases = [
+        (list(range(0, 40 * block, block)), [j * want_bytes for j in range(40)]),                 # one run
+        (list(range(39 * block, -1, -block)), [j * 2000 for j in range(40)]),                       # src descending
+        ([3 * block, 4 * block, 9 * block, 10 * block, 11 * block, 0],                               # breaks in src
+         [0, want_bytes, 2 * want_bytes, 5 * want_bytes, 6 * want_bytes, 3 * want_bytes]),          # and in dst
+        ([5 * block], [100]),                                                                        # one block
+        ([0, block, 2 * block], [0, 600, 1200]),         # slots closer than a slot's bytes: block by block, in order
+    ]
+    for src_offsets, dst_offsets in cases:
+        dst = rng.integers(0, 256, 100_000, dtype=np.uint8)
+        expect = _gathered(dst, dst_offsets, src, src_offsets, ranges)
+        host_copy.gather_ranges(dst, dst_offsets, src, np.array(src_offsets), ranges)
+        assert np.array_equal(dst, expect), (src_offsets, dst_offsets)
+
+
+def test_gather_ranges_copies_a_run_with_one_call_per_range_and_refuses_bytes_outside(monkeypatch):
+    monkeypatch.setattr(host_copy, "_words", False)
+    src = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    calls = []
+    real = host_copy.np.copyto
+    monkeypatch.setattr(host_copy.np, "copyto", lambda d, s, *a, **k: (calls.append(d.shape), real(d, s, *a, **k))[1])
+    host_copy.gather_ranges(dst, [j * 64 for j in range(16)], src, [j * 1024 for j in range(16)], [(0, 32), (512, 32)])
+    assert calls == [(16, 32), (16, 32)]
+    calls.clear()
+    before = dst.copy()
+    for d, s, r in [([0], [src.size - 16], [(0, 32)]),        # past the source
+                    ([dst.size - 8], [0], [(0, 16)]),         # past the destination
+                    ([0], [0], [(-8, 16)]),                   # a negative range
+                    ([0, 64], [0], [(0, 16)]),                # lists of unequal lengths
+                    ([1 << 63], [0], [(0, 16)])]:             # not an int64
+        with pytest.raises(ValueError):
+            host_copy.gather_ranges(dst, d, src, s, r)
+    assert calls == [] and np.array_equal(dst, before)        # nothing copied
