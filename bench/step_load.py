@@ -189,13 +189,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--blocks", type=int, default=48)
-    ap.add_argument("--nvme-blocks", type=int, default=160)
+    ap.add_argument("--nvme-blocks", type=int, default=160, help="blocks of the nvme case (0: skip it)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tp", type=int, default=1, help="rank 0 of this TP size (2 KV heads per rank)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvs-step-") as tmp:
         cases = [("host", "64MiB", False, args.blocks, 64), ("nvme", "16MiB", True, args.nvme_blocks, 32 // args.tp)]
         for name, host, nvme, n, head_dim in cases:
+            if n <= 0:
+                continue
             folder = pathlib.Path(tmp) / name
             folder.mkdir()
             d = Daemon(folder, host, nvme)

