@@ -60,7 +60,8 @@ takes a new thread (seconds)."""
 
 
 class _LayerLoads:
-    """Loader thread of one step: per-layer readiness of the blocks copied in.
+    """The load of one step, run by ``start(job)`` on the worker's loader thread: per-layer
+    readiness of the blocks copied in.
 
     One store call for the step (:func:`engine_adapter.store_io.load_stages`): every planned
     block read from the block table or leased, once, its layers copied out one after the
@@ -79,8 +80,8 @@ class _LayerLoads:
     """
 
     def __init__(self, client, loads: Sequence[BlockTransfer], layout: BlockLayout,
-                 heads: tuple[int, int], timeout_s: float, direct: Sequence[torch.Tensor] | None = None,
-                 start: Callable[[Callable[[], None]], None] | None = None):
+                 heads: tuple[int, int], timeout_s: float, direct: Sequence[torch.Tensor] | None,
+                 start: Callable[[Callable[[], None]], None]):
         self.loads = list(loads)
         self.keys = [k for t in self.loads for k in t.keys]
         self.layout, self.heads, self.timeout_s = layout, heads, timeout_s
@@ -97,10 +98,7 @@ class _LayerLoads:
         self._cancel = threading.Event()
         self._writing = threading.Lock()
         self._client = client
-        if start is not None:
-            start(self._run)
-        else:
-            threading.Thread(target=self._run, name="kvstore-vllm-load", daemon=True).start()
+        start(self._run)                # on the worker's loader thread
 
     def _publish(self, layer: int, sizes: list[int]) -> None:
         self.ok[layer] = [size == self.want for size in sizes]
