@@ -20,9 +20,11 @@ The namespace's ``extra`` names the scheme, so the two schemes never share a key
 
 from __future__ import annotations
 
+import struct
 from typing import Mapping, Sequence
 
-from kvstore.common.keys import BlockKeyer, ExtraValue, Namespace, chain_key
+from kvstore.common.keys import (BlockKeyer, ExtraValue, Namespace, block_hash_state, chain_key, encode_extra,
+                                 token_array)
 
 from engine_adapter.layout import LAYOUT_ID
 
@@ -67,11 +69,41 @@ def engine_namespace(*, model: str, dtype: str, block_tokens: int, num_layers: i
                      tenant=tenant, extra=extra)
 
 
+HASH_TAG = "engine.block_hash"
+"""The extra key that carries an engine's block hash in the ``block_hash`` scheme."""
+
+
 def key_from_engine_hash(root: bytes, block_hash: bytes) -> bytes:
-    """Our 32-byte key of a block named by the engine's prefix hash ``block_hash``."""
+    """Our 32-byte key of a block named by the engine's prefix hash ``block_hash``:
+    ``chain_key(root, [], {"engine.block_hash": block_hash})``. Raises TypeError for a hash
+    that is not bytes."""
     if not isinstance(block_hash, (bytes, bytearray)):
         raise TypeError(f"engine block hashes must be bytes, got {type(block_hash).__name__}")
-    return chain_key(root, (), {"engine.block_hash": bytes(block_hash)})
+    return chain_key(root, (), {HASH_TAG: bytes(block_hash)})
+
+
+class EngineHashKeys:
+    """:func:`key_from_engine_hash` under one ``root``, one SHA-256 update per block: the
+    message up to the hash's length field (domain, root, no tokens, one extra key named
+    :data:`HASH_TAG`, type ``bytes``) is the same for every block, so its hash state is
+    computed once and copied. The keys are those of :func:`key_from_engine_hash`."""
+
+    def __init__(self, root: bytes):
+        tagged = encode_extra({HASH_TAG: b""})       # ... b"b" + 8-byte length + the hash
+        self._head = block_hash_state(bytes(root))
+        self._head.update(struct.pack("<Q", 0) + tagged[:-8])     # no tokens; the tag, up to the hash
+
+    def keys(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """The keys of ``block_hashes``, in order. Raises TypeError for a hash that is not bytes."""
+        fresh, pack, out = self._head.copy, struct.Struct("<Q").pack, []
+        for h in block_hashes:
+            if not isinstance(h, (bytes, bytearray)):
+                raise TypeError(f"engine block hashes must be bytes, got {type(h).__name__}")
+            state = fresh()
+            state.update(pack(len(h)))
+            state.update(h)
+            out.append(state.digest())
+        return out
 
 
 class IncrementalKeys:
@@ -80,27 +112,43 @@ class IncrementalKeys:
     Args:
         namespace: the store namespace (its ``extra["keys"]`` picks the scheme).
         extra: per-request extra keys of the ``tokens`` scheme (LoRA name, cache salt).
+        keyer, hash_keys: the namespace's :class:`BlockKeyer` and :class:`EngineHashKeys`,
+            shared by a caller that keys many requests of one namespace (made here when None).
+
+    The keys are :func:`kvstore.common.keys.chain_key`'s (``tokens``) or
+    :func:`key_from_engine_hash`'s (``block_hash``), computed in bulk: the new blocks' tokens
+    encoded at once and hashed one SHA-256 per block (:meth:`BlockKeyer.chain`), or one
+    update per engine hash (:class:`EngineHashKeys`); about 1 us per block instead of 4-5.
     """
 
-    def __init__(self, namespace: Namespace, extra: Mapping[str, ExtraValue] | None = None):
+    def __init__(self, namespace: Namespace, extra: Mapping[str, ExtraValue] | None = None, *,
+                 keyer: BlockKeyer | None = None, hash_keys: EngineHashKeys | None = None):
         self.scheme = namespace.extra["keys"]
         self.block_tokens = namespace.block_tokens
-        self.root = BlockKeyer(namespace).root
+        self._keyer = keyer if keyer is not None else BlockKeyer(namespace)   # the root: one SHA-256
+        self.root = self._keyer.root
         self.extra = dict(extra or {})
+        self._codes = encode_extra(self.extra or None)
+        self._hashes = None
+        if self.scheme == "block_hash":
+            self._hashes = hash_keys if hash_keys is not None else EngineHashKeys(self.root)
         self.keys: list[bytes] = []
 
     def extend(self, *, tokens: Sequence[int] = (), block_hashes: Sequence[bytes] = ()) -> list[bytes]:
         """Keys of every full block known so far (``tokens`` or ``block_hashes`` by scheme).
 
         Returns the cached list, extended; keys already computed are not recomputed.
+        Raises TypeError (a block hash that is not bytes), ValueError (a token id outside
+        ``[0, 2**32)``).
         """
-        if self.scheme == "block_hash":
-            for h in block_hashes[len(self.keys):]:
-                self.keys.append(key_from_engine_hash(self.root, h))
+        done = len(self.keys)
+        if self._hashes is not None:
+            if len(block_hashes) > done:
+                self.keys.extend(self._hashes.keys(block_hashes[done:]))
             return self.keys
         bt = self.block_tokens
-        parent = self.keys[-1] if self.keys else self.root
-        for i in range(len(self.keys), len(tokens) // bt):
-            parent = chain_key(parent, tokens[i * bt:(i + 1) * bt], self.extra or None)
-            self.keys.append(parent)
+        full = len(tokens) // bt
+        if full > done:
+            parent = self.keys[-1] if self.keys else self.root
+            self.keys.extend(self._keyer.chain(parent, token_array(tokens[done * bt:full * bt]), self._codes))
         return self.keys

@@ -305,14 +305,14 @@ class TableView:
         size = os.fstat(table_fd).st_size
         if size < HEADER_WORDS * 8:
             raise OSError(f"a block table of {size} bytes")
-        self._map = mmap.mmap(table_fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._map = mmap.mmap(table_fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                              prot=mmap.PROT_READ)   # every page mapped now, not at a find's first touch
         words = np.frombuffer(self._map, dtype="<u8")
-        header = words[:HEADER_WORDS]
+        self._header = header = words[:HEADER_WORDS]
         bits = int(header[H_BITS])
         if (int(header[H_MAGIC]) != MAGIC or int(header[H_VERSION]) != VERSION or not 6 <= bits <= 30
                 or size != (HEADER_WORDS + (ENTRY_WORDS << bits)) * 8 or int(header[H_ARENA]) != arena_bytes):
             raise OSError("the daemon's block table is not one this client reads (magic, version or size)")
-        self._header = header
         self._entries = words[HEADER_WORDS:].reshape(1 << bits, ENTRY_WORDS)
         self._words = words[HEADER_WORDS:]
         self._bits, self._mask = bits, (1 << bits) - 1

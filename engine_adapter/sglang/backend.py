@@ -49,7 +49,7 @@ from kvstore.common.types import BlockMeta
 
 from engine_adapter import store_io
 from engine_adapter.breaker import BreakerSettings
-from engine_adapter.engine_keys import key_from_engine_hash
+from engine_adapter.engine_keys import EngineHashKeys
 from engine_adapter.sglang.settings import BackendSettings, namespace_of, sglang_model_args
 
 log = logging.getLogger("engine_adapter.sglang")
@@ -79,6 +79,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.store = store_io.GuardedStore(self.client, breaker)
         self.namespace = None
         self.root: bytes | None = None
+        self._hash_keys: EngineHashKeys | None = None
         self.mem_pool_host = None
         self._failing = False
 
@@ -92,12 +93,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         store_io.check_block_tokens(self.client, mem_pool_host.page_size, "SGLang page size")
         self.namespace = namespace_of(self.config, mem_pool_host, self.settings, sglang_model_args())
         self.root = self.namespace.fingerprint()
+        self._hash_keys = EngineHashKeys(self.root)
         self._page_template = mem_pool_host.get_dummy_flat_data_page()
 
     def _keys(self, keys: List[str]) -> list[bytes]:
         if self.root is None:
             raise RuntimeError("register_mem_pool_host must be called before storage operations")
-        return [key_from_engine_hash(self.root, k.encode("utf-8")) for k in keys]
+        return self._hash_keys.keys([k.encode("utf-8") for k in keys])
 
     def _store_error(self, what: str, e: Exception) -> None:
         if isinstance(e, StoreUnavailable):

@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass, field
 
 from kvstore.common.errors import KVStoreError, StoreUnavailable
-from kvstore.common.keys import Namespace, encode_tokens
+from kvstore.common.keys import BlockKeyer, Namespace, encode_tokens
 
 from engine_adapter import store_io
-from engine_adapter.engine_keys import IncrementalKeys
+from engine_adapter.engine_keys import EngineHashKeys, IncrementalKeys
 from engine_adapter.trajectories import AgentTracker, RequestHints
 from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 
@@ -89,6 +89,8 @@ class SchedulerPlanner:
         store_io.check_block_tokens(client, block_size, "vLLM block_size")
         self.hashes_per_block = hashes_per_block
         self.namespace = namespace
+        self._keyer = BlockKeyer(namespace)             # one root and hash state for every request
+        self._hash_keys = EngineHashKeys(self._keyer.root) if namespace.extra.get("keys") == "block_hash" else None
         self.block_size = block_size
         self.client = client
         self.timeout_s = timeout_s
@@ -109,7 +111,8 @@ class SchedulerPlanner:
             salt = getattr(request, "cache_salt", None)
             if salt:
                 extra["cache_salt"] = str(salt)
-            st = _Tracked(request, IncrementalKeys(self.namespace, extra))
+            st = _Tracked(request, IncrementalKeys(self.namespace, extra, keyer=self._keyer,
+                                                   hash_keys=self._hash_keys))
             self._reqs[request.request_id] = st
         return st
 

@@ -159,11 +159,19 @@ class Namespace:
         return h.digest()
 
 
+def block_hash_state(parent: bytes):
+    """The SHA-256 state of a block's key after ``domain | parent``: updated with the block's
+    encoded tokens field (``len | tokens``) and extra keys (:func:`encode_extra`) it gives
+    :func:`chain_key`'s digest. For callers that hash many blocks under one parent."""
+    h = hashlib.sha256(_BLOCK_DOMAIN)
+    h.update(parent)
+    return h
+
+
 def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray,
               extra: Mapping[str, ExtraValue] | None = None) -> BlockKey:
     """One step of the chain: ``SHA-256(domain | parent | tokens | extra)`` (32 bytes)."""
-    h = hashlib.sha256(_BLOCK_DOMAIN)
-    h.update(parent)
+    h = block_hash_state(parent)
     h.update(_field(encode_tokens(tokens)))
     h.update(encode_extra(extra))
     return BlockKey(h.digest())

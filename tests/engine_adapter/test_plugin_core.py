@@ -13,7 +13,7 @@ from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 from engine_adapter.vllm.settings import tp_heads
 from engine_adapter.vllm.worker import WorkerTransfers, assemble_heads
 from kvstore.common.errors import StoreUnavailable
-from kvstore.common.keys import BlockKeyer
+from kvstore.common.keys import BlockKeyer, chain_key
 
 BS, NB, H, HD, L = 16, 12, 2, 64, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -90,6 +90,32 @@ def test_token_keys_are_blockkeyer_keys_and_extend_incrementally():
     assert IncrementalKeys(ns("tokens")).extend(tokens=tokens) != keys.keys
     with pytest.raises(ValueError, match="key scheme"):
         ns("other")
+
+
+@pytest.mark.parametrize("extra", [None, {"lora": "x", "cache_salt": "s"}])
+def test_bulk_keys_are_the_chain_of_the_definition_as_a_request_grows(extra):
+    """The keys a request's blocks get, computed in bulk as vLLM's request grows by odd
+    steps, are chain_key's block by block (tokens) and key_from_engine_hash's (hashes):
+    the keys of blocks stored by earlier releases."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 2**32, 4 * 23 + 3, dtype=np.uint64).tolist()
+    root = ns("tokens").fingerprint()
+    want, parent = [], root
+    for i in range(len(tokens) // 4):
+        parent = chain_key(parent, tokens[4 * i:4 * i + 4], extra)
+        want.append(parent)
+    keys = IncrementalKeys(ns("tokens"), extra)
+    for end in (0, 3, 4, 9, 9, 40, len(tokens)):
+        assert keys.extend(tokens=tokens[:end]) == want[:end // 4]
+    hashes = [bytes(rng.integers(0, 256, n, dtype=np.uint8)) for n in (32, 32, 8, 0, 64, 32)]
+    by_hash = IncrementalKeys(ns())
+    for end in (1, 1, 4, len(hashes)):
+        assert by_hash.extend(block_hashes=hashes[:end]) == [key_from_engine_hash(ns().fingerprint(), h)
+                                                             for h in hashes[:end]]
+    with pytest.raises(TypeError, match="bytes"):
+        IncrementalKeys(ns()).extend(block_hashes=[b"\x01" * 32, 7])
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        IncrementalKeys(ns("tokens")).extend(tokens=[1, 2, 3, -4])
 
 
 def test_tp_heads_split_and_replicate():
