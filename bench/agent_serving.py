@@ -57,7 +57,21 @@ ARMS = ("vllm", "prefetch_off", "prefetch_on", "lru")
 HINT_ARM = "prefetch_on_hints"
 MAX_MODEL_LEN = 2048
 BLOCK = 32
-BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 64 * 4       # layers x (K, V) x KV heads x tokens x head dim x fp32: 64 KiB
+MODELS = {                                      # tiny_llama_dir's shape arguments
+    # 2 layers, 2 KV heads of 64: 64 KiB of KV per 32-token block; a prefix loads in about a
+    # millisecond wherever it lies, so where a block comes from hardly shows in TTFT
+    "tiny": dict(layers=2, kv_heads=2, heads=4, hidden=256),
+    # 8 layers, 8 KV heads of 128 on a 256-wide model: 2 MiB per block, 64 KiB per token
+    # (a 70B model holds 320 KiB per token): a prefix's page back from NVMe costs a sizeable
+    # part of a resumed turn's TTFT, as it does on a GPU, while the turn's compute stays small
+    "kv-heavy": dict(layers=8, kv_heads=8, heads=8, hidden=256, head_dim=128, intermediate=512),
+}
+
+
+def block_bytes(model: str) -> int:
+    """KV bytes of one block of ``model`` (fp32): layers x (K, V) x KV heads x tokens x head dim x 4."""
+    m = MODELS[model]
+    return m["layers"] * 2 * m["kv_heads"] * BLOCK * m.get("head_dim", m["hidden"] // m["heads"]) * 4
 DAEMON_ARMS = {"prefetch_off": ("next_use", False, False), "prefetch_on": ("next_use", True, False),
                "lru": ("lru", False, False), HINT_ARM: ("next_use", True, True)}
 
@@ -82,7 +96,7 @@ def ensure_venv() -> None:
 
 
 def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, args, *, host_bytes: int,
-            policy: str | None, prefetch: bool, hints: bool, progress) -> dict:
+            nvme_bytes: int, policy: str | None, prefetch: bool, hints: bool, progress) -> dict:
     """One arm (see the module docstring): returns ``{"records", "engine", "daemon"}``."""
     import agent_serving_loop as loop
     import agent_serving_procs as procs
@@ -102,7 +116,7 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
             metrics_port = procs.free_port()
             toml.write_text(procs.daemon_toml(scratch, host_bytes, policy, prefetch,
                                                args.daemon + (["prefetch." + o for o in args.prefetch] if prefetch else []),
-                                               engine_events=events if args.engine_events else None,
+                                               nvme_bytes=nvme_bytes, engine_events=events if args.engine_events else None,
                                                metrics_port=metrics_port))
             daemon = procs.start([sys.executable, str(ROOT / "bench" / "agent_serving_procs.py"), "daemon", str(toml),
                                   str(scratch / "daemon-stats.json")], scratch / "daemon.log", env)
@@ -323,6 +337,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a short run: 6 agents x 3 turns, pauses at most 5 s")
     p.add_argument("--arms", default=",".join(ARMS), help=f"arms to run, in order (of {', '.join(ARMS)}, {HINT_ARM})")
     p.add_argument("--hints", action="store_true", help=f"also run {HINT_ARM} (agents send kvstore hints)")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                   help="the seeded Llama's shape: tiny (64 KiB blocks) or kv-heavy (2 MiB blocks)")
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
@@ -392,19 +408,20 @@ def main() -> int:
     if not args.engine_blocks:
         args.engine_blocks = args.max_model_len // BLOCK + 8
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvs-agent-serving-"))
-    model = procs.model_dir(scratch)
+    model = procs.model_dir(scratch, **MODELS[args.model])
+    bb = block_bytes(args.model)
     results = {"config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
                "load_before": os.getloadavg()[0], "plans": [], "arms": {n: {"runs": []} for n in names}}
     try:
         for i, workload in enumerate(workloads):
             pauses = [g.pause_s for a in workload.agents for g in a.gaps]
             ws = workload.working_set_blocks()
-            host_bytes = max(1 << 20, int(args.host_share * ws * BLOCK_BYTES))
+            host_bytes = max(1 << 20, int(args.host_share * ws * bb))
             results["plans"].append({"seed": args.seed + i, "working_set_blocks": ws, "host_bytes": host_bytes,
-                                     "host_share": host_bytes / (ws * BLOCK_BYTES),
+                                     "host_share": host_bytes / (ws * bb), "block_bytes": bb,
                                      "pauses_s": [round(p, 3) for p in pauses]})
             log(f"seed {args.seed + i}: {args.agents} agents x {args.turns} turns, prompts up to "
-                f"{workload.prompt_tokens()} tokens, working set {ws} blocks ({ws * BLOCK_BYTES >> 20} MiB), host "
+                f"{workload.prompt_tokens()} tokens, working set {ws} blocks ({ws * bb >> 20} MiB), host "
                 f"tier {host_bytes >> 10} KiB, vLLM {args.engine_blocks} blocks; pauses: median "
                 f"{statistics.median(pauses):.2f} s, {sum(p <= 1 for p in pauses) / len(pauses):.0%} <= 1 s, "
                 f"{sum(p <= 10 for p in pauses) / len(pauses):.0%} <= 10 s, max {max(pauses):.1f} s; scratch {scratch}")
@@ -417,6 +434,7 @@ def main() -> int:
                 log(f"arm {name}: starting (load {os.getloadavg()[0]:.2f})")
                 policy = DAEMON_ARMS.get(name)
                 run = run_arm(name, workload, model, scratch / f"{name}-{i}", args, host_bytes=host_bytes,
+                              nvme_bytes=max(1 << 30, 4 * ws * bb),
                               policy=policy[0] if policy else None, prefetch=policy[1] if policy else False,
                               hints=policy[2] if policy else False, progress=log)
                 for r in run["records"]:

@@ -25,9 +25,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BLOCK = 32
 
 
-def model_dir(scratch: pathlib.Path) -> pathlib.Path:
+def model_dir(scratch: pathlib.Path, **shape) -> pathlib.Path:
+    """The seeded Llama of ``shape`` (``vllm_support.tiny_llama_dir``'s arguments) under ``scratch``."""
     import vllm_support
-    return vllm_support.tiny_llama_dir(scratch / "model")
+    return vllm_support.tiny_llama_dir(scratch / "model", **shape)
 
 
 def free_port() -> int:
@@ -38,17 +39,18 @@ def free_port() -> int:
 
 
 def daemon_toml(scratch: pathlib.Path, host_bytes: int, policy: str, prefetch: bool, options: list[str],
-                engine_events: str | None = None, metrics_port: int | None = None) -> str:
+                engine_events: str | None = None, metrics_port: int | None = None, nvme_bytes: int = 1 << 30) -> str:
     """The daemon's config: host tier then NVMe, KV events on a unix socket; ``engine_events``:
     vLLM's KV event endpoint, read by the daemon (``[engines] kv_events``); ``metrics_port``:
-    its Prometheus endpoint (each call's latency: :func:`rpc_latency`). ``options``:
+    its Prometheus endpoint (each call's latency: :func:`rpc_latency`); ``nvme_bytes``: the NVMe
+    tier's capacity. ``options``:
     ``SECTION.KEY=VALUE`` (a TOML value) added to their section, e.g. ``prefetch.lead_time_s=0.2``,
     ``tiers.host.shared=false``, ``policy.params={admission=false}``."""
     sections = {
         "server": [f'listen = "unix:{scratch}/kvstore.sock"', "stop_grace_s = 1.0"],
         "blocks": [f"block_tokens = {BLOCK}"],
         "tiers.host": [f"capacity = {host_bytes}"],
-        "tiers.nvme": ["enabled = true", f'path = "{scratch}/nvme"', 'capacity = "1GiB"'],
+        "tiers.nvme": ["enabled = true", f'path = "{scratch}/nvme"', f"capacity = {nvme_bytes}"],
         "policy": [f'eviction = "{policy}"'],
         "store": ["stop_persist_s = 0.0"],
         "prefetch": [f"enabled = {'true' if prefetch else 'false'}"],

@@ -136,5 +136,15 @@ def test_each_arms_daemon_config_is_valid():
         assert cfg.policy.eviction == policy and cfg.prefetch.enabled is prefetch
         assert cfg.tiers.host.capacity == 4 << 20 and cfg.tiers.host.shared is False and cfg.tiers.nvme.enabled
         assert cfg.prefetch.lead_time_s == 0.2 and cfg.events.enabled and cfg.blocks.block_tokens == 32
+        assert cfg.tiers.nvme.capacity == 1 << 30
+    big = config.from_dict(tomllib.loads(procs.daemon_toml(pathlib.Path("/tmp/x"), 4 << 20, "lru", False, [],
+                                                           nvme_bytes=3 << 30)))
+    assert big.tiers.nvme.capacity == 3 << 30
     with pytest.raises(ValueError):
         procs.daemon_toml(pathlib.Path("/tmp/x"), 4 << 20, "lru", False, ["lead_time_s"])
+
+
+def test_block_bytes_of_each_model_shape():
+    """A block's KV bytes (fp32, 32 tokens): what the host tier is sized from."""
+    assert agent_serving.block_bytes("tiny") == 2 * 2 * 2 * 32 * 64 * 4 == 64 << 10
+    assert agent_serving.block_bytes("kv-heavy") == 8 * 2 * 8 * 32 * 128 * 4 == 2 << 20

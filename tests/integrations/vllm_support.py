@@ -21,17 +21,20 @@ from support.toml_config import write_toml  # noqa: E402
 
 
 def tiny_llama_dir(path: pathlib.Path, *, layers: int = 2, kv_heads: int = 2, heads: int = 4,
-                   hidden: int = 256, vocab: int = 32000, seed: int = 0) -> pathlib.Path:
-    """Save a seeded random Llama (``save_pretrained``) under ``path``; returns it."""
+                   hidden: int = 256, vocab: int = 32000, seed: int = 0, head_dim: int | None = None,
+                   intermediate: int | None = None) -> pathlib.Path:
+    """Save a seeded random Llama (``save_pretrained``) under ``path``; returns it. ``head_dim``
+    (default ``hidden // heads``) may be set apart from the hidden size, and ``intermediate``
+    (default ``2 * hidden``): a model whose KV is large for its compute."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=4096, torch_dtype="float32")
+                      head_dim=head_dim or hidden // heads, max_position_embeddings=4096, torch_dtype="float32")
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
     return path
 
