@@ -119,16 +119,17 @@ def home_slots(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _memfd(name: str, nbytes: int, *, sealed_writes: bool = False) -> tuple[int, mmap.mmap]:
-    """A memfd of ``nbytes`` that cannot grow or shrink, mapped shared and writable here; with
-    ``sealed_writes`` no mapping or write made after this one may write it
-    (``F_SEAL_FUTURE_WRITE``, Linux 5.1: a client reopening the descriptor read-write through
-    ``/proc`` still cannot write the table)."""
+    """A memfd of ``nbytes`` that cannot grow or shrink, mapped shared, writable and populated
+    here (resident in this process's memory, not in a client's that maps it); with ``sealed_writes``
+    no mapping or write made after this one may write it (``F_SEAL_FUTURE_WRITE``, Linux 5.1: a
+    client reopening the descriptor read-write through ``/proc`` still cannot write the table)."""
     import fcntl
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
         seals = fcntl.F_SEAL_SEAL | (getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10) if sealed_writes else 0)
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
@@ -195,8 +196,7 @@ class BlockTable:
             return True
         if self._header[H_STATE] != OPEN:
             return False
-        words = key_words([key])
-        home = int(home_slots(words, self.bits)[0])
+        home = int(home_slots(words := key_words([key]), self.bits)[0])
         e = self._entries
         for p in range(PROBE):
             i = (home + p) & (self.slots - 1)
