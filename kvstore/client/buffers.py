@@ -85,6 +85,8 @@ class BlockBuffers:
         offsets: with one buffer, the byte offset of each block; None: for ``get_into``,
             ``n`` equal slots of ``len(buffer) // n`` bytes in the order of the keys (a
             buffer shaped ``(n, block_bytes)``); for ``put_from``, back to back by ``sizes``.
+            A buffer of two or more dimensions split into equal slots must have ``n`` rows
+            (InvalidRequest otherwise: ``(3, B)`` is never cut into 4 blocks of ``3B/4``).
         sizes: with one buffer for ``put_from``, each block's bytes (an int: all equal).
     """
 
@@ -100,6 +102,11 @@ class BlockBuffers:
                 raise InvalidRequest("offsets apply to one buffer, not to a list of buffers")
             self._per_block = [host_view(t, writable) for t in target]
         else:
+            shape = getattr(target, "shape", None)
+            if offsets is None and sizes is None and shape is not None and len(shape) >= 2 and shape[0] != n:
+                # equal slots of a buffer shaped (rows, ...): one row per block, never a silent re-split
+                raise InvalidRequest(f"a buffer of {shape[0]} rows for {n} keys: one row per block, or pass "
+                                     f"offsets (get_into, put_from) or sizes (put_from)")
             self._one = host_view(target, writable)
         self.offsets = list(offsets) if offsets is not None else None
         if self.offsets is not None and len(self.offsets) != n:

@@ -1,4 +1,5 @@
-"""What the client checks before it sends a request: the keys it lists.
+"""What the client checks before it sends a request: the keys it lists, and that ``put``'s
+blocks are ``(key, payload)`` pairs of buffers.
 
 A block key is exactly :data:`~kvstore.common.types.KEY_BYTES` (32) bytes. The raw
 frames of ``PutRaw`` have a fixed 32-byte key field (:mod:`kvstore.common.wire`), so a
@@ -35,3 +36,18 @@ def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int | None = N
             if len(k) != KEY_BYTES:
                 raise InvalidRequest(f"{field}[{i}] has {len(k)} bytes; block keys are {KEY_BYTES} bytes")
     return out
+
+
+def check_pairs(blocks: Sequence) -> Sequence:
+    """``blocks`` if every item is a ``(key, payload)`` pair whose payload is a buffer (bytes,
+    bytearray, memoryview, numpy array, ...); else InvalidRequest naming the first item that is not."""
+    for i, item in enumerate(blocks):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidRequest(f"put takes (key, payload) pairs; item {i} is a {type(item).__name__} "
+                                 f"(for keys and buffers side by side use put_from(keys, buffers))")
+        try:
+            memoryview(item[1])
+        except TypeError:
+            raise InvalidRequest(f"the payload of item {i} is a {type(item[1]).__name__}, not bytes or "
+                                 f"another buffer") from None
+    return blocks

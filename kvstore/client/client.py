@@ -36,7 +36,7 @@ from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.arena import ArenaChanged, ArenaPath
 from kvstore.client.buffers import BlockBuffers, host_view
-from kvstore.client.checks import check_keys
+from kvstore.client.checks import check_keys, check_pairs
 from kvstore.client.connection import Connection, NodeInfo
 from kvstore.client.hints import HintCalls
 from kvstore.client.leased_read import LeasedRead, ReadStage
@@ -266,7 +266,7 @@ class KVStoreClient:
         StoreUnavailable.
         """
         blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
-        check_keys([k for k, _ in blocks])
+        check_keys([k for k, _ in check_pairs(blocks)])
         return self._raw_path.put(blocks, timeout, meta=meta)
 
     # -------------------------------------------------------------- get

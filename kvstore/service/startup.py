@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from concurrent import futures
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -66,10 +67,11 @@ class Daemon:
     def __iter__(self):
         return iter((self, self.address))
 
-    def stop(self, grace: float | None = None, persist_s: float | None = None) -> threading.Event:
+    def stop(self, grace: float | None = None, persist_s: float | None = None,
+             cancel_persist: Callable[[], bool] | None = None) -> threading.Event:
         """Stop serving (waiting up to ``grace`` s for calls in flight), copy blocks held only
         in memory to NVMe (up to ``persist_s`` s, default ``[store] stop_persist_s``; 0 skips
-        it) and close the tiers."""
+        it; ``cancel_persist()`` true stops the copying between blocks) and close the tiers."""
         persist_s = self.persist_s if persist_s is None else persist_s
         if self._stopped:
             ev = threading.Event()
@@ -86,7 +88,7 @@ class Daemon:
         for pool in self.pools:
             pool.shutdown(wait=False)
         if persist_s > 0:
-            n = self.manager.persist(timeout=persist_s)
+            n = self.manager.persist(timeout=persist_s, cancelled=cancel_persist)
             if n:
                 log.info("kept %d blocks by copying them from memory to NVMe before stopping", n)
         self.manager.close()

@@ -372,14 +372,14 @@ class TierManager:
         (pinned or leased) is hidden at once and freed when its last reader finishes."""
         return self.placement.delete(keys)
 
-    def persist(self, timeout: float = 60.0) -> int:
+    def persist(self, timeout: float = 60.0, cancelled: Callable[[], bool] | None = None) -> int:
         """Copy every block held only in volatile tiers down to the last local tier when it
         is persistent (NVMe), so a graceful stop keeps them. Bounded by ``timeout``
-        seconds; returns blocks copied."""
+        seconds, and stopped between blocks once ``cancelled()`` is true; returns blocks copied."""
         last = len(self.tiers) - 1 - (self.cluster is not None)    # the last local tier
         if last <= 0 or self.tiers[last].volatile:
             return 0
-        return self.moves.persist(last, timeout)
+        return self.moves.persist(last, timeout, cancelled)
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued transfer has finished (tests, shutdown; seconds)."""

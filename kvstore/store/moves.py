@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvstore.common.errors import KVStoreError, TierFull, TierIOError
 from kvstore.policy import NoVictim
@@ -139,9 +139,10 @@ class Moves:
         if not t.ok:
             raise TierIOError(f"copy of block {entry.key.hex()[:16]} to {self.tiers[dst].name} failed: {t.error}")
 
-    def persist(self, last: int, timeout: float = 60.0) -> int:
+    def persist(self, last: int, timeout: float = 60.0, cancelled: Callable[[], bool] | None = None) -> int:
         """Copy every block not held by tier ``last`` (the last local tier, persistent)
-        there, within ``timeout`` seconds; returns blocks copied."""
+        there, within ``timeout`` seconds and until ``cancelled()`` says stop (asked between
+        blocks); returns blocks copied."""
         deadline = time.monotonic() + timeout
         copied = 0
         with self.cat.lock:
@@ -156,6 +157,9 @@ class Moves:
                     log.info("persist: %d of %d blocks copied", copied, len(todo))
                 if time.monotonic() > deadline:
                     log.warning("persist: time is up; %d blocks stay only in memory", len(todo) - copied)
+                    break
+                if cancelled is not None and cancelled():
+                    log.warning("persist: stopped early; %d blocks stay only in memory", len(todo) - copied)
                     break
                 if entry.deleted or last in entry.tiers or not entry.tiers:
                     continue

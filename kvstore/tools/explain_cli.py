@@ -127,7 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Compare two prompts (token ids or block keys), or one prompt with a daemon's "
                                    "state, and name the first block that misses and why.")
     p.add_argument("prompts", nargs="+", metavar="PROMPT.json", help="one or two prompt files")
-    p.add_argument("--namespace", help="JSON namespace for prompts that carry none")
+    p.add_argument("--namespace", help="a JSON file holding the namespace (model, dtype, layout, block_tokens, ...) of prompts that carry none")
     p.add_argument("--target", help="daemon address, with one prompt")
     p.add_argument("--window", type=int, default=8, help="tokens shown on each side of a difference (default 8)")
     p.add_argument("--tokenizer", help="show token windows as text: 'bytes' (UTF-8 byte ids) or a "

@@ -55,10 +55,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     print(_describe(daemon), *data_lines(cfg, args.config), sep="\n", flush=True)
-    done = threading.Event()
+    done, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):
-        log.info("signal %d: stopping", signum)
+        if done.is_set():           # a second signal: no more copying of blocks to NVMe
+            log.info("signal %d again: stopping without copying the rest of memory to NVMe", signum)
+            hurry.set()
+            return
+        log.info("signal %d: stopping (a second signal skips copying memory-only blocks to NVMe)", signum)
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -68,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # timeout could sleep through SIGTERM for ever.
     while not done.wait(0.2):
         pass
-    daemon.stop(grace=cfg.server.stop_grace_s)        # then [store] stop_persist_s to copy blocks to NVMe
+    # then up to [store] stop_persist_s copying blocks to NVMe, cut short by a second signal
+    daemon.stop(grace=cfg.server.stop_grace_s, cancel_persist=hurry.is_set)
     print("kvstore stopped", flush=True)
     return 0
 

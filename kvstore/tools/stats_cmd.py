@@ -19,7 +19,7 @@ import time
 from typing import TextIO
 
 from kvstore.client.client import KVStoreClient
-from kvstore.common.errors import KVStoreError
+from kvstore.common.errors import KVStoreError, StoreUnavailable
 from kvstore.common.units import format_size
 from kvstore.tools.cliargs import positive_float, positive_int
 
@@ -35,6 +35,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
             if args.wait:
                 c.wait_ready(timeout=args.timeout)
             stats = c.stats()
+    except StoreUnavailable as e:
+        print(f"kvstore stats: {e} (is `kvstore serve` running, listening on {args.target}?)")
+        return 1
     except KVStoreError as e:
         print(f"kvstore stats: {e}")
         return 1

@@ -228,3 +228,48 @@ def test_size_conflict_on_the_shared_memory_put(node):
     assert stored_bytes(d, key(1)) == b"a" * 1024
     assert stored_bytes(d, key(4)) == b"e" * 64
     assert d.manager.catalogue.claim(key(1)) is None
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_buffer_with_other_rows_than_keys_is_refused_and_stores_nothing(node, shared):
+    """One buffer of blocks shaped ``(rows, block_bytes)`` has a row per key: 3 rows for 4 keys
+    was cut into 4 blocks of 3/4 of a row, stored, and a later right-sized put of those keys was
+    refused as a size conflict. Now it is refused before anything is sent (same-node and gRPC,
+    put_from and get_into), and the right put stores the blocks."""
+    import numpy as np
+    import torch
+
+    d, _ = node
+    keys = [key(40 + i) for i in range(4)]
+    with KVStoreClient(d.address, shared_memory=shared) as c:
+        assert c.shared_memory is shared
+        before = snapshot(d)
+        for bad in (np.ones((3, 4096), np.uint8), np.ones((5, 4096), np.uint8), torch.ones(3, 1024),
+                    np.ones((3, 2, 2048), np.uint8)):
+            with pytest.raises(errors.InvalidRequest, match="rows for 4 keys"):
+                c.put_from(keys, bad)
+            with pytest.raises(errors.InvalidRequest, match="rows for 4 keys"):
+                c.get_into(keys, np.zeros_like(bad) if isinstance(bad, np.ndarray) else torch.zeros_like(bad))
+        assert snapshot(d) == before
+        src = np.arange(4 * 4096, dtype=np.uint32).astype(np.uint8).reshape(4, 4096)
+        assert c.put_from(keys, src).stored == 4
+        out = np.zeros((4, 4096), np.uint8)
+        assert c.get_into(keys, out).found == 4 and (out == src).all()
+        assert c.put_from([key(50), key(51)], np.ones(2 * 100, np.uint8)).stored == 2   # a flat buffer: equal blocks
+        assert c.put_from([key(52), key(53)], np.ones((3, 100), np.uint8), sizes=[100, 200]).stored == 2
+
+
+def test_put_refuses_what_is_not_key_payload_pairs_before_sending(node):
+    """``put(keys, payloads)`` (a user's slip for put_from) and a ``str`` payload are refused with
+    a typed error that says what put takes, not an unpacking error or gRPC's UNKNOWN."""
+    d, _ = node
+    with KVStoreClient(d.address) as c:
+        before = snapshot(d)
+        with pytest.raises(errors.InvalidRequest, match=r"\(key, payload\) pairs; item 0 is a bytes"):
+            c.put([key(60), key(61)], [b"a" * 64, b"b" * 64])
+        with pytest.raises(errors.InvalidRequest, match="payload of item 1 is a str"):
+            c.put([(key(60), b"a" * 64), (key(61), "text")])
+        with pytest.raises(errors.InvalidRequest, match="item 0 is a tuple"):
+            c.put([(key(60), b"a", b"b")])
+        assert snapshot(d) == before
+        assert c.put([(key(60), b"a" * 64), (key(61), bytearray(64))]).stored == 2
