@@ -9,6 +9,7 @@ thread that is not the main thread (``tgkill``), every time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -32,7 +33,10 @@ def tgkill(pid: int, tid: int, sig: int) -> None:
         raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}) failed")
 
 
-def test_sigterm_delivered_to_another_thread_stops_the_daemon(tmp_path):
+@contextlib.contextmanager
+def serving(tmp_path, blocks: int):
+    """``kvstore serve`` in a process of its own holding ``blocks`` 1 KiB blocks (in memory
+    only); yields the process, and kills it afterwards if it still runs."""
     sock = f"unix:{short_socket_dir()}/kvstore.sock"
     cfg = tmp_path / "node.toml"
     cfg.write_text(f'[server]\nlisten = "{sock}"\n[tiers.host]\ncapacity = "4MiB"\n'
@@ -43,16 +47,21 @@ def test_sigterm_delivered_to_another_thread_stops_the_daemon(tmp_path):
     try:
         with KVStoreClient(sock) as c:
             c.wait_ready(timeout=180)
-            c.put([(b"k" * 32, b"kv" * 512)])
-        others = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
-        assert others, "the daemon runs worker threads"
-        tgkill(proc.pid, others[-1], signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
+            c.put([(bytes([i]) * 32, b"kv" * 512) for i in range(blocks)])
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=60)
         log.close()
+
+
+def test_sigterm_delivered_to_another_thread_stops_the_daemon(tmp_path):
+    with serving(tmp_path, 1) as proc:
+        others = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+        assert others, "the daemon runs worker threads"
+        tgkill(proc.pid, others[-1], signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
     assert "kvstore stopped" in (tmp_path / "serve.log").read_text()
 
 
@@ -87,25 +96,10 @@ def test_a_second_signal_says_it_skips_the_copy_and_the_daemon_stops(tmp_path):
     """SIGTERM then Ctrl-C: the second signal is taken as "stop now" (the copy to NVMe cut short,
     :func:`test_persist_stops_between_blocks_when_told_and_keeps_what_it_copied`), said in the
     log, and the daemon still stops cleanly."""
-    sock = f"unix:{short_socket_dir()}/kvstore.sock"
-    cfg = tmp_path / "node.toml"
-    cfg.write_text(f'[server]\nlisten = "{sock}"\n[tiers.host]\ncapacity = "4MiB"\n'
-                   f'[tiers.nvme]\npath = "{tmp_path / "nvme"}"\ncapacity = "16MiB"\n')
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(cfg)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        with KVStoreClient(sock) as c:
-            c.wait_ready(timeout=180)
-            c.put([(bytes([i]) * 32, b"kv" * 512) for i in range(8)])
+    with serving(tmp_path, 8) as proc:
         proc.send_signal(signal.SIGTERM)       # two kinds: the kernel does not merge them while pending
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
-        log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "a second signal skips copying" in text and "again: stopping without copying" in text
     assert "kvstore stopped" in text
