@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import pathlib
 import signal
@@ -56,14 +57,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     print(_describe(daemon), *data_lines(cfg, args.config), sep="\n", flush=True)
     done, hurry = threading.Event(), threading.Event()
+    signals = itertools.count()     # next() is one C call: a handler run inside another still counts right
 
     def on_signal(signum, frame):
-        if done.is_set():           # a second signal: no more copying of blocks to NVMe
-            log.info("signal %d again: stopping without copying the rest of memory to NVMe", signum)
+        if next(signals):           # a second signal: no more copying of blocks to NVMe
             hurry.set()
+            done.set()
+            log.info("signal %d again: stopping without copying the rest of memory to NVMe", signum)
             return
-        log.info("signal %d: stopping (a second signal skips copying memory-only blocks to NVMe)", signum)
         done.set()
+        log.info("signal %d: stopping (a second signal skips copying memory-only blocks to NVMe)", signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
