@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -34,6 +35,10 @@ from kvstore.tools.trace import TRACE_BLOCK_TOKENS, block_key
 from kvstore.common.errors import InvalidRequest, KVStoreError, TierFull
 from kvstore.common.units import format_size
 
+
+
+INTERRUPTED = "interrupted (Ctrl-C)"
+"""``ReplayReport.error`` of a replay stopped by KeyboardInterrupt."""
 
 
 def trace_key(hash_id: int, block_bytes: int = 0) -> bytes:
@@ -122,8 +127,8 @@ def replay(requests: Sequence, client: KVStoreClient | Sequence[KVStoreClient], 
     """Replay ``requests`` (objects with ``input_length`` and ``hash_ids``) through ``client``
     (or clients of several daemons, round robin).
 
-    Returns the :class:`ReplayReport`; when the daemon fails mid-way, the report of the
-    requests done so far with ``error`` set. Raises ValueError for a request whose block
+    Returns the :class:`ReplayReport`; when the daemon fails mid-way or the replay is
+    interrupted (Ctrl-C), the report of the requests done so far with ``error`` set. Raises ValueError for a request whose block
     count does not match its length, InvalidRequest (before anything is sent) when the
     node's ``[blocks] block_tokens`` is set to another block size.
     A Put refused with RESOURCE_EXHAUSTED is counted in ``put_failures``, not raised.
@@ -145,6 +150,8 @@ def replay(requests: Sequence, client: KVStoreClient | Sequence[KVStoreClient], 
         _replay_requests(bar, clients, rep, by_tier, block_bytes, block_tokens, progress)
     except KVStoreError as e:
         rep.error = str(e)            # the daemon went away: report what was done
+    except KeyboardInterrupt:
+        rep.error = INTERRUPTED       # Ctrl-C: report what was done
     bar.close()
     rep.seconds = time.perf_counter() - t0
     rep.hits_by_tier = dict(by_tier)
@@ -193,13 +200,16 @@ def _replay_requests(bar, clients: list[KVStoreClient], rep: ReplayReport, by_ti
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvstore.tools.trace import read_mooncake_trace
 
-    if args.json:   # fail now, not after a long replay
+    if args.json:   # fail now, not after a long replay (and leave no empty file behind)
+        existed = os.path.exists(args.json)
         try:
             with open(args.json, "a"):
                 pass
         except OSError as e:
             print(f"kvstore replay: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
             return 2
+        if not existed:
+            os.unlink(args.json)
     try:
         requests = read_mooncake_trace(args.trace)
     except (OSError, ValueError) as e:
@@ -230,6 +240,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(asdict(report), indent=2, sort_keys=True) + "\n")
         print(f"wrote {args.json}")
+    if report.error == INTERRUPTED:
+        return 130
     return 1 if report.error else 0
 
 

@@ -104,7 +104,9 @@ def render(target: str, cur: Sample, prev: Sample | None, *, clock: str = "") ->
 
     Hit rate is Lookup blocks found over blocks asked (longest stored prefix), since the
     daemon started and over the interval; *reads by tier* is each tier's share of the
-    blocks served by Get since start. Rates are per second over the interval.
+    blocks served by Get since start; same-node reads in place (leased, or read from the
+    shared block table with no round trip) are counted beside them. Rates are per second
+    over the interval.
     """
     s, c, r = cur.stats, cur.stats["counters"], Rates(cur, prev)
     interval = f"last {r.seconds:.1f} s" if prev is not None else "rates from the next frame"
@@ -127,11 +129,13 @@ def render(target: str, cur: Sample, prev: Sample | None, *, clock: str = "") ->
     lines.append(line)
     reads = c.get("reads", 0)
     shares = ", ".join(f"{t['name']} {_ratio(c.get('reads_' + t['name'], 0), reads)}" for t in s["tiers"])
-    lines.append(f"reads by tier since start: {shares} of {reads} blocks served by Get; "
-                 f"{c.get('leased_blocks', 0)} blocks leased (same node, read in place)")
+    lines.append(f"reads by tier since start: {shares} of {reads} blocks served by Get; same node, read in "
+                 f"place: {c.get('leased_blocks', 0)} blocks leased, {c.get('table_read_blocks', 0)} read "
+                 f"from the block table")
     lines.append(f"per second: lookups {_num(r.per_s('lookups'))}  blocks put {_num(r.per_s('blocks_put'))} "
                  f"({_bytes_per_s(r.per_s('bytes_put'))})  blocks read {_num(r.per_s('reads'))}  "
-                 f"leased {_num(r.per_s('leased_blocks'))}  get misses {_num(r.per_s('get_misses'))}  "
+                 f"leased {_num(r.per_s('leased_blocks'))}  table reads {_num(r.per_s('table_read_blocks'))}  "
+                 f"get misses {_num(r.per_s('get_misses'))}  "
                  f"demotions {_num(r.per_s('demotions'))}  precleaned {_num(r.per_s('precleaned'))}  "
                  f"promotions {_num(r.per_s('promotions'))}")
     trouble = {k: c.get(k, 0) for k in ("corrupt_blocks", "read_errors", "puts_rejected_full", "transfers_failed")}

@@ -124,6 +124,35 @@ def test_daemon_lost_mid_replay_gives_a_partial_report(tmp_path):
     assert "connection lost" in rep.error and "STOPPED EARLY" in rep.table()
 
 
+def test_ctrl_c_mid_replay_prints_and_writes_the_partial_report(tmp_path, monkeypatch, capsys):
+    from kvstore.tools import replay as replay_mod
+    from kvstore.tools.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {t}, "input_length": {r.input_length}, "output_length": 1, '
+                             f'"hash_ids": {r.hash_ids}}}\n' for t, r in enumerate(TRACE)))
+    real = replay_mod.block_token_counts
+    calls = {"n": 0}
+
+    def counts(*a):
+        calls["n"] += 1
+        if calls["n"] == 3:             # the third request: the user presses Ctrl-C
+            raise KeyboardInterrupt
+        return real(*a)
+    monkeypatch.setattr(replay_mod, "block_token_counts", counts)
+    out = tmp_path / "r.json"
+    d = start_server(daemon_config(tmp_path))
+    try:
+        code = main(["replay", str(trace), "--target", d.address, "--bytes-per-token", "1", "--quiet",
+                     "--json", str(out)])
+    finally:
+        d.stop(0)
+    assert code == 130
+    rep = json.loads(out.read_text())
+    assert rep["requests"] == 2 and rep["hit_tokens"] == 1024 and rep["error"] == replay_mod.INTERRUPTED
+    assert "STOPPED EARLY" in capsys.readouterr().out
+
+
 def test_cli_rejects_bad_arguments_before_replaying(tmp_path, capsys):
     from kvstore.tools.cli import main
 
@@ -135,6 +164,8 @@ def test_cli_rejects_bad_arguments_before_replaying(tmp_path, capsys):
         main(["replay", str(trace), "--limit", "-1"])
     assert main(["replay", str(trace), "--json", "/proc/nope/x.json"]) == 2
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
-    assert main(["replay", str(trace), "--target", f"unix:{tmp_path}/none.sock", "--wait", "0.2"]) == 1
+    assert main(["replay", str(trace), "--target", f"unix:{tmp_path}/none.sock", "--wait", "0.2",
+                 "--json", str(tmp_path / "never.json")]) == 1
+    assert not (tmp_path / "never.json").exists()     # no empty report left behind
     err = capsys.readouterr().err
     assert "cannot write --json" in err and "is `kvstore serve` running" in err

@@ -27,7 +27,7 @@ PREV = {"lookups": 10, "lookup_blocks": 60, "lookup_hit_blocks": 45, "reads": 20
         "bytes_put": 8 * 64 * KIB}
 CUR = {"lookups": 14, "lookup_blocks": 100, "lookup_hit_blocks": 75, "reads": 40, "reads_host": 30,
        "reads_nvme": 10, "read_bytes_host": 30 * 64 * KIB, "evictions_host": 6, "blocks_put": 12,
-       "bytes_put": 12 * 64 * KIB, "leased_blocks": 5, "corrupt_blocks": 1}
+       "bytes_put": 12 * 64 * KIB, "leased_blocks": 5, "table_read_blocks": 16, "corrupt_blocks": 1}
 
 
 def test_a_frame_states_usage_hit_rates_and_rates_per_second():
@@ -40,8 +40,9 @@ def test_a_frame_states_usage_hit_rates_and_rates_per_second():
     assert host[-1] == "2.0"                                           # (6 - 2) evictions / 2 s
     text = "\n".join(frame)
     assert "hit rate 75.0% since start (75 of 100 blocks looked up), 75.0% over the last 2.0 s (30 of 40)" in text
-    assert "reads by tier since start: host 75.0%, nvme 25.0% of 40 blocks served by Get; 5 blocks leased" in text
-    assert "lookups 2.0  blocks put 2.0 (128.00 KiB/s)  blocks read 10.0  leased 2.5" in text
+    assert ("reads by tier since start: host 75.0%, nvme 25.0% of 40 blocks served by Get; same node, read in "
+            "place: 5 blocks leased, 16 read from the block table") in text
+    assert "lookups 2.0  blocks put 2.0 (128.00 KiB/s)  blocks read 10.0  leased 2.5  table reads 8.0" in text
     assert "corrupt_blocks 1" in text and "problems: none" in text and "serving: yes" in text
 
 
