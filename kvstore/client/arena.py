@@ -215,8 +215,9 @@ class ArenaPath:
     def lease(self, request: pb.LeaseRequest, timeout: float | None, call) -> pb.LeaseReply:
         """The client's ``lease``: on the control channel of the arena mapped now when it
         can (not ``device``), else a gRPC Lease naming that arena, else ``call(Lease, ...)``.
-        Raises :class:`ArenaChanged`, the store error answered."""
-        arena = self._arena
+        The arena is mapped first (a lease names the client's session: it ends with the
+        client). Raises :class:`ArenaChanged`, the store error answered."""
+        arena = self.mapping(timeout)
         ch = self.channel(arena)
         if ch is not None and not request.device and len(request.keys) <= MAX_FRAME_KEYS:
             a = self.control(arena, ch.lease, list(request.keys), request.ttl_seconds, request.prefix,
@@ -257,9 +258,7 @@ class ArenaPath:
         and what the raw path's put raises."""
         budget = max(arena.size // 4, 1)
         reserved_total = stored = nbytes = present = refused = conflicts = 0
-        rest: list[int] = []
-        detail = ""
-        batch: list[int] = []
+        rest, batch, detail = [], [], ""             # block indices: to put by gRPC, in this Reserve
         per = self._per_request(per_key=34 + 11)            # a key and its size
         for i in range(len(keys) + 1):
             if i < len(keys) and (not batch or reserved_total + lengths[i] <= budget and len(batch) < per):
@@ -273,14 +272,14 @@ class ArenaPath:
                 reply = self.call(self._stub.Reserve, pb.ReserveRequest(
                     keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
                     meta=metas), timeout, arena)
-                written, late = [], []
+                late, written_at = [], []
                 for j, status, offset in zip(batch, reply.status, reply.offsets):
                     if status == ReserveStatus.RESERVED:
                         if _clock() - sent > min(self.lease_ttl_s, arena.max_ttl_s) * SAFE_FRACTION:
                             late.append(j)      # too close to its expiry: never write it
                             continue
                         copy(arena.array[offset:offset + lengths[j]], bufs.slot(j, lengths[j]))
-                        written.append(keys[j])
+                        written_at.append(j)
                     elif status == ReserveStatus.ALREADY_PRESENT:
                         present += 1
                     elif status == ReserveStatus.NOT_ADMITTED:
@@ -289,10 +288,14 @@ class ArenaPath:
                         conflicts += 1
                     else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
                         rest.append(j)
-                if written:
-                    done = self.call(self._stub.Commit, pb.CommitRequest(keys=written), timeout, arena)
-                    stored += done.committed
-                    nbytes += done.bytes_committed
+                if written_at:
+                    try:
+                        done = self.call(self._stub.Commit, pb.CommitRequest(keys=[keys[j] for j in written_at]),
+                                         timeout, arena)
+                        stored, nbytes = stored + done.committed, nbytes + done.bytes_committed
+                    except errors.BlockNotFound as e:   # a reservation ended: none stored, all by gRPC
+                        log.warning("zero-copy commit refused (%s); putting %d blocks by gRPC", e, len(written_at))
+                        rest.extend(written_at)
                 if late:
                     log.warning("%d reservations of the shared arena were too old to write (the client "
                                 "stalled); putting those blocks by gRPC", len(late))

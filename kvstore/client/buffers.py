@@ -75,6 +75,30 @@ def host_view(x: Any, writable: bool) -> HostView:
     return HostView(np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8))
 
 
+def _not_a_scalar(target: Any, what: str) -> None:
+    """Refuse a 0-d array or tensor (one number is not a block). Raises InvalidRequest."""
+    shape = getattr(target, "shape", None)
+    if shape is not None and len(shape) == 0:
+        raise InvalidRequest(f"{what} is a 0-d {type(target).__name__} (one number): a block is a buffer of bytes")
+
+
+def _byte_counts(values: Any, what: str, least: int) -> list[int]:
+    """``values`` as a list of ints >= ``least`` (bytes). Raises InvalidRequest naming the
+    first that is not one (a float, a bool, a string, a negative count)."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            v = operator.index(v)
+        except TypeError:
+            raise InvalidRequest(f"{what}[{i}] is {v!r}: byte counts are integers") from None
+        if v < least:
+            raise InvalidRequest(f"{what}[{i}] is {v}: must be >= {least}")
+        out.append(v)
+    return out
+
+
 class BlockBuffers:
     """Where each of ``n`` blocks goes (``get_into``) or comes from (``put_from``).
 
@@ -100,20 +124,23 @@ class BlockBuffers:
                 raise InvalidRequest(f"{len(target)} buffers for {n} keys")
             if offsets is not None:
                 raise InvalidRequest("offsets apply to one buffer, not to a list of buffers")
+            for i, t in enumerate(target):
+                _not_a_scalar(t, f"buffer {i}")
             self._per_block = [host_view(t, writable) for t in target]
         else:
+            _not_a_scalar(target, "the buffer")
             shape = getattr(target, "shape", None)
             if offsets is None and sizes is None and shape is not None and len(shape) >= 2 and shape[0] != n:
                 # equal slots of a buffer shaped (rows, ...): one row per block, never a silent re-split
                 raise InvalidRequest(f"a buffer of {shape[0]} rows for {n} keys: one row per block, or pass "
                                      f"offsets (get_into, put_from) or sizes (put_from)")
             self._one = host_view(target, writable)
-        self.offsets = list(offsets) if offsets is not None else None
+        self.offsets = _byte_counts(offsets, "offsets", 0) if offsets is not None else None
         if self.offsets is not None and len(self.offsets) != n:
             raise InvalidRequest(f"{len(self.offsets)} offsets for {n} keys")
         if isinstance(sizes, int):
             sizes = [sizes] * n
-        self.sizes = list(sizes) if sizes is not None else None
+        self.sizes = _byte_counts(sizes, "sizes", 1) if sizes is not None else None
         if self.sizes is not None and len(self.sizes) != n:
             raise InvalidRequest(f"{len(self.sizes)} sizes for {n} keys")
         self.stride = 0

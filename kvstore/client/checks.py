@@ -28,9 +28,16 @@ def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int | None = N
     Raises InvalidRequest naming the first key that is not 32 bytes, or the count over
     ``limit``.
     """
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise InvalidRequest(f"{field}: a list of keys is needed, got one {type(keys).__name__}")
     out = keys if type(keys) is list else list(keys)
     if limit is not None and len(out) > limit:
         raise InvalidRequest(f"{field}: {len(out)} keys; at most {limit} per request")
+    if out and set(map(type, out)) != {bytes}:
+        for i, k in enumerate(out):
+            if not isinstance(k, (bytes, bytearray, memoryview)):
+                raise InvalidRequest(f"{field}[{i}] is a {type(k).__name__}: block keys are 32 bytes (bytes)")
+        out = [bytes(k) for k in out]
     if out and set(map(len, out)) != {KEY_BYTES}:
         for i, k in enumerate(out):
             if len(k) != KEY_BYTES:

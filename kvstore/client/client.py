@@ -37,6 +37,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.arena import ArenaChanged, ArenaPath
 from kvstore.client.buffers import BlockBuffers, host_view
 from kvstore.client.checks import check_keys, check_pairs
+from kvstore.common.byte_ranges import check_byte_ranges
 from kvstore.client.connection import Connection, NodeInfo
 from kvstore.client.hints import HintCalls
 from kvstore.client.leased_read import LeasedRead, ReadStage
@@ -286,6 +287,7 @@ class KVStoreClient:
         Raises InvalidRequest (a buffer too small, bad ranges), StoreUnavailable.
         """
         keys = check_keys(keys)
+        ranges = check_byte_ranges(ranges)
         bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)
         arena_path = self._arena_path
         arena = arena_path.mapping(timeout)
@@ -316,7 +318,7 @@ class KVStoreClient:
 
         Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
         """
-        return self._raw_path.get(check_keys(keys), ranges, stop_at_miss, timeout)
+        return self._raw_path.get(check_keys(keys), check_byte_ranges(ranges), stop_at_miss, timeout)
 
     # -------------------------------------------------------------- leases (low level)
 

@@ -83,6 +83,7 @@ class Connection:
         self.get_raw = self.channel.unary_stream(_DATA + "GetRaw", request_serializer=pb.GetRequest.SerializeToString)
         self.put_raw = self.channel.stream_unary(_DATA + "PutRaw", response_deserializer=pb.PutReply.FromString)
         self._info: NodeInfo | None = None
+        self.closed = False
 
     def error(self, e: grpc.RpcError) -> errors.KVStoreError:
         """The store error of a failed call (:func:`~kvstore.common.status.error_for`);
@@ -102,6 +103,14 @@ class Connection:
                           wait_for_ready=wait_for_ready or None)
         except grpc.RpcError as e:
             raise self.error(e) from None
+        except ValueError:                      # grpc's "closed channel"
+            if self.closed:
+                raise self.closed_error() from None
+            raise
+
+    def closed_error(self) -> errors.StoreUnavailable:
+        """The error of a call made after :meth:`close` (grpc raises a bare ValueError)."""
+        return errors.StoreUnavailable(f"this client of {self.target} is closed: make a new KVStoreClient")
 
     def per_request(self, per_key: int = KEY_FIELD_BYTES, extra: int = 0) -> int:
         """Most keys one request may list (``per_key`` wire bytes each, ``extra`` bytes of
@@ -131,5 +140,6 @@ class Connection:
             raise errors.StoreUnavailable(f"kvstore daemon at {self.target} not ready after {timeout}s") from None
 
     def close(self) -> None:
-        """Close the channel (calls in flight fail)."""
+        """Close the channel (calls in flight fail; later calls raise StoreUnavailable)."""
+        self.closed = True
         self.channel.close()

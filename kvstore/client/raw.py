@@ -24,6 +24,11 @@ from kvstore.common.types import BlockMeta, GetResult, PutResult, TierKind
 from kvstore.common.wire import FOUND, META, decode, frames
 
 
+DEADLINE_GRACE_S = 1.0
+"""Seconds past a put's gRPC deadline that the client waits for gRPC to end it, before it
+cancels the call itself."""
+
+
 class RawPath:
     """Blocks in raw frames over gRPC (every target; the only path off the node).
 
@@ -49,8 +54,20 @@ class RawPath:
         items = items()
         c = self.connection
         limit = min(c.max_message_bytes, c.chunk_bytes + FRAMING_BYTES)   # ~1 MiB messages: faster than big ones
+        deadline = timeout or c.timeout
+        # A future, not the blocking call: grpcio's blocking stream-unary call overran its
+        # deadline while a message waited on a daemon that stopped reading (SIGSTOP: a 1 MiB
+        # put with a 2 s deadline returned when the daemon resumed, 12 s later).
+        if c.closed:
+            raise c.closed_error()
+        call = c.put_raw.future(frames(items, limit, c.chunk_bytes), timeout=deadline, metadata=c.metadata)
         try:
-            reply = c.put_raw(frames(items, limit, c.chunk_bytes), timeout=timeout or c.timeout, metadata=c.metadata)
+            try:
+                reply = call.result(timeout=None if deadline is None else deadline + DEADLINE_GRACE_S)
+            except grpc.FutureTimeoutError:
+                call.cancel()
+                raise errors.StoreUnavailable(f"DEADLINE_EXCEEDED: the put did not finish in {deadline:g} s "
+                                              f"(the daemon took none of it in time)") from None
         except grpc.RpcError as e:
             error = c.error(e)
             refused = _refused_put_reply(e) if isinstance(error, errors.SizeConflict) else None
@@ -96,6 +113,10 @@ class RawPath:
                         yield rec
             except grpc.RpcError as e:
                 raise c.error(e) from None
+            except ValueError:                  # grpc's "closed channel"
+                if c.closed:
+                    raise c.closed_error() from None
+                raise
             if stop_at_miss and missed:
                 return
 

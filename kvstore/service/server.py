@@ -337,6 +337,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ttl = self._ttl(request.ttl_seconds)
         reply = pb.ReserveReply()
         session = self._session(context)
+        if not session:
+            raise errors.FeatureDisabled(f"a zero-copy put names the client's same-node session "
+                                         f"({SESSION_HEADER}, handed out with the arena): map the arena "
+                                         f"first, or use Put")
         for key, size, meta in zip(keys, sizes, metas):
             offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl, meta, session)
             reply.offsets.append(offset)
@@ -357,7 +361,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             j = first.setdefault(k, i)
             if j != i:
                 raise errors.InvalidRequest(f"keys[{i}] repeats keys[{j}]: each reservation is committed once")
-        claims = [m.find_claim(space.internal(k), space.tenant) for k in keys]
+        session = self._session(context)
+        claims, missing = [], None
+        for k in keys:
+            try:
+                claims.append(m.find_claim(space.internal(k), space.tenant, session))
+            except errors.BlockNotFound as e:
+                missing = missing or e
+        if missing is not None and not request.abort:
+            for claim in claims:        # all or none: the client puts the whole batch again by gRPC
+                m.abort_put(claim)
+            raise missing
         if request.abort:
             for claim in claims:
                 m.abort_put(claim)

@@ -13,6 +13,7 @@ import time
 from typing import Iterable, Sequence
 
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.common.byte_ranges import MAX_BLOCK_BYTES, MAX_RANGES, check_byte_ranges  # noqa: F401
 from kvstore.common.errors import InvalidRequest
 from kvstore.common.transport import MAX_KEYS_PER_REQUEST
 from kvstore.common.types import KEY_BYTES, BlockMeta
@@ -20,11 +21,6 @@ from kvstore.common.types import KEY_BYTES, BlockMeta
 MAX_KEYS = MAX_KEYS_PER_REQUEST
 """Most keys one request may carry (the client splits longer lists: :mod:`kvstore.common.transport`)."""
 
-MAX_BLOCK_BYTES = 1 << 40
-"""Largest block a client may announce (bytes); tiers refuse what they cannot hold."""
-
-MAX_RANGES = 4096
-"""Most byte ranges one Get may ask for (a TP rank asks for 2 per layer)."""
 
 MAX_CLOCK_SKEW_S = 24 * 3600.0
 """A client time further than this from the daemon's now is refused (seconds)."""
@@ -53,23 +49,9 @@ def check_chunk_keys(chunks: Sequence[pb.PutChunk]) -> Sequence[pb.PutChunk]:
 
 
 def check_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]] | None:
-    """Byte ranges of a Get: at most :data:`MAX_RANGES`, none overlapping another, none
-    ending past :data:`MAX_BLOCK_BYTES` (no block can be that long), so the bytes returned
-    per block never exceed the block. A range past the end of one stored block makes that
-    block a miss (checked per block). Raises InvalidRequest."""
-    out = list(ranges)
-    if not out:
-        return None
-    if len(out) > MAX_RANGES:
-        raise InvalidRequest(f"{len(out)} byte ranges; at most {MAX_RANGES} per request")
-    end = 0
-    for off, length in sorted(out):
-        if off + length > MAX_BLOCK_BYTES:
-            raise InvalidRequest(f"byte range ({off}, {length}) ends past the largest block ({MAX_BLOCK_BYTES} bytes)")
-        if off < end:
-            raise InvalidRequest(f"byte range ({off}, {length}) overlaps another range")
-        end = off + length
-    return out
+    """Byte ranges of a Get (:func:`kvstore.common.byte_ranges.check_byte_ranges`): None when
+    there are none. Raises InvalidRequest."""
+    return check_byte_ranges(ranges)
 
 
 def check_number(value: float, field: str, *, low: float = 0.0, high: float = math.inf,

@@ -263,7 +263,12 @@ class Catalogue:
         return False
 
     def expired_claims(self, now: float) -> list[Claim]:
-        return [c for c in self._claims.values() if c.deadline is not None and c.deadline <= now]
+        """Zero-copy reservations whose deadline passed, except those of a same-node session
+        still open: that client may still be writing its slot (stalled mid-copy), so its
+        room is never handed to another block while it lives; they end with a Commit, an
+        abort or the session (:meth:`end_session`)."""
+        return [c for c in self._claims.values() if c.deadline is not None and c.deadline <= now
+                and not (c.session and c.session in self._sessions)]
 
     # ------------------------------------------------------------------ pins
 

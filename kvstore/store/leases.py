@@ -9,7 +9,10 @@ when the client goes away (:meth:`Leases.maintain`: an expired lease is released
 expired reservation aborted). Those of a same-node client *session* (the client keeps
 its arena hand-out connection open: :mod:`kvstore.service.liveness`) end as soon as that
 connection closes (:meth:`Leases.end_session`), so a killed client's hold on the arena
-does not outlive it; a lease or reservation naming a session that ended is refused.
+does not outlive it; a lease or reservation naming a session that ended is refused. A
+reservation belongs to its session: only that session commits or aborts it, and while
+the session is open its TTL does not hand the room to another block (a client stalled
+mid-copy still writes there; a lease's reader checks its own deadline after copying).
 
 A lease is released here (:meth:`Leases.release`, which ends its pins in
 :meth:`kvstore.store.catalogue.Catalogue.release`); a reservation is never released, it
@@ -374,12 +377,14 @@ class Leases:
         offset, _ = self.tiers[self._shared].extent(key)
         return offset, ReserveStatus.RESERVED, ""
 
-    def find_claim(self, key: bytes, owner: str) -> Claim:
-        """The open zero-copy reservation of ``key`` made by ``owner``.
-        Raises BlockNotFound (none, expired, or another owner's)."""
+    def find_claim(self, key: bytes, owner: str, session: str = "") -> Claim:
+        """The open zero-copy reservation of ``key`` made by ``owner`` in same-node client
+        ``session`` ("": one made with no session): a client commits or aborts only its own.
+        Raises BlockNotFound (none, expired, or another owner's or session's)."""
         with self.catalogue.lock:
             claim = self.catalogue.claim(key)
-            if claim is None or claim.owner != owner or claim.deadline is None:
-                raise BlockNotFound(f"no open reservation of block {key.hex()[:16]} (expired or never made)")
+            if claim is None or claim.owner != owner or claim.deadline is None or claim.session != session:
+                raise BlockNotFound(f"no open reservation of block {key.hex()[:16]} by this client "
+                                    f"(expired, never made, or another client's)")
             return claim
 

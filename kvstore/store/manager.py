@@ -314,10 +314,10 @@ class TierManager:
         status, detail)``; refusals are statuses (FeatureDisabled: ``session`` not open)."""
         return self.leases.reserve_shared(key, nbytes, owner, ttl_s, meta, session)
 
-    def find_claim(self, key: bytes, owner: str) -> Claim:
-        """The open zero-copy reservation of ``key`` by ``owner`` (to commit or abort).
-        Raises BlockNotFound (none, expired, or another tenant's)."""
-        return self.leases.find_claim(key, owner)
+    def find_claim(self, key: bytes, owner: str, session: str = "") -> Claim:
+        """The open zero-copy reservation of ``key`` by ``owner`` in ``session`` (to commit or
+        abort). Raises BlockNotFound (none, expired, another tenant's or session's)."""
+        return self.leases.find_claim(key, owner, session)
 
     # ------------------------------------------------------------------ moves
 

@@ -192,3 +192,86 @@ def test_the_client_counts_its_safety_margin_from_the_granted_ttl(capped_daemon,
         assert c.get_into(keys, out).found == 4 and np.array_equal(out, data)
         assert client_arena.time.monotonic() - start < 60
         assert c.stats()["counters"]["reads"] == reads + 4            # served again by gRPC
+
+
+def test_a_reservation_is_its_sessions_alone_and_outlives_its_ttl_while_the_session_lives(long_ttl_daemon):
+    """A zero-copy reservation is committed or aborted by the session that made it only,
+    and its TTL does not give its room away while that session lives: a client stalled
+    mid-copy (SIGSTOP, swap) past its TTL still writes there. Found by a hostile test: a
+    stranger's Commit published a half-written slot, and a writer late past its TTL wrote
+    over another client's block."""
+    import grpc
+
+    from kvstore._proto import kvstore_pb2 as pb
+    from kvstore.common.arena import ARENA_HEADER
+
+    d = long_ttl_daemon
+    k = key(1, "own")
+    with KVStoreClient(d.address, shared_memory=True, timeout=30) as a, \
+            KVStoreClient(d.address, shared_memory=True, timeout=30) as b:
+        ma, mb = a.arena().metadata, b.arena().metadata
+        with pytest.raises(grpc.RpcError) as refused:          # a reservation names its session
+            a._stub.Reserve(pb.ReserveRequest(keys=[key(2, "own")], sizes=[4096]), timeout=30,
+                            metadata=((ARENA_HEADER, a.arena().identity),))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "session" in refused.value.details()
+        assert d.manager.catalogue.claim(key(2, "own")) is None
+        r = a._stub.Reserve(pb.ReserveRequest(keys=[k], sizes=[4096]), timeout=30, metadata=ma)
+        assert list(r.status) == [pb.RESERVED]
+        off, arr = r.offsets[0], a.arena().array
+        arr[off:off + 2048] = 0xAB                              # half written
+        for meta in (mb, ((ARENA_HEADER, a.arena().identity),)):   # another session, or none
+            with pytest.raises(grpc.RpcError) as refused:
+                b._stub.Commit(pb.CommitRequest(keys=[k]), timeout=30, metadata=meta)
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            assert b._stub.Commit(pb.CommitRequest(keys=[k], abort=True), timeout=30, metadata=meta).committed == 0
+        claim = d.manager.catalogue.claim(k)
+        assert claim is not None and k not in d.manager
+        claim.deadline = 0.0                                    # its TTL passed (a stalled writer)
+        d.manager.leases.maintain()
+        assert d.manager.catalogue.claim(k) is claim and d.manager.counters.get("reservations_expired", 0) == 0
+        busy = b._stub.Reserve(pb.ReserveRequest(keys=[k], sizes=[4096]), timeout=30, metadata=mb)
+        assert list(busy.status) == [pb.BUSY]                   # its room and key stay the writer's
+        arr[off + 2048:off + 4096] = 0xCD                       # the writer wakes up and finishes
+        assert a._stub.Commit(pb.CommitRequest(keys=[k]), timeout=30, metadata=ma).committed == 1
+        assert b.get([k])[0].data == b"\xab" * 2048 + b"\xcd" * 2048
+
+
+def test_a_commit_refused_for_one_block_aborts_the_batch_and_put_from_puts_it_by_grpc(long_ttl_daemon,
+                                                                                      monkeypatch):
+    """When a Commit names a reservation that is gone, the batch's other reservations are
+    aborted (none is left holding room) and ``put_from`` stores the batch by gRPC."""
+    d = long_ttl_daemon
+    keys = [key(i, "gone") for i in range(3)]
+    data = np.stack([np.full(4096, i + 1, dtype=np.uint8) for i in range(3)])
+    real_copy = client_arena.copy
+    copies = []
+
+    def copy_then_lose_the_first(dst, src):                 # the first reservation ends meanwhile
+        real_copy(dst, src)
+        copies.append(1)
+        if len(copies) == 3:
+            claim = d.manager.catalogue.claim(keys[0])
+            d.manager.abort_put(claim)
+    monkeypatch.setattr(client_arena, "copy", copy_then_lose_the_first)
+    with KVStoreClient(d.address, shared_memory=True, timeout=30) as c:
+        assert c.put_from(keys, data).stored == 3
+        assert all(d.manager.catalogue.claim(k) is None for k in keys)
+        assert [bytes(r.data) for r in c.get(keys)] == [bytes(row) for row in data]
+
+
+def test_a_lease_as_a_clients_first_call_names_its_session_and_ends_with_it(long_ttl_daemon):
+    """A client whose first call is ``lease`` maps the arena first, so the lease names its
+    session and ends when the client does (it had been left to its TTL, up to 600 s)."""
+    d = long_ttl_daemon
+    keys = [key(i, "first") for i in range(3)]
+    with KVStoreClient(d.address, timeout=30) as writer:
+        writer.put([(k, k * 128) for k in keys])
+    c = KVStoreClient(d.address, timeout=30)
+    grant = c.lease(keys, ttl_s=600.0)
+    assert sum(1 for t in grant.tier_codes if t) == 3
+    lease = d.manager.catalogue._leases[grant.lease_id]
+    assert lease.session and d.manager.catalogue.session_open(lease.session)
+    c.close()
+    wait_for(lambda: grant.lease_id not in d.manager.catalogue._leases, "the lease to end with its client",
+             RECLAIM_DEADLINE_S)
+    assert all(e.pins == 0 for e in d.manager.catalogue.entries())

@@ -148,7 +148,8 @@ def test_eviction_is_blocked_while_leased_and_expires_with_a_dead_client(tmp_pat
                     assert d.manager.tier_of(k) == TierKind.HOST
             proc.send_signal(signal.SIGKILL)                            # the client dies holding it
             proc.wait(DEADLINE)
-            wait_for(lambda: d.manager.counters["leases_expired"] >= 1, "the dead client's lease to expire")
+            # the lease names the client's session (its first call mapped the arena): it ends with it
+            wait_for(lambda: d.manager.counters["leases_reclaimed"] >= 1, "the dead client's lease to end")
             assert d.manager.catalogue.num_leases == 0
             assert all(e.pins == 0 for e in d.manager.catalogue.entries())
             with KVStoreClient(d.address, timeout=DEADLINE) as c:       # now evictable: room is made
@@ -168,7 +169,8 @@ def test_a_reservation_abandoned_by_a_killed_client_is_reclaimed(daemon):
         from kvstore.client import KVStoreClient
         c = KVStoreClient({daemon.address!r})
         arena = c.arena()
-        reply = c._stub.Reserve(pb.ReserveRequest(keys=[bytes.fromhex(sys.argv[1])], sizes=[65536], ttl_seconds=2))
+        reply = c._stub.Reserve(pb.ReserveRequest(keys=[bytes.fromhex(sys.argv[1])], sizes=[65536], ttl_seconds=2),
+                                metadata=arena.metadata)
         off = reply.offsets[0]
         arena.array[off:off + 1000] = 7                                  # half written, then killed
         print(reply.status[0], flush=True)
@@ -182,7 +184,7 @@ def test_a_reservation_abandoned_by_a_killed_client_is_reclaimed(daemon):
         assert daemon.manager.used_bytes(0) > used and k not in daemon.manager
         proc.send_signal(signal.SIGKILL)
         proc.wait(DEADLINE)
-        wait_for(lambda: daemon.manager.counters["reservations_expired"] == 1, "the reservation to expire")
+        wait_for(lambda: daemon.manager.counters["reservations_reclaimed"] == 1, "the reservation to be reclaimed")
         assert daemon.manager.used_bytes(0) == used and k not in daemon.manager
         with KVStoreClient(daemon.address, timeout=DEADLINE) as c:      # the key is free to put again
             assert c.put_from([k], [block(1)]).stored == 1

@@ -173,3 +173,33 @@ def test_hits_resume_soon_after_a_daemon_restart_under_load(tmp_path):
         store.close()
         client.close()
         d.stop()
+
+
+@pytest.mark.parametrize("block_bytes", [256 << 10, 4 << 20])
+def test_a_put_to_a_sigstopped_daemon_ends_at_its_deadline_not_when_the_daemon_resumes(tmp_path, block_bytes):
+    """grpcio's blocking stream-unary call did not end at its deadline while a message
+    waited on a daemon that stopped reading: a put of 256 KiB or more with a 2 s deadline
+    returned only when the daemon was resumed. The put now fails with StoreUnavailable
+    while the daemon is still stopped (it is resumed only after the put returned; a
+    safety timer resumes it after 120 s, and the test then fails)."""
+    d = daemon(tmp_path).start()
+    client = KVStoreClient(d.address, timeout=2, shared_memory=False)
+    resumed_by_timer = threading.Event()
+
+    def safety():
+        resumed_by_timer.set()
+        os.kill(d.pid, signal.SIGCONT)
+    timer = threading.Timer(120.0, safety)
+    try:
+        client.put([(key(0, "put-stop"), b"w" * 4096)])               # connected and warm
+        os.kill(d.pid, signal.SIGSTOP)
+        timer.start()
+        d.wait_stopped()
+        with pytest.raises(StoreUnavailable, match="DEADLINE_EXCEEDED"):
+            client.put([(key(i, "put-stop"), bytes([i]) * block_bytes) for i in range(1, 4)])
+        assert not resumed_by_timer.is_set(), "the put ended only when the daemon was resumed"
+    finally:
+        timer.cancel()
+        os.kill(d.pid, signal.SIGCONT)
+        client.close()
+        d.stop()

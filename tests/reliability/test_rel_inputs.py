@@ -96,15 +96,15 @@ def test_resume_with_a_bad_time_is_refused_and_the_call_stays_open(node):
 
 def test_lease_with_a_bad_ttl_releases_nothing_and_pins_nothing(node):
     d, stub = node
-    with KVStoreClient(d.address) as c:
+    with KVStoreClient(d.address) as c:          # open: its lease ends with it
         c.put([(key(1), b"x" * 4096)])
         held = c.lease([key(1)])
-    before = snapshot(d)
-    for ttl in BAD_TIMES + [601.0]:
-        req = pb.LeaseRequest(keys=[key(1)], ttl_seconds=ttl, release=[held.lease_id])
-        assert code(stub.Lease, req) == INVALID, ttl
-    assert snapshot(d) == before
-    assert stub.Release(pb.ReleaseRequest(lease_ids=[held.lease_id]), timeout=20).released == 1
+        before = snapshot(d)
+        for ttl in BAD_TIMES + [601.0]:
+            req = pb.LeaseRequest(keys=[key(1)], ttl_seconds=ttl, release=[held.lease_id])
+            assert code(stub.Lease, req) == INVALID, ttl
+        assert snapshot(d) == before
+        assert stub.Release(pb.ReleaseRequest(lease_ids=[held.lease_id]), timeout=20).released == 1
 
 
 @pytest.mark.parametrize("sizes,ttl", [
@@ -273,3 +273,63 @@ def test_put_refuses_what_is_not_key_payload_pairs_before_sending(node):
             c.put([(key(60), b"a", b"b")])
         assert snapshot(d) == before
         assert c.put([(key(60), b"a" * 64), (key(61), bytearray(64))]).stored == 2
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_byte_ranges_that_are_negative_or_not_integers_are_refused_before_anything_is_read(node, shared):
+    """A negative range offset on the same-node path read the neighbouring block's bytes
+    out of the arena and counted them found; on gRPC it raised protobuf's ValueError. Both
+    paths, ``get_into`` and ``get``, now refuse such ranges with InvalidRequest."""
+    import numpy as np
+
+    d, _ = node
+    keys = [key(60 + i) for i in range(3)]
+    blocks = np.stack([np.full(8192, 10 + i, np.uint8) for i in range(3)])
+    with KVStoreClient(d.address, shared_memory=shared) as c:
+        assert c.put_from(keys, blocks).stored == 3
+        for bad in ([(-4096, 4096)], [(-10, 20)], [(10, -5)], [(0.5, 2)], [("0", 2)], [(True, 2)], [(1, 2, 3)], [5]):
+            out = np.zeros(8192 * 3, np.uint8)
+            with pytest.raises(errors.InvalidRequest, match="ranges"):
+                c.get_into(keys[1:2], out, ranges=bad)
+            assert not out.any()
+            with pytest.raises(errors.InvalidRequest, match="ranges"):
+                c.get(keys[1:2], ranges=bad)
+        out = np.zeros(16, np.uint8)                       # a good range still reads the block's own bytes
+        assert c.get_into(keys[1:2], out, ranges=[(8176, 16)]).found == 1 and (out == 11).all()
+        assert c.get(keys[2:3], ranges=[(0, 4)])[0].data == bytes([12] * 4)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_client_misuse_is_an_invalid_request_and_a_closed_client_says_it_is_closed(node, shared):
+    """Found by a hostile test: a negative size raised protobuf's ValueError, a float size
+    or a str key a TypeError (or the gRPC put's "Exception iterating requests!"), a 0-d
+    tensor was stored as a 4-byte block, and a closed client raised grpc's bare ValueError."""
+    import numpy as np
+    import torch
+
+    d, _ = node
+    keys = [key(70), key(71)]
+    c = KVStoreClient(d.address, shared_memory=shared)
+    before = snapshot(d)
+    buf = np.ones(8192, np.uint8)
+    for call, needle in (
+            (lambda: c.put_from(keys, buf, sizes=[-5, 100]), r"sizes\[0\] is -5: must be >= 1"),
+            (lambda: c.put_from(keys, buf, sizes=[0, 100]), r"sizes\[0\] is 0: must be >= 1"),
+            (lambda: c.put_from(keys, buf, sizes=[1.5, 100]), r"sizes\[0\] is 1.5: byte counts are integers"),
+            (lambda: c.put_from(keys, buf, sizes=[100, 100], offsets=[-100, 0]), r"offsets\[0\] is -100"),
+            (lambda: c.get_into(keys, buf, offsets=[0, -1]), r"offsets\[1\] is -1"),
+            (lambda: c.lookup(["a" * 32]), r"keys\[0\] is a str"),
+            (lambda: c.put_from(["a" * 32], buf), r"keys\[0\] is a str"),
+            (lambda: c.get(keys[0]), "a list of keys is needed"),
+            (lambda: c.put_from([key(72)], torch.tensor(5.0)), "0-d Tensor"),
+            (lambda: c.get_into([key(72)], np.array(3, np.uint8)), "0-d ndarray")):
+        with pytest.raises(errors.InvalidRequest, match=needle):
+            call()
+    assert snapshot(d) == before
+    assert c.lookup([memoryview(keys[0])]).hit_blocks == 0      # bytes-like keys are fine
+    assert c.put_from(keys, buf).stored == 2
+    c.close()
+    for call in (lambda: c.lookup(keys), lambda: c.get(keys), lambda: c.get_into(keys, buf),
+                 lambda: c.put([(key(73), b"x" * 64)]), lambda: c.put_from(keys, buf), lambda: c.lease(keys)):
+        with pytest.raises(errors.StoreUnavailable, match="is closed"):
+            call()

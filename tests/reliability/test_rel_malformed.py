@@ -28,9 +28,9 @@ def node(tmp_path):
     d.stop(0)
 
 
-def refusal(call, request) -> grpc.RpcError:
+def refusal(call, request, **kw) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
-        call(request, timeout=20)
+        call(request, timeout=20, **kw)
     return info.value
 
 
@@ -55,13 +55,14 @@ def test_commit_naming_a_key_twice_is_invalid_argument_and_commits_nothing(node)
     d, stub = node
     k = key(1)
     with KVStoreClient(d.address, shared_memory=True) as c:
-        reply = stub.Reserve(pb.ReserveRequest(keys=[k], sizes=[4096]), timeout=20)
+        meta = c.arena().metadata                       # the client's arena and session
+        reply = stub.Reserve(pb.ReserveRequest(keys=[k], sizes=[4096]), timeout=20, metadata=meta)
         assert list(reply.status) == [pb.RESERVED]
         c.arena().array[reply.offsets[0]:reply.offsets[0] + 4096] = np.frombuffer(payload(k, 4096), np.uint8)
-        err = refusal(stub.Commit, pb.CommitRequest(keys=[k, k]))
+        err = refusal(stub.Commit, pb.CommitRequest(keys=[k, k]), metadata=meta)
         assert err.code() == INVALID
         assert "keys[1]" in err.details()
         assert stub.Lookup(pb.LookupRequest(keys=[k]), timeout=20).hit_blocks == 0   # nothing committed
         # the reservation is still open: the well-formed Commit stores the block
-        assert stub.Commit(pb.CommitRequest(keys=[k]), timeout=20).committed == 1
+        assert stub.Commit(pb.CommitRequest(keys=[k]), timeout=20, metadata=meta).committed == 1
         assert c.get([k])[0].data == payload(k, 4096)
