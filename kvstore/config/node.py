@@ -20,6 +20,7 @@ WRITE_CHOICES = ("write_back", "write_through")
 IO_CHOICES = ("auto", "gds", "posix")
 PINNED_CHOICES = ("auto", "true", "false")
 HUGE_PAGES_CHOICES = ("auto", "hugetlb", "thp", "off")
+PREDICTOR_CHOICES = ("quantile", "lognormal")    # kvstore.agent.tool_durations.ESTIMATORS
 """``[tiers.host] huge_pages``: the arena's pages (:mod:`tiers.memory`)."""
 REMOTE_KINDS = ("mooncake",)
 PROTOCOL_CHOICES = ("tcp", "rdma")

@@ -23,6 +23,7 @@ import os
 from kvstore.common.errors import ConfigError
 from kvstore.common.units import format_size
 from kvstore.config.node import (EVICTION_CHOICES, HOP_TIERS, HUGE_PAGES_CHOICES, IO_CHOICES, PINNED_CHOICES,
+                                 PREDICTOR_CHOICES,
                                  PROTOCOL_CHOICES, PUBLISH_CHOICES, REMOTE_KINDS, WRITE_CHOICES, Config, PolicyConfig,
                                  PrefetchConfig, RemoteConfig, ServerConfig, TierPolicyConfig)
 
@@ -122,8 +123,9 @@ def _validate_server(s: ServerConfig) -> None:
         raise ConfigError(f"server.stream_idle_timeout_s: must be > 0 seconds, got {s.stream_idle_timeout_s}")
     _within("server.stream_first_message_s", s.stream_first_message_s, 0, _HOUR_S, open_low=True, unit=" seconds")
     _within("server.stream_timeout_s", s.stream_timeout_s, 0, _DAY_S, open_low=True, unit=" seconds")
-    if s.max_message_bytes < 64 << 10:
-        raise ConfigError(f"server.max_message_bytes: must be >= 64KiB, got {s.max_message_bytes}")
+    if not 64 << 10 <= s.max_message_bytes < 1 << 31:      # gRPC takes a signed 32-bit limit
+        raise ConfigError(f"server.max_message_bytes: must be in [64KiB, 2GiB) (gRPC's limit is a signed "
+                          f"32-bit count), got {s.max_message_bytes}")
     if not 0 < s.max_chunk_bytes <= s.max_message_bytes - (16 << 10):
         raise ConfigError("server.max_chunk_bytes: must be > 0 and at least 16KiB below server.max_message_bytes")
     _validate_access(s)
@@ -225,6 +227,9 @@ def _validate_params(p: TierPolicyConfig, path: str, tier: str, capacity: int) -
 
 
 def _validate_prefetch(p: PrefetchConfig) -> None:
+    if p.predictor not in PREDICTOR_CHOICES:
+        raise ConfigError(f"prefetch.predictor: unknown predictor {p.predictor!r} (known: "
+                          f"{', '.join(PREDICTOR_CHOICES)})")
     if not 0.0 < p.quantile < 1.0:
         raise ConfigError(f"prefetch.quantile: must be in (0, 1), got {p.quantile}")
     if p.lead_time_s < 0:

@@ -103,8 +103,12 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
                                   f"memory ({e}); lower it") from None
         if t.nvme.enabled:
             from tiers.nvme.tier import NVMeTier
+            folder = pathlib.Path(t.nvme.path)
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"tiers.nvme.path: {t.nvme.path!r} is a file, not a folder: give the folder "
+                                  f"the NVMe tier keeps its blocks in")
             try:
-                pathlib.Path(t.nvme.path).mkdir(parents=True, exist_ok=True)
+                folder.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ConfigError(f"tiers.nvme.path: cannot create {t.nvme.path!r}: {e.strerror}") from None
             try:

@@ -24,7 +24,7 @@ import math
 import pathlib
 from dataclasses import dataclass
 
-from kvstore.tools.trace import TraceError, not_json
+from kvstore.tools.trace import TraceError, loads_json, not_json
 
 EVENT_KINDS = ("tool_call_start", "resume", "session_end")
 END_STATES = ("finished", "abandoned")
@@ -97,12 +97,18 @@ def read_tool_events(path: str | pathlib.Path) -> list[ToolEvent]:
     except OSError as e:
         raise TraceError(f"cannot read events {str(path)!r}: {e.strerror or e}") from None
     with f:
-        for i, line in enumerate(f, 1):
+        try:
+            lines = list(f)
+        except OSError as e:
+            raise TraceError(f"cannot read events {str(path)!r}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise TraceError(f"events {str(path)!r} are not UTF-8 text: {e}") from None
+        for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             where = f"{path}:{i}"
             try:
-                d = json.loads(line)
+                d = loads_json(line)
             except json.JSONDecodeError as e:
                 raise TraceError(not_json(where, line, e, 'one JSON object per line, e.g. {"time": 12.3, '
                                                           '"event": "resume", "trajectory": "a3-e1"}')) from None

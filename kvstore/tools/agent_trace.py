@@ -322,7 +322,7 @@ def _load_tools(path: str) -> tuple[Tool, ...]:
     try:
         data = json.loads(pathlib.Path(path).read_text())
         return tuple(Tool(**d) for d in data)
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, RecursionError) as e:
         raise SystemExit(f"kvstore gen-agent-trace: bad --tools file {path}: {e}")
 
 
@@ -336,7 +336,13 @@ def cmd_gen_agent_trace(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvstore gen-agent-trace: {e}", file=sys.stderr)
         return 2
-    trace, ev, n_req, n_ev = write(w, args.out)
+    try:
+        trace, ev, n_req, n_ev = write(w, args.out)
+    except OSError as e:
+        print(f"kvstore gen-agent-trace: cannot write {args.out}: {e.strerror or e}"
+              + (" (it is a folder: give a file name, e.g. agents.jsonl)" if pathlib.Path(args.out).is_dir() else ""),
+              file=sys.stderr)
+        return 2
     print(f"wrote {n_req} requests to {trace} and {n_ev} tool-call and session events to {ev}")
     return 0
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from kvstore.common.errors import KVStoreError
 from kvstore.service.explain import Explanation, Prompt, explain_pair
 from kvstore.common.keys import Namespace
-from kvstore.tools.trace import not_json
+from kvstore.tools.trace import loads_json, not_json
 
 
 class PromptError(ValueError):
@@ -42,7 +42,7 @@ def load_prompt(path: str, default_ns: Namespace | None) -> Prompt:
     """Read one prompt file (see the module docstring). Raises PromptError."""
     try:
         text = pathlib.Path(path).read_text(encoding="utf-8")
-        obj = json.loads(text)
+        obj = loads_json(text)
     except (OSError, UnicodeDecodeError) as e:
         raise PromptError(f"cannot read {path}: {e}") from None
     except json.JSONDecodeError as e:
@@ -105,8 +105,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         default_ns = None
         if args.namespace:
             try:
-                default_ns = _namespace(json.loads(pathlib.Path(args.namespace).read_text()), args.namespace)
-            except (OSError, json.JSONDecodeError) as e:
+                default_ns = _namespace(loads_json(pathlib.Path(args.namespace).read_text()), args.namespace)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise PromptError(f"cannot read namespace {args.namespace}: {e}") from None
         prompts = [load_prompt(p, default_ns) for p in args.prompts]
         if len(prompts) == 2:

@@ -29,13 +29,16 @@ from typing import Sequence
 
 from tiers.base import TierKind
 
-from kvstore.tools.cliargs import non_negative_int, positive_int
+from kvstore.tools.cliargs import non_negative_float, non_negative_int, positive_float, positive_int
 from kvstore.client.client import KVStoreClient
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS, block_key
 from kvstore.common.errors import InvalidRequest, KVStoreError, TierFull
 from kvstore.common.units import format_size
 
 
+
+MAX_REPLAY_BLOCK_BYTES = 1 << 30
+"""Largest block payload a replay makes (bytes): 2 MiB per token, six times a 70B model's KV."""
 
 INTERRUPTED = "interrupted (Ctrl-C)"
 """``ReplayReport.error`` of a replay stopped by KeyboardInterrupt."""
@@ -200,6 +203,12 @@ def _replay_requests(bar, clients: list[KVStoreClient], rep: ReplayReport, by_ti
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvstore.tools.trace import read_mooncake_trace
 
+    if args.bytes_per_token * TRACE_BLOCK_TOKENS > MAX_REPLAY_BLOCK_BYTES:
+        print(f"kvstore replay: --bytes-per-token {args.bytes_per_token} makes {TRACE_BLOCK_TOKENS}-token blocks of "
+              f"{format_size(args.bytes_per_token * TRACE_BLOCK_TOKENS)}; at most "
+              f"{format_size(MAX_REPLAY_BLOCK_BYTES)} (--bytes-per-token "
+              f"{MAX_REPLAY_BLOCK_BYTES // TRACE_BLOCK_TOKENS})", file=sys.stderr)
+        return 2
     if args.json:   # fail now, not after a long replay (and leave no empty file behind)
         existed = os.path.exists(args.json)
         try:
@@ -260,7 +269,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replay only the first N requests (0: all)")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--token", default="", help="bearer token, when the daemon requires one")
-    p.add_argument("--timeout", type=float, default=60.0, help="per-call deadline, seconds")
-    p.add_argument("--wait", type=float, default=10.0, help="how long to wait for the daemon to answer, seconds")
+    p.add_argument("--timeout", type=positive_float, default=60.0, help="per-call deadline, seconds")
+    p.add_argument("--wait", type=non_negative_float, default=10.0, help="how long to wait for the daemon to answer, seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_replay)

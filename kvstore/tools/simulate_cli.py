@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 from kvstore import config as config_mod
 from kvstore.common.errors import ConfigError
+from kvstore.tools.cliargs import positive_int
 from kvstore.tools.sim_hints import derive, parse_hints_spec
 from kvstore.tools.simulate import (
     DEFAULT_BLOCK_BYTES,
@@ -50,10 +51,13 @@ def _parse_bandwidth(items: Sequence[str]) -> dict:
         try:
             hop, gbps = item.split("=")
             src, dst = hop.split(":")
-            out[(TIER_KINDS[src.strip()], TIER_KINDS[dst.strip()])] = float(gbps) * 1e9
+            rate = float(gbps)
+            if not 0 < rate < float("inf"):
+                raise ValueError(f"a bandwidth of {rate} GB/s")
+            out[(TIER_KINDS[src.strip()], TIER_KINDS[dst.strip()])] = rate * 1e9
         except (ValueError, KeyError):
-            raise SystemExit(f"kvstore simulate: --bandwidth expects SRC:DST=GBPS with tiers hbm/host/nvme, "
-                             f"got {item!r}")
+            raise SystemExit(f"kvstore simulate: --bandwidth expects SRC:DST=GBPS with tiers hbm/host/nvme "
+                             f"and GBPS a number > 0, got {item!r}")
     return out
 
 
@@ -225,9 +229,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "resume-HBM-ready rate, prefetch waste and resume-time prediction error.")
     p.add_argument("trace", help="Mooncake-format JSONL trace")
     p.add_argument("--config", help="node TOML config (tiers, policies, prefetch); default: built-in")
-    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES,
+    p.add_argument("--block-bytes", type=positive_int, default=DEFAULT_BLOCK_BYTES,
                    help="bytes per 512-token trace block (default 1 MiB: a '1500MiB' tier holds 1500 blocks)")
-    p.add_argument("--capacity", type=int, help="capacity of the fastest tier, in blocks (overrides the config)")
+    p.add_argument("--capacity", type=positive_int, help="capacity of the fastest tier, in blocks (overrides the config)")
     p.add_argument("--sweep", type=_parse_blocks_list,
                    help="comma-separated capacities of the fastest tier, in blocks, e.g. 1500,6000,12000 "
                         "(runs every policy of --policies; default all online policies)")
@@ -255,7 +259,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hint-seed", type=int, default=0, help="seed of the simulated hints' errors (default 0)")
     p.add_argument("--measure", choices=("all", "first-half", "second-half"), default="all",
                    help="count only these requests (all still drive the caches); default all")
-    p.add_argument("--limit", type=int, help="only the first N requests")
+    p.add_argument("--limit", type=positive_int, help="only the first N requests")
     p.add_argument("--json", help="write all results as JSON here")
     p.add_argument("--plot", help="write hit rate vs capacity (PNG) here; needs matplotlib")
     p.add_argument("--verbose-runs", action="store_true", help="print each run as it finishes")

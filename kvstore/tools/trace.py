@@ -36,6 +36,20 @@ TRACE_LINE_EXAMPLE = '{"timestamp": 0, "input_length": 6758, "output_length": 50
 """One line of a Mooncake-format trace, as the messages show it."""
 
 
+def loads_json(text: str):
+    """``json.loads(text)``, with every way a hostile text fails it raised as
+    ``json.JSONDecodeError``: nesting deeper than Python's recursion limit, or an integer
+    of more digits than Python converts (4,300)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:          # int of too many digits
+        raise json.JSONDecodeError(f"a value out of range ({str(e).split(':')[0]})", text, 0) from None
+
+
 def not_json(where: str, text: str, error: json.JSONDecodeError, expected: str) -> str:
     """The message for ``text`` (one line or one file, at ``where``) that is not JSON: what was
     found, what is expected, and a hint when it looks like CSV."""
@@ -111,7 +125,7 @@ def parse_request(line: str, where: str = "line",
                   block_tokens: int = TRACE_BLOCK_TOKENS) -> Request:
     """Parse one trace line. Raises TraceError naming ``where`` for anything malformed."""
     try:
-        obj = json.loads(line)
+        obj = loads_json(line)
     except json.JSONDecodeError as e:
         raise TraceError(not_json(where, line, e, f"one JSON object per line (Mooncake JSONL), e.g. "
                                                   f"{TRACE_LINE_EXAMPLE}")) from None

@@ -63,3 +63,36 @@ def test_short_tenant_tokens_are_refused_naming_the_tenant(token):
     with pytest.raises(ConfigError, match="server.auth_token: the token has"):
         config.from_dict({"server": {"auth_token": token}})
     assert config.from_dict({"server": {"tenants": {"bob": "b" * MIN_TOKEN_CHARS}}}).server.tenants
+
+
+@pytest.mark.parametrize("size", ["2GiB", "3GiB", "63KiB"])
+def test_a_message_limit_grpc_cannot_take_is_refused_at_load(size):
+    """``[server] max_message_bytes`` of 2 GiB passed the checks and ``kvstore serve`` died
+    with grpc's OverflowError (its limit is a signed 32-bit count)."""
+    with pytest.raises(ConfigError, match=r"server.max_message_bytes: must be in \[64KiB, 2GiB\)"):
+        config.from_dict({"server": {"max_message_bytes": size}})
+    assert config.from_dict({"server": {"max_message_bytes": "1GiB"}}).server.max_message_bytes == 1 << 30
+
+
+def test_an_nvme_path_that_is_a_file_says_so(tmp_path):
+    """``[tiers.nvme] path`` naming a file said "cannot create ...: File exists"."""
+    f = tmp_path / "blocks.bin"
+    f.write_bytes(b"keep me")
+    cfg = config.from_dict({"tiers": {"host": {"capacity": "4MiB"}, "nvme": {"path": str(f)}},
+                            "server": {"listen": f"unix:{tmp_path}/kv.sock"}})
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        start_server(cfg)
+    assert f.read_bytes() == b"keep me"
+
+
+def test_an_unknown_predictor_is_refused_at_load_with_prefetch_off_too():
+    """``prefetch.predictor = "oracle"`` was accepted and refused only when a daemon with
+    prefetch on built its scheduler."""
+    from kvstore.agent.tool_durations import ESTIMATORS
+    from kvstore.config.node import PREDICTOR_CHOICES
+
+    assert set(PREDICTOR_CHOICES) == set(ESTIMATORS)
+    for enabled in (False, True):
+        with pytest.raises(ConfigError, match="prefetch.predictor: unknown predictor 'oracle'"):
+            config.from_dict({"prefetch": {"enabled": enabled, "predictor": "oracle"}})
+    assert config.from_dict({"prefetch": {"predictor": "lognormal"}}).prefetch.predictor == "lognormal"

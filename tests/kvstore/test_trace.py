@@ -87,3 +87,53 @@ def test_an_events_file_that_is_not_json_lines_says_what_is_expected(tmp_path):
     with pytest.raises(TraceError, match=r"x.events.jsonl:1: not valid JSON .*found 'time,event,trajectory'; "
                                          r"expected one JSON object per line"):
         read_tool_events(p)
+
+
+GOOD_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+    ("bigint.jsonl", '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [' + "9" * 5000 + "]}\n",
+     "a value out of range"),
+])
+def test_hostile_json_lines_are_trace_errors_on_every_command(tmp_path, capsys, name, text, needle):
+    """A line nested deeper than Python's recursion limit, or an integer of 5,000 digits,
+    raised RecursionError / ValueError tracebacks from replay, simulate and explain."""
+    from kvstore.tools.cli import main
+    p = tmp_path / name
+    p.write_text(GOOD_LINE + text)
+    with pytest.raises(TraceError, match=rf"{name}:2: not valid JSON \({needle}"):
+        read_mooncake_trace(p)
+    assert main(["replay", str(p), "--quiet", "--wait", "0.1"]) == 2
+    assert main(["simulate", str(p)]) == 2
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(text)
+    assert main(["explain", str(prompt), str(prompt)]) == 2
+    err = capsys.readouterr().err
+    assert err.count(needle) == 3 and "Traceback" not in err
+
+
+def test_bad_command_line_values_are_refused_with_a_message(tmp_path, capsys):
+    """Values that ran anyway (``simulate --capacity -5`` printed a table; ``0`` meant the
+    default), or that ended in a traceback (``--block-bytes 0``, a binary events file,
+    ``gen-agent-trace`` into a folder, a 46 TiB replay block)."""
+    from kvstore.tools.cli import main
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(GOOD_LINE)
+    events = tmp_path / "bin.events.jsonl"
+    events.write_bytes(b"\xbf\xff\x00garbage")
+    for argv in (["simulate", str(trace), "--capacity", "-5"], ["simulate", str(trace), "--capacity", "0"],
+                 ["simulate", str(trace), "--block-bytes", "0"], ["simulate", str(trace), "--limit", "-1"],
+                 ["replay", str(trace), "--timeout", "nan"], ["replay", str(trace), "--wait", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+    with pytest.raises(SystemExit, match="GBPS a number > 0"):
+        main(["simulate", str(trace), "--bandwidth", "nvme:hbm=-1"])
+    assert main(["simulate", str(trace), "--events", str(events)]) == 2
+    assert main(["gen-agent-trace", str(tmp_path), "--agents", "1", "--duration", "10"]) == 2
+    assert main(["replay", str(trace), "--bytes-per-token", str(10 ** 11), "--wait", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "are not UTF-8 text" in err and "it is a folder" in err and "at most 1.00 GiB" in err
+    assert "Traceback" not in err

@@ -125,6 +125,26 @@ def test_index_folder_deleted(store):
     assert found["damage"] is None and found["moved"] is None
 
 
+@pytest.mark.parametrize("how", ["data file is a folder", "index is a file"])
+def test_an_index_of_the_wrong_kind_of_file_is_moved_aside_and_rebuilt(store, how):
+    """``index/data.mdb`` a folder, or ``index`` a file: the daemon refused to start and told
+    the operator to run ``repair-index``, which failed the same way. Now it is damage like
+    any other: moved aside, the index rebuilt, every block back."""
+    if how == "data file is a folder":
+        data_file(store).unlink()
+        data_file(store).mkdir()
+        needle = "data.mdb is not a regular file"
+    else:
+        shutil.rmtree(store / "index")
+        (store / "index").write_text("not an index")
+        needle = "index is not a folder"
+    found = reopen(store)
+    assert_all_back(store, found, rebuilt=True)
+    assert needle in found["damage"] and pathlib.Path(found["moved"]).name.startswith("index.damaged-")
+    again = reopen(store)
+    assert again["damage"] is None and again["identical"] == N
+
+
 def _root_page(data: bytes) -> int:
     """The main database's root page of the newer meta page (LMDB ``MDB_meta``)."""
     metas = [struct.unpack_from("<QQ", data, off + 136)[::-1] + (struct.unpack_from("<Q", data, off + 128)[0],)

@@ -89,6 +89,8 @@ def check_data_file(path: str) -> None:
     Raises IndexDamaged naming what is wrong (an empty file, bad meta pages, a file
     shorter than its last page); OSError when it cannot be read.
     """
+    if not os.path.isfile(path):
+        raise IndexDamaged(f"{path} is not a regular file")
     size = os.path.getsize(path)
     if size == 0:
         raise IndexDamaged(f"{path} is empty (0 bytes)")
@@ -242,10 +244,12 @@ class BlockIndex:
 
     def _open(self, rebuild: bool) -> None:
         name = self.name
-        if self.absent:
-            self._open_fresh()
-            return
         try:
+            if os.path.lexists(self.dir) and not os.path.isdir(self.dir):
+                raise IndexDamaged(f"{self.dir} is not a folder")
+            if self.absent:
+                self._open_fresh()
+                return
             self._open_checked()
             if rebuild:                                  # sound, but the caller wants it rebuilt
                 self._close_env()
