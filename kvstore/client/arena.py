@@ -23,22 +23,18 @@ import numpy as np
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.arena_control import ControlLost
+from kvstore.client.arena_put import SAFE_FRACTION, ArenaPut
 from kvstore.client.connection import Connection
 from kvstore.client.lease_releaser import LeaseReleaser
-from kvstore.client.raw import RawPath, block_meta_message
+from kvstore.client.raw import RawPath
 from kvstore.client.table_read import table_copy, table_lookup
 from kvstore.common.arena import ARENA_CHANGED
 from kvstore.common.arena_wire import MAX_FRAME_KEYS
 from kvstore.common.host_copy import copy, copy_slots
 from kvstore.common.transport import parts
-from kvstore.common.types import LookupResult, PutResult, ReserveStatus
+from kvstore.common.types import LookupResult, PutResult
 
 log = logging.getLogger("kvstore.client")
-
-SAFE_FRACTION = 0.5
-"""A lease or reservation is used only within this fraction of its TTL from when its request
-was sent: a copy out of a lease that ended later is thrown away (the blocks go by gRPC), a
-block whose reservation is that old is not written (aborted, put by gRPC)."""
 
 RECHECK_S = 30.0
 """A client without a mapping asks the daemon's offer again after this long (seconds)."""
@@ -87,6 +83,8 @@ class ArenaPath:
         self._unavailable_seen = 0
         self._map_lock = threading.Lock()
         self.releaser = LeaseReleaser(connection, channel=lambda: self.channel(self._arena))
+        self._put = ArenaPut(self.call, connection.stub.Reserve, connection.stub.Commit, raw.put,
+                             connection.per_request)
 
     @property
     def current(self):
@@ -217,7 +215,10 @@ class ArenaPath:
         can (not ``device``), else a gRPC Lease naming that arena, else ``call(Lease, ...)``.
         The arena is mapped first (a lease names the client's session: it ends with the
         client). Raises :class:`ArenaChanged`, the store error answered."""
-        arena = self.mapping(timeout)
+        try:
+            arena = self.mapping(timeout)
+        except errors.FeatureDisabled:      # shared_memory=True but no arena here: a gRPC lease
+            arena = None
         ch = self.channel(arena)
         if ch is not None and not request.device and len(request.keys) <= MAX_FRAME_KEYS:
             a = self.control(arena, ch.lease, list(request.keys), request.ttl_seconds, request.prefix,
@@ -252,76 +253,9 @@ class ArenaPath:
             self._arena = None
 
     def put_from(self, arena, keys, bufs, lengths, meta, timeout) -> PutResult:
-        """``put_from`` through ``arena``: Reserve in batches of at most a quarter of it,
-        copy each reserved block (``bufs.slot(i, lengths[i])``) in, Commit; blocks with no
-        room now go by the raw path. Raises SizeConflict (``.result``: what was stored),
-        and what the raw path's put raises."""
-        budget = max(arena.size // 4, 1)
-        reserved_total = stored = nbytes = present = refused = conflicts = 0
-        rest, batch, detail = [], [], ""             # block indices: to put by gRPC, in this Reserve
-        per = self._per_request(per_key=34 + 11)            # a key and its size
-        for i in range(len(keys) + 1):
-            if i < len(keys) and (not batch or reserved_total + lengths[i] <= budget and len(batch) < per):
-                batch.append(i)
-                reserved_total += lengths[i]
-                continue
-            metas = [block_meta_message(meta[j]) for j in batch] if meta is not None else []
-            before = (present, refused, conflicts, len(rest))
-            sent = _clock()
-            try:
-                reply = self.call(self._stub.Reserve, pb.ReserveRequest(
-                    keys=[keys[j] for j in batch], sizes=[lengths[j] for j in batch], ttl_seconds=self.lease_ttl_s,
-                    meta=metas), timeout, arena)
-                late, written_at = [], []
-                for j, status, offset in zip(batch, reply.status, reply.offsets):
-                    if status == ReserveStatus.RESERVED:
-                        if _clock() - sent > min(self.lease_ttl_s, arena.max_ttl_s) * SAFE_FRACTION:
-                            late.append(j)      # too close to its expiry: never write it
-                            continue
-                        copy(arena.array[offset:offset + lengths[j]], bufs.slot(j, lengths[j]))
-                        written_at.append(j)
-                    elif status == ReserveStatus.ALREADY_PRESENT:
-                        present += 1
-                    elif status == ReserveStatus.NOT_ADMITTED:
-                        refused += 1
-                    elif status == ReserveStatus.SIZE_CONFLICT:
-                        conflicts += 1
-                    else:                       # NO_ROOM, BUSY: the gRPC put decides (and waits)
-                        rest.append(j)
-                if written_at:
-                    try:
-                        done = self.call(self._stub.Commit, pb.CommitRequest(keys=[keys[j] for j in written_at]),
-                                         timeout, arena)
-                        stored, nbytes = stored + done.committed, nbytes + done.bytes_committed
-                    except errors.BlockNotFound as e:   # a reservation ended: none stored, all by gRPC
-                        log.warning("zero-copy commit refused (%s); putting %d blocks by gRPC", e, len(written_at))
-                        rest.extend(written_at)
-                if late:
-                    log.warning("%d reservations of the shared arena were too old to write (the client "
-                                "stalled); putting those blocks by gRPC", len(late))
-                    self.call(self._stub.Commit, pb.CommitRequest(keys=[keys[j] for j in late], abort=True),
-                                     timeout, arena)
-                    rest.extend(late)
-            except ArenaChanged:                # the daemon restarted: this batch and the rest by gRPC
-                present, refused, conflicts, n_rest = before
-                del rest[n_rest:]
-                rest.extend(range(batch[0], len(keys)))
-                break
-            detail = detail or reply.detail
-            if i == len(keys):
-                break
-            batch, reserved_total = [i], lengths[i]
-        result = PutResult(stored, present, nbytes, refused, conflicts)
-        if rest:
-            more = self._raw.put([(keys[i], bufs.slot(i, lengths[i])) for i in rest], timeout,
-                            meta=[meta[i] for i in rest] if meta is not None else None)
-            result = PutResult(stored + more.stored, present + more.already_present, nbytes + more.bytes_stored,
-                               refused + more.not_admitted, conflicts + more.size_conflicts)
-        if result.size_conflicts:
-            err = errors.SizeConflict(detail or f"{result.size_conflicts} blocks are stored with another size")
-            err.result = result
-            raise err
-        return result
+        """``put_from`` through ``arena`` (:meth:`kvstore.client.arena_put.ArenaPut.put_from`)."""
+        return self._put.put_from(arena, keys, bufs, lengths, meta, timeout, ttl=self.lease_ttl_s,
+                                  clock=_clock, copy=copy, changed=ArenaChanged)
 
     def lease_copy(self, arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout) -> int:
         """``get_into``'s same-node half: copy blocks (or ``ranges`` of each) out of

@@ -85,6 +85,12 @@ def _not_a_scalar(target: Any, what: str) -> None:
 def _byte_counts(values: Any, what: str, least: int) -> list[int]:
     """``values`` as a list of ints >= ``least`` (bytes). Raises InvalidRequest naming the
     first that is not one (a float, a bool, a string, a negative count)."""
+    values = list(values)
+    try:                                    # the common case in C: ints (a sum of ints is an int)
+        if values and type(sum(values)) is int and min(values) >= least:
+            return values
+    except TypeError:
+        pass
     out = []
     for i, v in enumerate(values):
         try:

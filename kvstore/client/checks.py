@@ -17,6 +17,19 @@ from kvstore.common.errors import InvalidRequest
 from kvstore.common.types import KEY_BYTES
 
 
+def _key_bytes(k, field: str, i: int) -> bytes:
+    """Key ``k`` as bytes (any bytes-like object: bytearray, memoryview, a numpy row).
+    Raises InvalidRequest for a str or anything else that is not bytes-like."""
+    if type(k) is bytes:
+        return k
+    if isinstance(k, str):
+        raise InvalidRequest(f"{field}[{i}] is a str: block keys are 32 bytes (bytes)")
+    try:
+        return memoryview(k).tobytes()
+    except TypeError:
+        raise InvalidRequest(f"{field}[{i}] is a {type(k).__name__}: block keys are 32 bytes (bytes)") from None
+
+
 def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int | None = None) -> list[bytes]:
     """``keys`` as a list, each checked to be 32 bytes (one C-level pass over the lengths;
     the loop that names the culprit runs only when one is wrong).
@@ -34,10 +47,7 @@ def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int | None = N
     if limit is not None and len(out) > limit:
         raise InvalidRequest(f"{field}: {len(out)} keys; at most {limit} per request")
     if out and set(map(type, out)) != {bytes}:
-        for i, k in enumerate(out):
-            if not isinstance(k, (bytes, bytearray, memoryview)):
-                raise InvalidRequest(f"{field}[{i}] is a {type(k).__name__}: block keys are 32 bytes (bytes)")
-        out = [bytes(k) for k in out]
+        out = [_key_bytes(k, field, i) for i, k in enumerate(out)]
     if out and set(map(len, out)) != {KEY_BYTES}:
         for i, k in enumerate(out):
             if len(k) != KEY_BYTES:

@@ -267,8 +267,8 @@ class KVStoreClient:
         StoreUnavailable.
         """
         blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
-        check_keys([k for k, _ in check_pairs(blocks)])
-        return self._raw_path.put(blocks, timeout, meta=meta)
+        keys = check_keys([k for k, _ in check_pairs(blocks)])
+        return self._raw_path.put(list(zip(keys, (d for _, d in blocks))), timeout, meta=meta)
 
     # -------------------------------------------------------------- get
 

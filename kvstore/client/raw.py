@@ -66,6 +66,7 @@ class RawPath:
                 reply = call.result(timeout=None if deadline is None else deadline + DEADLINE_GRACE_S)
             except grpc.FutureTimeoutError:
                 call.cancel()
+                c.unavailable += 1
                 raise errors.StoreUnavailable(f"DEADLINE_EXCEEDED: the put did not finish in {deadline:g} s "
                                               f"(the daemon took none of it in time)") from None
         except grpc.RpcError as e:

@@ -78,9 +78,11 @@ class ArenaControl:
         self.refused = 0
         """Frames answered ERROR so far."""
 
-    def serve(self, conn: socket.socket, session: str, space: KeySpace = SHARED) -> None:
+    def serve(self, conn: socket.socket, session: str, space: KeySpace = SHARED) -> bool:
         """Serve the frames of ``conn`` (a blocking socket) for ``session`` until the client
         closes it, it fails, or a frame cannot be framed. Never raises for what a client sends.
+        Returns False when the daemon ended the session (a frame it cannot frame: the client
+        may still be running), True when the client closed it or the connection failed.
         Answers come first: the bookkeeping of answered frames runs when no frame waits (or
         once :data:`MAX_DEFERRED` frames' worth is pending), and before the session ends."""
         buf = bytearray(_FIRST_BUFFER)
@@ -93,7 +95,7 @@ class ArenaControl:
                     length = w.LENGTH.unpack_from(buf)[0]
                     if not w.HEADER_BYTES - w.LENGTH.size <= length <= w.MAX_FRAME_BYTES:
                         self._refuse_framing(conn, length)
-                        return
+                        return False
                     total = w.LENGTH.size + length
                     if have >= total:
                         reply = self.answer(bytes(view[w.LENGTH.size:total]), session, space, later)
@@ -119,10 +121,11 @@ class ArenaControl:
                     _run(later)                     # nothing waits: now the bookkeeping
                     continue
                 if n == 0:
-                    return                          # the client closed its session
+                    return True                     # the client closed its session
                 have += n
         except OSError as e:                        # reset, or shut down by the daemon's stop
             log.debug("arena control session %s ended: %s", session[:8], e)
+            return True
         finally:
             view.release()
             _run(later)

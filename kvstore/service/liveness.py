@@ -124,9 +124,10 @@ class ClientSessions:
         with self._lock:
             return session in self._served
 
-    def _serve(self, conn: socket.socket, session: str, serve: Callable[[socket.socket, str], None]) -> None:
+    def _serve(self, conn: socket.socket, session: str, serve: Callable[[socket.socket, str], bool | None]) -> None:
+        client_gone = True
         try:
-            serve(conn, session)
+            client_gone = serve(conn, session) is not False
         except Exception:  # noqa: BLE001 - the session still ends below
             log.exception("serving client session %s failed", session[:8])
         finally:
@@ -135,7 +136,7 @@ class ClientSessions:
                 self._served.pop(session, None)
                 stopping = self._stop.is_set()
             if not stopping:
-                self._end(session)
+                self._end(session, client_gone)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -168,12 +169,15 @@ class ClientSessions:
         conn.close()
         self._end(session)
 
-    def _end(self, session: str) -> None:
+    def _end(self, session: str, client_gone: bool = True) -> None:
         with self._lock:
             self._open -= 1
         self.ended += 1
         try:
-            self._on_end(session)
+            if client_gone:
+                self._on_end(session)
+            else:                            # the daemon closed it: the client may still run
+                self._on_end(session, client_gone=False)
         except Exception:  # noqa: BLE001 - keep watching the other sessions
             log.exception("ending client session %s failed", session[:8])
 

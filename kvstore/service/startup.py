@@ -219,10 +219,10 @@ def _start_arena(cfg: Config, manager: TierManager, sock: UnixSocket | None, aut
     if table is not None:                   # a lookup's tier codes are the host's only when it is fastest
         table.answer_lookups(shared == 0)
 
-    def end(session: str):                  # a dead client's hold ends with it
+    def end(session: str, client_gone: bool = True):    # a dead client's hold ends with it
         if table is not None:
             table.close_reader(session)
-        return manager.end_session(session)
+        return manager.end_session(session, client_gone)
 
     sessions = ClientSessions(manager.open_session, end)
     try:

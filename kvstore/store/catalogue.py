@@ -38,6 +38,11 @@ from tiers.base import TierKind
 log = logging.getLogger("kvstore.store.catalogue")
 
 
+OVERDUE_TTLS = 3.0
+"""How many TTLs longer an open session's zero-copy reservation is held past its deadline
+(its client may be stalled mid-copy) before it is reclaimed like any other."""
+
+
 @dataclass(eq=False)
 class Entry:
     """Catalogue record of one visible block.
@@ -81,6 +86,7 @@ class Claim:
     deadline: float | None = None
     meta: Any = None
     session: str = ""
+    ttl_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -263,12 +269,12 @@ class Catalogue:
         return False
 
     def expired_claims(self, now: float) -> list[Claim]:
-        """Zero-copy reservations whose deadline passed, except those of a same-node session
-        still open: that client may still be writing its slot (stalled mid-copy), so its
-        room is never handed to another block while it lives; they end with a Commit, an
-        abort or the session (:meth:`end_session`)."""
+        """Zero-copy reservations whose deadline passed. One of a same-node session still
+        open is held :data:`OVERDUE_TTLS` TTLs longer: that client may still be writing its
+        room (stalled mid-copy), which must not go to another block meanwhile; it ends
+        sooner with a Commit, an abort or the session (:meth:`end_session`)."""
         return [c for c in self._claims.values() if c.deadline is not None and c.deadline <= now
-                and not (c.session and c.session in self._sessions)]
+                and not (c.session in self._sessions and now < c.deadline + OVERDUE_TTLS * c.ttl_s)]
 
     # ------------------------------------------------------------------ pins
 
@@ -328,17 +334,26 @@ class Catalogue:
     def session_open(self, session: str) -> bool:
         return session in self._sessions
 
-    def end_session(self, session: str) -> tuple[int, list[Claim]]:
-        """The client of ``session`` is gone: its leases end now. Returns how many, and
-        its open reservations (the caller aborts them). Lock held or not."""
+    def end_session(self, session: str, client_gone: bool = True) -> tuple[int, list[Claim]]:
+        """``session`` ended: no lease or reservation may name it any more. When its client
+        is gone, its leases end now; returns how many, and its open reservations (the
+        caller aborts them). When the daemon ended it (``client_gone`` False: the client
+        may still be reading or writing the arena), its leases and reservations keep their
+        TTLs instead: returns ``(0, [])``. Lock held or not."""
         with self.lock:
             ended = 0
-            for lease_id in self._sessions.pop(session, ()):
+            leases = self._sessions.pop(session, ())
+            claims = [c for c in self._claims.values() if c.session == session]
+            if not client_gone:
+                for c in claims:
+                    c.session = ""          # now ended by its deadline alone
+                return 0, []
+            for lease_id in leases:
                 lease = self._leases.pop(lease_id, None)
                 if lease is not None:
                     self._unpin_all(lease)
                     ended += 1
-            return ended, [c for c in self._claims.values() if c.session == session]
+            return ended, claims
 
     def expire(self) -> int:
         """End the leases whose TTL passed; returns how many."""

@@ -11,8 +11,10 @@ its arena hand-out connection open: :mod:`kvstore.service.liveness`) end as soon
 connection closes (:meth:`Leases.end_session`), so a killed client's hold on the arena
 does not outlive it; a lease or reservation naming a session that ended is refused. A
 reservation belongs to its session: only that session commits or aborts it, and while
-the session is open its TTL does not hand the room to another block (a client stalled
-mid-copy still writes there; a lease's reader checks its own deadline after copying).
+the session is open it is held :data:`~kvstore.store.catalogue.OVERDUE_TTLS` TTLs past its
+deadline (a client stalled mid-copy still writes there; a lease's reader checks its own
+deadline after copying). A session the daemon closes (a client that broke the protocol)
+leaves its leases and reservations to their TTLs, not released at once.
 
 A lease is released here (:meth:`Leases.release`, which ends its pins in
 :meth:`kvstore.store.catalogue.Catalogue.release`); a reservation is never released, it
@@ -309,21 +311,23 @@ class Leases:
                     if claim.tier >= 0:
                         self.tiers[claim.tier].abort(claim.key)
                     self.counters.inc("reservations_expired")
-                    log.info("reservation of block %s expired uncommitted; its room is reclaimed",
-                             claim.key.hex()[:16])
+                    log.info("reservation of block %s expired uncommitted%s; its room is reclaimed",
+                             claim.key.hex()[:16], " (its client still connected)" if claim.session else "")
 
 
     def open_session(self, session: str) -> None:
         """Accept leases and reservations naming same-node client ``session``."""
         self.catalogue.open_session(session)
 
-    def end_session(self, session: str) -> tuple[int, int]:
-        """The client of ``session`` is gone: release its leases and abort its reservations
-        now. Returns ``(leases released, reservations aborted)``."""
+    def end_session(self, session: str, client_gone: bool = True) -> tuple[int, int]:
+        """``session`` ended. Its client is gone: release its leases and abort its
+        reservations now. The daemon closed it (``client_gone`` False: a client that broke
+        the protocol, perhaps still copying): they keep their TTLs. Returns ``(leases
+        released, reservations aborted)``."""
         cat = self.catalogue
         aborted = 0
         with cat.lock:
-            released, claims = cat.end_session(session)
+            released, claims = cat.end_session(session, client_gone)
             for claim in claims:
                 if cat.end_claim(claim):
                     if claim.tier >= 0:

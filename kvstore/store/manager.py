@@ -293,9 +293,9 @@ class TierManager:
         """Accept leases and reservations of same-node client ``session`` until it ends."""
         self.leases.open_session(session)
 
-    def end_session(self, session: str) -> tuple[int, int]:
-        """Release the leases and abort the reservations of ``session`` now; returns how many."""
-        return self.leases.end_session(session)
+    def end_session(self, session: str, client_gone: bool = True) -> tuple[int, int]:
+        """``session`` ended (:meth:`kvstore.store.leases.Leases.end_session`): ``(released, aborted)``."""
+        return self.leases.end_session(session, client_gone)
 
     def release(self, lease_id: str, owner: str = "") -> bool:
         """Release lease ``lease_id`` of tenant ``owner`` (its blocks are unpinned).

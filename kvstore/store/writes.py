@@ -153,8 +153,8 @@ class Writes:
                 cat.changed.wait(remaining)
             # Claim the key before making room: making room may drop the lock while it
             # waits on a demotion, and a second put of the same key must wait, not reserve.
-            claim = Claim(key, nbytes, owner=owner,
-                          deadline=None if ttl_s is None else cat.clock() + ttl_s, meta=meta)
+            claim = Claim(key, nbytes, owner=owner, deadline=None if ttl_s is None else cat.clock() + ttl_s,
+                          meta=meta, ttl_s=ttl_s or 0.0)
             cat.add_claim(claim)
             try:
                 claim.tier = self._reserve_somewhere(key, nbytes, tier)

@@ -196,8 +196,8 @@ def test_the_client_counts_its_safety_margin_from_the_granted_ttl(capped_daemon,
 
 def test_a_reservation_is_its_sessions_alone_and_outlives_its_ttl_while_the_session_lives(long_ttl_daemon):
     """A zero-copy reservation is committed or aborted by the session that made it only,
-    and its TTL does not give its room away while that session lives: a client stalled
-    mid-copy (SIGSTOP, swap) past its TTL still writes there. Found by a hostile test: a
+    and its TTL does not give its room away at once while that session lives: a client
+    stalled mid-copy (SIGSTOP, swap) past its TTL still writes there. Found by a hostile test: a
     stranger's Commit published a half-written slot, and a writer late past its TTL wrote
     over another client's block."""
     import grpc
@@ -226,7 +226,7 @@ def test_a_reservation_is_its_sessions_alone_and_outlives_its_ttl_while_the_sess
             assert b._stub.Commit(pb.CommitRequest(keys=[k], abort=True), timeout=30, metadata=meta).committed == 0
         claim = d.manager.catalogue.claim(k)
         assert claim is not None and k not in d.manager
-        claim.deadline = 0.0                                    # its TTL passed (a stalled writer)
+        claim.deadline = d.manager.catalogue.clock() - 1       # its TTL passed (a stalled writer)
         d.manager.leases.maintain()
         assert d.manager.catalogue.claim(k) is claim and d.manager.counters.get("reservations_expired", 0) == 0
         busy = b._stub.Reserve(pb.ReserveRequest(keys=[k], sizes=[4096]), timeout=30, metadata=mb)
@@ -275,3 +275,100 @@ def test_a_lease_as_a_clients_first_call_names_its_session_and_ends_with_it(long
     wait_for(lambda: grant.lease_id not in d.manager.catalogue._leases, "the lease to end with its client",
              RECLAIM_DEADLINE_S)
     assert all(e.pins == 0 for e in d.manager.catalogue.entries())
+
+
+def test_an_overdue_reservation_of_a_live_session_is_reclaimed_after_a_bounded_grace(long_ttl_daemon):
+    """Held past its TTL while its session lives, but not for ever: OVERDUE_TTLS TTLs later
+    it is reclaimed like any other, and the key can be stored again."""
+    import grpc  # noqa: F401
+
+    from kvstore._proto import kvstore_pb2 as pb
+    from kvstore.store.catalogue import OVERDUE_TTLS
+
+    d = long_ttl_daemon
+    k = key(1, "overdue")
+    with KVStoreClient(d.address, shared_memory=True, timeout=30) as a, \
+            KVStoreClient(d.address, shared_memory=True, timeout=30) as b:
+        r = a._stub.Reserve(pb.ReserveRequest(keys=[k], sizes=[4096]), timeout=30, metadata=a.arena().metadata)
+        assert list(r.status) == [pb.RESERVED]
+        claim = d.manager.catalogue.claim(k)
+        assert claim.ttl_s == 600.0
+        now = d.manager.catalogue.clock()
+        claim.deadline = now - OVERDUE_TTLS * claim.ttl_s + 60    # past its TTL, inside the grace
+        d.manager.leases.maintain()
+        assert d.manager.catalogue.claim(k) is claim
+        claim.deadline = now - OVERDUE_TTLS * claim.ttl_s - 1     # past the grace too
+        d.manager.leases.maintain()
+        assert d.manager.catalogue.claim(k) is None and d.manager.counters["reservations_expired"] == 1
+        assert b.put_from([k], np.full(4096, 9, np.uint8)).stored == 1
+        assert b.get([k])[0].data == bytes([9]) * 4096
+
+
+def test_a_put_from_that_fails_mid_batch_aborts_its_reservations(long_ttl_daemon, monkeypatch):
+    """A copy that raises (or a Commit that times out, or Ctrl-C) between Reserve and Commit
+    aborts the batch's reservations at once: the keys are free for the next put."""
+    d = long_ttl_daemon
+    keys = [key(i, "fail") for i in range(4)]
+    data = np.stack([np.full(8192, i + 1, dtype=np.uint8) for i in range(4)])
+    real_copy, copies = client_arena.copy, []
+
+    def failing_copy(dst, src):
+        copies.append(1)
+        if len(copies) == 2:
+            raise KeyboardInterrupt
+        real_copy(dst, src)
+    with KVStoreClient(d.address, shared_memory=True, timeout=30) as c:
+        monkeypatch.setattr(client_arena, "copy", failing_copy)
+        with pytest.raises(KeyboardInterrupt):
+            c.put_from(keys, data)
+        monkeypatch.setattr(client_arena, "copy", real_copy)
+        assert all(d.manager.catalogue.claim(k) is None for k in keys)
+        assert d.manager.counters["puts_aborted"] == 4
+        assert c.put_from(keys, data).stored == 4
+
+
+def test_a_mapping_without_a_session_puts_by_grpc(long_ttl_daemon):
+    """Past the daemon's session cap a client maps the arena without a session; a
+    reservation needs one, so its put_from goes by gRPC (it raised FeatureDisabled)."""
+    d = long_ttl_daemon
+    keys = [key(i, "nosession") for i in range(3)]
+    data = np.stack([np.full(4096, i + 7, dtype=np.uint8) for i in range(3)])
+    from kvstore.common.arena import ARENA_HEADER
+
+    with KVStoreClient(d.address, shared_memory=True, timeout=30) as c:
+        arena = c.arena()                                 # as the daemon hands it out past its cap
+        arena.session, arena.metadata = "", ((ARENA_HEADER, arena.identity),)
+        reserves = d.manager.counters.get("puts_aborted", 0), len(d.manager.catalogue._claims)
+        assert c.put_from(keys, data).stored == 3
+        assert (d.manager.counters.get("puts_aborted", 0), len(d.manager.catalogue._claims)) == reserves
+        assert [bytes(r.data) for r in c.get(keys)] == [bytes(row) for row in data]
+
+
+def test_a_session_the_daemon_closes_keeps_its_reservations_and_leases_to_their_ttl(long_ttl_daemon):
+    """When the daemon itself closes a session (the client sent a frame it cannot frame),
+    the client may still be copying: its reservations and leases are not released at once
+    (their room could go to another block under the writer), but end by their TTLs."""
+    from kvstore._proto import kvstore_pb2 as pb
+    from kvstore.common import arena_wire
+
+    d = long_ttl_daemon
+    k, held = key(1, "closed"), key(2, "closed")
+    with KVStoreClient(d.address, timeout=30) as writer:
+        writer.put([(held, b"h" * 4096)])
+    with KVStoreClient(d.address, shared_memory=True, timeout=30) as a:
+        arena = a.arena()
+        assert arena.control is not None, "this daemon serves control frames on the session"
+        grant = a.lease([held], ttl_s=600.0)
+        r = a._stub.Reserve(pb.ReserveRequest(keys=[k], sizes=[4096]), timeout=30, metadata=arena.metadata)
+        assert list(r.status) == [pb.RESERVED]
+        arena.control._sock.sendall(arena_wire.LENGTH.pack(1))     # a frame too short to frame
+        wait_for(lambda: not d.manager.catalogue.session_open(arena.session), "the daemon to close the session",
+                 RECLAIM_DEADLINE_S)
+        claim = d.manager.catalogue.claim(k)
+        assert claim is not None and claim.session == ""            # ends by its TTL now
+        assert grant.lease_id in d.manager.catalogue._leases        # so does the lease
+        assert d.manager.counters.get("reservations_reclaimed", 0) == 0
+        assert d.manager.counters.get("leases_reclaimed", 0) == 0
+        claim.deadline = 0.0
+        d.manager.leases.maintain()
+        assert d.manager.catalogue.claim(k) is None

@@ -328,6 +328,10 @@ def test_client_misuse_is_an_invalid_request_and_a_closed_client_says_it_is_clos
     assert snapshot(d) == before
     assert c.lookup([memoryview(keys[0])]).hit_blocks == 0      # bytes-like keys are fine
     assert c.put_from(keys, buf).stored == 2
+    rows = np.frombuffer(keys[0] + keys[1], np.uint8).reshape(2, 32)
+    assert c.lookup(list(rows)).hit_blocks == 2                  # rows of a (n, 32) uint8 array
+    assert c.put([(memoryview(key(74)).cast("Q"), b"q" * 64)]).stored == 1   # 4 items of 8 bytes
+    assert c.get([key(74)])[0].data == b"q" * 64
     c.close()
     for call in (lambda: c.lookup(keys), lambda: c.get(keys), lambda: c.get_into(keys, buf),
                  lambda: c.put([(key(73), b"x" * 64)]), lambda: c.put_from(keys, buf), lambda: c.lease(keys)):
