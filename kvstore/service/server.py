@@ -242,6 +242,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                               payload_bytes=m.payload_bytes(i))
                  for i, u in enumerate(m.usage())]
         counters = {k: int(v) for k, v in m.counters.items() if v >= 0}
+        cat = m.catalogue
+        counters["open_leases"] = cat.num_leases                   # gauges: what is held now
+        counters["open_reservations"], counters["overdue_reservations"] = cat.reservations(cat.clock())
         if m.cluster is not None:
             counters.update(m.cluster.stats())     # the remote tier's call counters
         serving = self.health.serving if self.health is not None else True

@@ -268,6 +268,11 @@ class Catalogue:
             return True
         return False
 
+    def reservations(self, now: float) -> tuple[int, int]:
+        """Zero-copy reservations open, and of them those past their deadline (held: open session)."""
+        deadlines = [c.deadline for c in list(self._claims.values()) if c.deadline is not None]
+        return len(deadlines), sum(d <= now for d in deadlines)
+
     def expired_claims(self, now: float) -> list[Claim]:
         """Zero-copy reservations whose deadline passed. One of a same-node session still
         open is held :data:`OVERDUE_TTLS` TTLs longer: that client may still be writing its
@@ -335,11 +340,9 @@ class Catalogue:
         return session in self._sessions
 
     def end_session(self, session: str, client_gone: bool = True) -> tuple[int, list[Claim]]:
-        """``session`` ended: no lease or reservation may name it any more. When its client
-        is gone, its leases end now; returns how many, and its open reservations (the
-        caller aborts them). When the daemon ended it (``client_gone`` False: the client
-        may still be reading or writing the arena), its leases and reservations keep their
-        TTLs instead: returns ``(0, [])``. Lock held or not."""
+        """``session`` ended. Its client gone: its leases end now; returns how many and its
+        reservations (the caller aborts them). Ended by the daemon (``client_gone`` False):
+        they keep their TTLs (the client may still use the arena); returns ``(0, [])``."""
         with self.lock:
             ended = 0
             leases = self._sessions.pop(session, ())

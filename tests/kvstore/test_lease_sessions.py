@@ -294,12 +294,17 @@ def test_an_overdue_reservation_of_a_live_session_is_reclaimed_after_a_bounded_g
         claim = d.manager.catalogue.claim(k)
         assert claim.ttl_s == 600.0
         now = d.manager.catalogue.clock()
+        stats = b.stats()["counters"]
+        assert (stats["open_reservations"], stats["overdue_reservations"]) == (1, 0)
         claim.deadline = now - OVERDUE_TTLS * claim.ttl_s + 60    # past its TTL, inside the grace
         d.manager.leases.maintain()
         assert d.manager.catalogue.claim(k) is claim
+        stats = b.stats()["counters"]
+        assert (stats["open_reservations"], stats["overdue_reservations"]) == (1, 1)
         claim.deadline = now - OVERDUE_TTLS * claim.ttl_s - 1     # past the grace too
         d.manager.leases.maintain()
         assert d.manager.catalogue.claim(k) is None and d.manager.counters["reservations_expired"] == 1
+        assert b.stats()["counters"]["overdue_reservations"] == 0
         assert b.put_from([k], np.full(4096, 9, np.uint8)).stored == 1
         assert b.get([k])[0].data == bytes([9]) * 4096
 
