@@ -13,7 +13,6 @@ instead of when the daemon gives up on them.
 from __future__ import annotations
 
 import logging
-
 from typing import Callable
 
 from kvstore.common import errors
@@ -105,7 +104,7 @@ class ArenaPut:
                     self.call(self.commit, pb.CommitRequest(keys=[keys[j] for j in late], abort=True),
                               timeout, arena)
                     rest.extend(late)
-            except changed:          # the daemon restarted: this batch and the rest by gRPC
+            except changed:                     # the daemon restarted: this batch and the rest by gRPC
                 present, refused, conflicts, n_rest = before
                 del rest[n_rest:]
                 rest.extend(range(batch[0], len(keys)))
@@ -118,8 +117,7 @@ class ArenaPut:
                 break
             batch, reserved_total = [i], lengths[i]
         return self._raw_put(rest, keys, bufs, lengths, meta, timeout,
-                        PutResult(stored, present, nbytes, refused, conflicts), detail)
-
+                             PutResult(stored, present, nbytes, refused, conflicts), detail)
 
     def _abort(self, arena, keys: list[bytes]) -> None:
         """Best effort: abort the reservations of ``keys`` (those committed or ended are
@@ -147,8 +145,6 @@ class ArenaPut:
             err.result = result
             raise err
         return result
-
-
 
 
 __all__ = ["ABORT_TIMEOUT_S", "ArenaPut"]

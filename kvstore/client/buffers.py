@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvstore.common.byte_ranges import as_byte_count
 from kvstore.common.errors import InvalidRequest
 
 
@@ -94,9 +95,7 @@ def _byte_counts(values: Any, what: str, least: int) -> list[int]:
     out = []
     for i, v in enumerate(values):
         try:
-            if isinstance(v, bool):
-                raise TypeError
-            v = operator.index(v)
+            v = as_byte_count(v)
         except TypeError:
             raise InvalidRequest(f"{what}[{i}] is {v!r}: byte counts are integers") from None
         if v < least:

@@ -21,6 +21,14 @@ MAX_RANGES = 4096
 """Most byte ranges one Get may ask for (a TP rank asks for 2 per layer)."""
 
 
+def as_byte_count(v) -> int:
+    """``v`` as an int (numpy integers too). Raises TypeError for a bool, a float, a string
+    or anything else that is not an integer."""
+    if isinstance(v, bool):
+        raise TypeError("a bool is not a byte count")
+    return operator.index(v)
+
+
 def check_byte_ranges(ranges: Iterable[tuple[int, int]] | None, field: str = "ranges") -> list[tuple[int, int]] | None:
     """``ranges`` as a list of ``(offset, length)`` int pairs, or None when there are none.
 
@@ -34,9 +42,7 @@ def check_byte_ranges(ranges: Iterable[tuple[int, int]] | None, field: str = "ra
     for i, r in enumerate(ranges):
         try:
             off, length = r
-            if isinstance(off, bool) or isinstance(length, bool):
-                raise TypeError("a bool is not a byte count")
-            off, length = operator.index(off), operator.index(length)
+            off, length = as_byte_count(off), as_byte_count(length)
         except (TypeError, ValueError):
             raise InvalidRequest(f"{field}[{i}] is {r!r}: a byte range is an (offset, length) pair of "
                                  f"integers") from None
@@ -57,4 +63,4 @@ def check_byte_ranges(ranges: Iterable[tuple[int, int]] | None, field: str = "ra
     return out
 
 
-__all__ = ["MAX_BLOCK_BYTES", "MAX_RANGES", "check_byte_ranges"]
+__all__ = ["MAX_BLOCK_BYTES", "MAX_RANGES", "as_byte_count", "check_byte_ranges"]

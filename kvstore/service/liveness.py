@@ -42,11 +42,12 @@ class ClientSessions:
     Args:
         on_open: called with a new session id before it is handed out (the store then
             accepts leases and reservations naming it).
-        on_end: called with the id once its connection reached end-of-file or failed,
-            from the watcher thread (the store releases what the session holds).
+        on_end: ``on_end(id, client_gone)`` once its connection reached end-of-file or
+            failed (``client_gone`` True: the store releases what the session holds), or the
+            daemon closed it (False: the client may still run), from the watcher thread.
     """
 
-    def __init__(self, on_open: Callable[[str], None], on_end: Callable[[str], None]):
+    def __init__(self, on_open: Callable[[str], None], on_end: Callable[[str, bool], None]):
         self._on_open = on_open
         self._on_end = on_end
         self._selector = selectors.DefaultSelector()
@@ -174,10 +175,7 @@ class ClientSessions:
             self._open -= 1
         self.ended += 1
         try:
-            if client_gone:
-                self._on_end(session)
-            else:                            # the daemon closed it: the client may still run
-                self._on_end(session, client_gone=False)
+            self._on_end(session, client_gone)   # False: the daemon closed it, the client may still run
         except Exception:  # noqa: BLE001 - keep watching the other sessions
             log.exception("ending client session %s failed", session[:8])
 

@@ -45,7 +45,8 @@ from kvstore.service.streams import StreamGuard, on_pool
 from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER, SESSION_HEADER
 from kvstore.common.transport import FRAMING_BYTES
 from kvstore.service.hints import HintHandlers
-from kvstore.service.validate import (check_chunk_keys, check_keys, check_meta, check_number, check_ranges, check_size,
+from kvstore.common.byte_ranges import check_byte_ranges
+from kvstore.service.validate import (check_chunk_keys, check_keys, check_meta, check_number, check_size,
                                       check_ttl, decode_meta)
 from kvstore.common.wire import META, FrameError, decode
 
@@ -184,7 +185,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def _plan(self, request: pb.GetRequest, context) -> GetPlan:
         space = self._space(context)
         keys = check_keys(request.keys)
-        ranges = check_ranges((r.offset, r.length) for r in request.ranges)
+        ranges = check_byte_ranges((r.offset, r.length) for r in request.ranges)
         step = self.max_chunk_bytes
         if request.max_chunk_bytes:
             step = min(step, int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1)))
@@ -371,13 +372,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 claims.append(m.find_claim(space.internal(k), space.tenant, session))
             except errors.BlockNotFound as e:
                 missing = missing or e
-        if missing is not None and not request.abort:
-            for claim in claims:        # all or none: the client puts the whole batch again by gRPC
+        if request.abort or missing is not None:    # a Commit is all or none: the client puts
+            for claim in claims:                    # the batch again by gRPC
                 m.abort_put(claim)
-            raise missing
-        if request.abort:
-            for claim in claims:
-                m.abort_put(claim)
+            if not request.abort:
+                raise missing
         else:
             m.commit_puts(claims, in_place=True)      # one put call: the cluster's write-through batched
             committed, nbytes = len(claims), sum(c.size for c in claims)

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.common.byte_ranges import MAX_BLOCK_BYTES, MAX_RANGES, check_byte_ranges  # noqa: F401
+from kvstore.common.byte_ranges import MAX_BLOCK_BYTES, MAX_RANGES  # noqa: F401 - where they were
 from kvstore.common.errors import InvalidRequest
 from kvstore.common.transport import MAX_KEYS_PER_REQUEST
 from kvstore.common.types import KEY_BYTES, BlockMeta
 
 MAX_KEYS = MAX_KEYS_PER_REQUEST
 """Most keys one request may carry (the client splits longer lists: :mod:`kvstore.common.transport`)."""
-
 
 MAX_CLOCK_SKEW_S = 24 * 3600.0
 """A client time further than this from the daemon's now is refused (seconds)."""
@@ -46,12 +45,6 @@ def check_chunk_keys(chunks: Sequence[pb.PutChunk]) -> Sequence[pb.PutChunk]:
             if len(c.key) != KEY_BYTES:
                 raise InvalidRequest(f"chunks[{i}].key has {len(c.key)} bytes; block keys are {KEY_BYTES} bytes")
     return chunks
-
-
-def check_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]] | None:
-    """Byte ranges of a Get (:func:`kvstore.common.byte_ranges.check_byte_ranges`): None when
-    there are none. Raises InvalidRequest."""
-    return check_byte_ranges(ranges)
 
 
 def check_number(value: float, field: str, *, low: float = 0.0, high: float = math.inf,
