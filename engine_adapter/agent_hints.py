@@ -26,9 +26,11 @@ Nothing here imports an engine.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from kvstore.common.errors import InvalidRequest
+from kvstore.common.hint_limits import MAX_HINT_S, MAX_NAME_CHARS, check_name, check_seconds, show
 
 PARAMS_KEY = "kvstore"
 """The key of our hint inside a request's ``kv_transfer_params``."""
@@ -37,14 +39,15 @@ TOOL_CALL, CONTINUES, FINISHED, ABANDONED = "tool_call", "continues", "finished"
 STATES = (TOOL_CALL, CONTINUES, FINISHED, ABANDONED)
 """What happens to the session once this request finishes."""
 
-MAX_NAME_CHARS = 1024
-"""Longest session id or tool name (the daemon's limit, :data:`kvstore.service.hints.MAX_NAME_CHARS`)."""
-
-MAX_SECONDS = 86400.0
-"""Largest ``expected_back_s`` / ``ttl_s`` accepted (one day: the daemon's clock-skew bound)."""
+MAX_SECONDS = MAX_HINT_S
+"""Largest ``expected_back_s`` / ``ttl_s`` accepted (one day: the daemon's limit,
+:mod:`kvstore.common.hint_limits`, where :data:`MAX_NAME_CHARS` comes from too)."""
 
 MAX_ENVELOPE_CHARS = 65536
 """Largest ``kv_hints`` envelope forwarded (characters of its JSON)."""
+
+MAX_ENVELOPE_DEPTH = 32
+"""Deepest nesting of a ``kv_hints`` envelope forwarded (objects and lists)."""
 
 _SESSION_ACTIONS = ("kvstore.session", "agent_hint")
 
@@ -74,24 +77,20 @@ class AgentHint:
 
 
 def _seconds(p: Mapping, name: str) -> float | None:
-    v = p.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_SECONDS:
-        raise HintError(f"kv_transfer_params.kvstore.{name} must be a number of seconds in [0, {MAX_SECONDS:g}], "
-                        f"got {v!r}")
-    return float(v)
+    try:
+        return check_seconds(p.get(name), f"kv_transfer_params.kvstore.{name}", MAX_SECONDS)
+    except InvalidRequest as e:
+        raise HintError(str(e)) from None
 
 
 def _name(p: Mapping, name: str, required: bool) -> str:
     v = p.get(name)
     if v is None and not required:
         return ""
-    if not isinstance(v, str) or (required and not v) or len(v) > MAX_NAME_CHARS:
-        need = "a non-empty string" if required else "a string"
-        raise HintError(f"kv_transfer_params.kvstore.{name} must be {need} of at most {MAX_NAME_CHARS} "
-                        f"characters, got {v!r:.80}")
-    return v
+    try:
+        return check_name(v, f"kv_transfer_params.kvstore.{name}", required=required)
+    except InvalidRequest as e:
+        raise HintError(str(e)) from None
 
 
 def parse_kvstore_params(params: Any) -> AgentHint | None:
@@ -114,21 +113,43 @@ def parse_kvstore_params(params: Any) -> AgentHint | None:
     sid = _name(p, "session_id", required=True)
     tool = _name(p, "tool", required=False)
     state = p.get("state", TOOL_CALL if tool else CONTINUES)
-    if state not in STATES:
-        raise HintError(f"kv_transfer_params.kvstore.state must be one of {list(STATES)}, got {state!r:.80}")
+    if not isinstance(state, str) or state not in STATES:
+        raise HintError(f"kv_transfer_params.kvstore.state must be one of {list(STATES)}, got {show(state)}")
     return AgentHint(sid, state, tool if state == TOOL_CALL else "", _seconds(p, "expected_back_s"),
                      _seconds(p, "ttl_s"))
 
 
-def _plain(value: Any) -> Any:
-    """A msgspec Struct (vLLM's ``KvHintsEnvelope`` / ``KvHintAction``) as plain JSON values."""
+class _Budget:
+    """What is left of the characters and depth an envelope may take while it is read."""
+
+    def __init__(self):
+        self.chars = MAX_ENVELOPE_CHARS
+
+    def spend(self, n: int) -> None:
+        self.chars -= n
+        if self.chars < 0:
+            raise HintError(f"kv_hints is larger than {MAX_ENVELOPE_CHARS} characters of JSON; not forwarded")
+
+
+def _plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
+    """A msgspec Struct (vLLM's ``KvHintsEnvelope`` / ``KvHintAction``) as plain JSON values;
+    stops at the size and depth limits, whatever the envelope holds."""
+    if depth > MAX_ENVELOPE_DEPTH:
+        raise HintError(f"kv_hints is nested deeper than {MAX_ENVELOPE_DEPTH} levels; not forwarded")
+    budget.spend(len(value) + 2 if isinstance(value, str) else 2)
     fields = getattr(value, "__struct_fields__", None)
     if fields is not None:
-        return {f: _plain(getattr(value, f)) for f in fields}
+        return {f: _plain(getattr(value, f), budget, depth + 1) for f in fields}
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise HintError(f"kv_hints has an object key that is not a string: {show(k)}")
+            budget.spend(len(k) + 3)
+            out[k] = _plain(v, budget, depth + 1)
+        return out
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, budget, depth + 1) for v in value]
     return value
 
 
@@ -136,13 +157,15 @@ def envelope_of(kv_hints: Any) -> dict | None:
     """A request's ``kv_hints`` as the JSON object the daemon takes (None when absent).
 
     Accepts vLLM's ``KvHintsEnvelope`` (read by its fields, vLLM is not imported) or a dict.
+    Reading stops as soon as the envelope is found too large or too deep.
     Raises:
-        HintError: not an object with a list of ``actions``, not JSON, or larger than
-            :data:`MAX_ENVELOPE_CHARS`.
+        HintError: not an object with a list of ``actions``, not JSON (a key that is not
+            a string, a NaN, a value of another type), larger than
+            :data:`MAX_ENVELOPE_CHARS` or nested deeper than :data:`MAX_ENVELOPE_DEPTH`.
     """
     if kv_hints is None:
         return None
-    env = _plain(kv_hints)
+    env = _plain(kv_hints, _Budget())
     if not isinstance(env, dict) or not isinstance(env.get("actions"), list):
         raise HintError("kv_hints must be an envelope object with a list of actions")
     try:
@@ -160,6 +183,8 @@ def envelope_session(env: Mapping | None) -> str:
     for a in (env or {}).get("actions", ()):
         if isinstance(a, Mapping) and a.get("action_type") in _SESSION_ACTIONS:
             sid = (a.get("payload") or {}).get("session_id") if isinstance(a.get("payload"), Mapping) else None
-            if isinstance(sid, str) and 0 < len(sid) <= MAX_NAME_CHARS:
-                return sid
+            try:
+                return check_name(sid, "session_id")
+            except InvalidRequest:
+                pass
     return ""

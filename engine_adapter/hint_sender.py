@@ -29,6 +29,7 @@ from collections import Counter
 from typing import Sequence
 
 from kvstore.common.errors import FeatureDisabled, InvalidRequest, KVStoreError, StoreUnavailable
+from kvstore.common.hint_limits import MAX_HINT_KEYS
 
 from engine_adapter.background import BackgroundJobs
 
@@ -75,8 +76,10 @@ class HintSender:
     # ------------------------------------------------------------ what the scheduler calls
 
     def tool_call_start(self, trajectory_id: str, tool: str, keys: Sequence[bytes], start_time: float) -> bool:
-        """Queue ``ToolCallStart`` (``start_time``: unix seconds). False when dropped."""
-        return self._submit(TOOL_CALL_START, len(keys), trajectory_id, tool, list(keys), start_time)
+        """Queue ``ToolCallStart`` (``start_time``: unix seconds; of a prefix longer than
+        ``MAX_HINT_KEYS`` blocks, its first ones are named). False when dropped."""
+        keys = list(keys[:MAX_HINT_KEYS])
+        return self._submit(TOOL_CALL_START, len(keys), trajectory_id, tool, keys, start_time)
 
     def resume(self, trajectory_id: str, at: float) -> bool:
         """Queue ``Resume`` (``at``: unix seconds). False when dropped."""
@@ -86,9 +89,10 @@ class HintSender:
                      expected_back_s: float | None = None, ttl_s: float | None = None,
                      kv_hints: dict | None = None) -> bool:
         """Queue ``SessionHint`` (``state``: continues / finished / abandoned; or a vLLM
-        ``kv_hints`` envelope; ``at``: unix seconds). False when dropped."""
-        return self._submit(SESSION_HINT, len(keys), session_id, state, list(keys), at, expected_back_s, ttl_s,
-                            kv_hints)
+        ``kv_hints`` envelope; ``at``: unix seconds; of a prefix longer than ``MAX_HINT_KEYS``
+        blocks, its first ones are named). False when dropped."""
+        keys = list(keys[:MAX_HINT_KEYS])
+        return self._submit(SESSION_HINT, len(keys), session_id, state, keys, at, expected_back_s, ttl_s, kv_hints)
 
     def stats(self) -> dict[str, int]:
         """Counts of hint calls by outcome (see the class docstring)."""

@@ -43,7 +43,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine_adapter.agent_hints import (ABANDONED, CONTINUES, FINISHED, MAX_NAME_CHARS, TOOL_CALL, AgentHint,
+from kvstore.common.errors import InvalidRequest
+from kvstore.common.hint_limits import check_name
+
+from engine_adapter.agent_hints import (ABANDONED, CONTINUES, FINISHED, TOOL_CALL, AgentHint,
                                         HintError, envelope_of, envelope_session, parse_kvstore_params)
 
 log = logging.getLogger("engine_adapter.hints")
@@ -199,8 +202,11 @@ class AgentTracker:
         except HintError as e:
             self._malformed(request_id, e)
         session = info.hint.session_id if info.hint is not None else envelope_session(info.envelope)
-        if not session and isinstance(session_id, str) and len(session_id) <= MAX_NAME_CHARS:
-            session = session_id
+        if not session and session_id:
+            try:
+                session = check_name(session_id, "session_id")
+            except InvalidRequest:
+                pass
         self.counts["hinted"] += info.hint is not None or info.envelope is not None
         resumed: list[str] = []
         known = bool(session) and self.table.pop(session)

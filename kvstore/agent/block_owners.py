@@ -7,10 +7,15 @@ keeps, for it:
   second session names it (a shared block gets no session's hints and is never let go
   by a session);
 - the **uses a session explains**: a request of the session reads its stored prefix,
-  the deepest block of its previous naming included, so each use of that block since
-  the previous naming is one request of the session and explains one use of every
-  block it named before; a block named for the first time explains one (the request
-  the naming came with). Uses are counted by the policies
+  the deepest block of its previous naming included, so a use of that block since the
+  previous naming is a request of the session and explains one use of every block it
+  named before; a block named for the first time explains one (the request the naming
+  came with). At most one request is credited per naming: the deepest block may be
+  read by others too (a first turn whose stored prefix is only the shared system
+  prompt), and crediting all its uses would let a "finished" hint release a block
+  plain traffic reads. A session that sends a hint less often than once per request
+  so explains fewer uses than it made: its blocks are kept (never more harm than no
+  hint). Uses are counted by the policies
   (:class:`kvstore.policy.uses.UseLedger`, one shared by all of them);
 - the **let-go decision** for an ended session's private blocks: only those used no
   more often than the session explains are let go (with that allowance, so that a later
@@ -80,7 +85,7 @@ class BlockOwners:
         if n is None:
             n = self._named[sid] = _Named()
         count = self.uses.count
-        done = count(n.last) - n.seen if n.last is not None else 0
+        done = min(count(n.last) - n.seen, 1) if n.last is not None else 0
         own = n.own
         for k in keys:
             own[k] = own[k] + done if k in own else 1

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from kvstore.common.errors import InvalidRequest
+from kvstore.common.hint_limits import check_name, show
 from kvstore.agent.sessions import SessionHint, SessionState
 
 PROTOCOL_VERSIONS = ("0.1",)
@@ -57,12 +58,12 @@ def _major(version: Any, where: str) -> str:
 
 
 def _from_session_action(p: Mapping, keys: tuple[bytes, ...], time: float | None) -> list[SessionHint]:
-    return [SessionHint(p.get("session_id"), p.get("state"), keys, p.get("expected_back_s"),
-                        p.get("ttl_s"), time)]
+    sid = check_name(p.get("session_id"), "kv_hints: kvstore.session payload session_id")
+    return [SessionHint(sid, p.get("state"), keys, p.get("expected_back_s"), p.get("ttl_s"), time)]
 
 
 def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) -> list[SessionHint]:
-    sid = p.get("session_id")
+    sid = check_name(p.get("session_id"), "kv_hints: agent_hint payload session_id")
     out: list[SessionHint] = []
     ttl = None
     cc = p.get("cache_control")
@@ -76,7 +77,7 @@ def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) ->
         e = _obj(e, "agent_hint edit")
         kind = e.get("type")
         if kind not in ("evict", "offload", "prefetch"):
-            raise InvalidRequest(f"kv_hints: edit type must be evict, offload or prefetch, got {kind!r}")
+            raise InvalidRequest(f"kv_hints: edit type must be evict, offload or prefetch, got {show(kind)}")
         start, end = e.get("block_start"), e.get("block_end")
         if start is None and end is None:
             if kind == "evict":
@@ -88,8 +89,8 @@ def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) ->
             continue
         s = 0 if start is None else start
         t = len(keys) if end is None else end
-        if not (isinstance(s, int) and isinstance(t, int)) or not 0 <= s <= t <= len(keys):
-            raise InvalidRequest(f"kv_hints: edit block range [{start}, {end}) outside the "
+        if (not (type(s) is int and type(t) is int)) or not 0 <= s <= t <= len(keys):
+            raise InvalidRequest(f"kv_hints: edit block range [{show(start)}, {show(end)}) outside the "
                                  f"request's {len(keys)} blocks")
         if kind == "evict" and t > s:
             out.append(SessionHint(f"{sid}#{s}:{t}", SessionState.FINISHED, keys[s:t], time=time))
@@ -121,7 +122,7 @@ def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
     env = _obj(envelope, "the envelope")
     if env.get("protocol_version") not in PROTOCOL_VERSIONS:
         raise InvalidRequest(f"kv_hints: protocol_version must be one of {PROTOCOL_VERSIONS}, "
-                             f"got {env.get('protocol_version')!r}")
+                             f"got {show(env.get('protocol_version'))}")
     actions = env.get("actions", [])
     if not isinstance(actions, list):
         raise InvalidRequest("kv_hints: actions must be a list")
@@ -132,7 +133,8 @@ def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
         a = _obj(a, f"actions[{i}]")
         parse = _ACTIONS.get(a.get("action_type"))
         if parse is None or _major(a.get("action_version"), f"actions[{i}]") != "1":
-            skipped.append(str(a.get("action_id", i)))
+            aid = a.get("action_id", i)
+            skipped.append(aid if isinstance(aid, str) else show(aid))
             continue
         hints.extend(parse(_obj(a.get("payload"), f"actions[{i}].payload"), keys, time))
     return hints, skipped

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from kvstore.common.errors import InvalidRequest
+from kvstore.common.hint_limits import MAX_HINT_KEYS, check_seconds, show
 
 MAX_SOURCE_CHARS = 256
 """Longest declared hint source (characters)."""
@@ -30,20 +31,25 @@ class SessionHint:
     """One hint about one session.
 
     Attributes:
-        session_id: the session (trajectory, conversation); non-empty.
+        session_id: the session (trajectory, conversation); non-empty. A caller's id is
+            checked where it enters (:func:`kvstore.common.hint_limits.check_name`); the
+            daemon's ids are scoped to the caller's tenant (``tenant`` NUL ``id``).
         state: :class:`SessionState`.
-        keys: the session's stored prefix blocks in prefix order (32-byte keys); empty:
-            the keys of its previous hint.
+        keys: the session's stored prefix blocks in prefix order (32-byte keys, at most
+            :data:`~kvstore.common.hint_limits.MAX_HINT_KEYS`); empty: the keys of its
+            previous hint.
         expected_back_s: seconds from ``time`` until its next request (continues only;
-            None: unknown, learned).
+            None: unknown, learned); at most one day (``MAX_HINT_S``).
         ttl_s: keep its blocks near for at most this many seconds (continues only;
-            None: no limit).
-        time: when the hint applies (seconds, the table's clock; None: now).
+            None: no limit); at most one day.
+        time: when the hint applies (seconds, the table's clock, finite; None: now).
         source: who says so (an agent framework, a model of hints; at most
             :data:`MAX_SOURCE_CHARS` characters); trust is kept per source
-            (:class:`kvstore.agent.hint_trust.HintTrust`). Empty: :func:`source_of`.
+            (:class:`kvstore.agent.hint_trust.HintTrust`); the daemon sets the caller's
+            tenant. Empty: the shared source.
     Raises:
-        InvalidRequest: empty id, negative or non-finite times, bad keys or source.
+        InvalidRequest: empty or unencodable id, times negative, non-finite or above
+            their bound, bad or too many keys, bad source.
     """
 
     session_id: str
@@ -55,30 +61,37 @@ class SessionHint:
     source: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.session_id, str) or not self.session_id:
-            raise InvalidRequest("session hint: session_id must be a non-empty string")
+        sid = self.session_id
+        if not isinstance(sid, str) or not sid:
+            raise InvalidRequest(f"session hint: session_id must be a non-empty string, got {show(sid)}")
+        try:
+            sid.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"session hint: session_id is not valid Unicode, got {show(sid)}") from None
         try:
             object.__setattr__(self, "state", SessionState(self.state))
-        except ValueError:
+        except (ValueError, TypeError):
             raise InvalidRequest(f"session hint: state must be one of "
-                                 f"{[s.value for s in SessionState]}, got {self.state!r}") from None
-        for name in ("expected_back_s", "ttl_s", "time"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v < 0):
-                raise InvalidRequest(f"session hint: {name} must be a finite number >= 0, got {v!r}")
+                                 f"{[s.value for s in SessionState]}, got {show(self.state)}") from None
+        for name in ("expected_back_s", "ttl_s"):
+            object.__setattr__(self, name, check_seconds(getattr(self, name), f"session hint: {name}"))
+        # a clock reading: may be below 0 (a monotonic clock shortly after boot)
+        object.__setattr__(self, "time", check_seconds(self.time, "session hint: time", math.inf, -math.inf))
         if not isinstance(self.source, str) or len(self.source) > MAX_SOURCE_CHARS:
             raise InvalidRequest(f"session hint: source must be a string of at most {MAX_SOURCE_CHARS} characters")
         keys = tuple(self.keys)
-        if any(not isinstance(k, (bytes, bytearray)) or len(k) != 32 for k in keys):
+        if len(keys) > MAX_HINT_KEYS:
+            raise InvalidRequest(f"session hint: {len(keys)} keys; at most {MAX_HINT_KEYS} per hint")
+        if not keys:
+            return
+        types = set(map(type, keys))          # C-level passes: a hint may name 131,072 keys
+        if not types <= {bytes, bytearray} or set(map(len, keys)) != {32}:
             raise InvalidRequest("session hint: keys must be 32-byte block keys")
-        object.__setattr__(self, "keys", tuple(bytes(k) for k in keys))
+        object.__setattr__(self, "keys", keys if types == {bytes} else tuple(map(bytes, keys)))
 
 
 def source_of(hint: SessionHint) -> str:
-    """The source trust is kept for: the declared one, else the tenant of a session id
-    scoped by the daemon (``tenant`` NUL ``id``), else the shared source ``""``."""
-    if hint.source:
-        return hint.source
-    tenant, sep, _ = hint.session_id.partition("\0")
-    return tenant if sep else ""
+    """The source trust is kept for: the declared one (the daemon declares the caller's
+    tenant), else the shared source ``""``. Never read from the session id, which the
+    caller chooses."""
+    return hint.source

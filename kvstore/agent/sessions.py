@@ -53,7 +53,6 @@ import heapq
 import math
 import threading
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -62,60 +61,10 @@ from kvstore.agent.block_owners import BlockOwners
 from kvstore.agent.hint_model import HintCalibration
 from kvstore.agent.hint_trust import HintTrust
 from kvstore.agent.session_hint import MAX_SOURCE_CHARS, SessionHint, SessionState, source_of
+from kvstore.agent.session_records import Ended, Pending, Session, SessionStats
 from kvstore.policy import AcceptsNextUse, CalibratesHints, EvictionPolicy
 
 __all__ = ["MAX_SOURCE_CHARS", "SessionHint", "SessionState", "SessionStats", "SessionTable", "source_of"]
-
-
-@dataclass
-class _Pending:
-    """A source's continuing hint, to be judged by the session's return."""
-
-    source: str
-    hinted_at: float
-    raw_gap: float | None        # the hint's expected_back_s
-    median: float                # the table's own guess then
-
-
-@dataclass
-class _Ended:
-    """A finished or abandoned session, watched for a return that proves its hint wrong."""
-
-    source: str
-    time: float
-    keys: list[bytes]            # the blocks it would let go ...
-    allowed: list[int]           # ... and the uses each is allowed
-
-
-@dataclass
-class _Session:
-    sid: str
-    state: SessionState
-    keys: tuple[bytes, ...]
-    hinted_at: float
-    expected: float          # absolute seconds; inf when not continuing
-    deadline: float          # absolute seconds (TTL); inf: none
-    outcome: list | None = None    # HintCalibration record of this hint
-    raw_gap: float | None = None   # the gap the hint gave (before the session's correction)
-    exact: bool = False            # a commitment (kept until used), not a prediction
-    believed: bool = True          # its source is trusted: the hint moves placement
-    pending: _Pending | None = None
-    back: bool = False             # its return was seen (returned()): the next hint is no second return
-
-
-@dataclass
-class SessionStats:
-    """Counts of hints and of their effect (blocks)."""
-
-    hints: int = 0
-    continues: int = 0
-    finished: int = 0
-    abandoned: int = 0
-    released_blocks: int = 0     # blocks let go (the name is the simulator report's key)
-    kept_used: int = 0           # blocks of ended sessions kept: somebody else used them
-    ignored: int = 0             # hints of a source not trusted: recorded, moved nothing
-    lapsed: int = 0
-    returns: int = 0
 
 
 class SessionTable:
@@ -136,7 +85,9 @@ class SessionTable:
         window: observed gaps kept for the learned median.
         max_sessions: sessions remembered; the least recently hinted are forgotten
             (their hints dropped, nothing let go).
-        max_keys: keys whose owner is remembered (to tell private from shared).
+        max_keys: keys whose owner is remembered (to tell private from shared), and keys
+            the sessions' records hold in all (past it the least recently hinted are
+            forgotten, as past ``max_sessions``).
         own_request_s: see :class:`~kvstore.agent.block_owners.BlockOwners` (seconds).
     """
 
@@ -155,17 +106,19 @@ class SessionTable:
         self.uses = self.owners.uses
         self.default_gap_s = default_gap_s
         self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._ended: OrderedDict[str, _Ended] = OrderedDict()
+        self.max_keys = max_keys
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._ended: OrderedDict[str, Ended] = OrderedDict()
         self._gaps: deque[float] = deque(maxlen=window)
         self._deadlines: list[tuple[float, str]] = []
         self._checks: list[tuple[float, str, float]] = []     # (when, sid, hint time): judge a hint
+        self._held = 0                  # keys held by the sessions' and the ended sessions' records
         self.stats = SessionStats()
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ queries
 
-    def get(self, session_id: str) -> _Session | None:
+    def get(self, session_id: str) -> Session | None:
         with self._lock:
             return self._sessions.get(session_id)
 
@@ -214,14 +167,14 @@ class SessionTable:
             if hint.ttl_s is not None:
                 gap = min(gap, hint.ttl_s)
             deadline = t + hint.ttl_s if hint.ttl_s is not None else math.inf
-            s = _Session(sid, SessionState.CONTINUES, keys, t, t + gap, deadline,
+            s = Session(sid, SessionState.CONTINUES, keys, t, t + gap, deadline,
                          cal.hinted(t, gap) if cal is not None and believed else None, raw,
-                         believed=believed, pending=_Pending(source, t, raw, median))
+                         believed=believed, pending=Pending(source, t, raw, median))
             self._store(s, old, now)
             if deadline < math.inf:
-                heapq.heappush(self._deadlines, (deadline, sid))
+                self._push(self._deadlines, (deadline, sid))
             if self.trust is not None:
-                heapq.heappush(self._checks, (t + self.trust.check_after(gap), sid, t))
+                self._push(self._checks, (t + self.trust.check_after(gap), sid, t))
             return s.expected
 
     def expect(self, session_id: str, keys: Sequence[bytes], expected_at: float, now: float,
@@ -245,7 +198,7 @@ class SessionTable:
             if calibrate and self.calibration is not None:
                 outcome = self.calibration.hinted(t, expected_at - t)
             believed = calibrate or old is None or old.believed      # a renewal keeps the hint's standing
-            s = _Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
+            s = Session(session_id, SessionState.CONTINUES, keys, t, expected_at, deadline, outcome,
                          old.raw_gap if old is not None else None, exact, believed,
                          old.pending if old is not None else None)
             self._store(s, old, now)
@@ -262,7 +215,7 @@ class SessionTable:
                 s.back = True
                 self.owners.clear_hints(self.owners.private(session_id, s.keys), t)
 
-    def _returned(self, s: _Session, t: float) -> None:
+    def _returned(self, s: Session, t: float) -> None:
         self._gaps.append(max(t - s.hinted_at, 0.0))
         self.stats.returns += 1
         if self.calibration is not None and s.outcome is not None:
@@ -276,7 +229,7 @@ class SessionTable:
 
     def _came_back(self, sid: str, t: float) -> None:
         """A session said to be finished or abandoned is back: that hint was wrong."""
-        e = self._ended.pop(sid, None)
+        e = self._pop_ended(sid)
         if e is not None and self.trust is not None and t - e.time <= self.trust.horizon_s:
             self._wrong(e.source, t)
 
@@ -299,7 +252,7 @@ class SessionTable:
                 if e is not None and e.time == t0:
                     back = self.owners.used_again(e.keys, e.allowed)     # its blocks were wanted
                     if back or when >= t0 + self.trust.horizon_s:        # else: looked at again later
-                        del self._ended[sid]
+                        self._pop_ended(sid)
                         if back:
                             self._wrong(e.source, now)
                         else:
@@ -333,7 +286,7 @@ class SessionTable:
                 s.believed = False
                 self.owners.clear_hints(self.owners.private(s.sid, s.keys), now)
 
-    def _store(self, s: _Session, old: _Session | None, now: float) -> None:
+    def _store(self, s: Session, old: Session | None, now: float) -> None:
         owners = self.owners
         private = owners.claim(s.sid, s.keys, now)
         if old is not None and old.keys != s.keys:
@@ -343,8 +296,9 @@ class SessionTable:
                 go, _, kept = owners.let_go(s.sid, dropped, now)
                 self.stats.released_blocks += len(go)
                 self.stats.kept_used += kept
+        self._pop_session(s.sid)
         self._sessions[s.sid] = s
-        self._sessions.move_to_end(s.sid)
+        self._held += len(s.keys)
         for p in self.policies:
             p.revive(private)
         if s.believed:
@@ -352,8 +306,7 @@ class SessionTable:
                 p.set_next_use(private, s.expected, now, since=s.hinted_at, exact=s.exact)
         else:
             owners.clear_hints(private, now)
-        while len(self._sessions) > self.max_sessions:
-            self._forget(next(iter(self._sessions)), now)
+        self._bound(now)
 
     def _end(self, sid: str, state: SessionState, keys: Sequence[bytes], now: float, source: str,
              believed: bool) -> None:
@@ -363,7 +316,7 @@ class SessionTable:
             self.stats.abandoned += 1
         owners = self.owners
         private = owners.claim(sid, keys, now)
-        old = self._sessions.pop(sid, None)
+        old = self._pop_session(sid)
         if old is not None:
             seen = set(private)
             private += [k for k in owners.private(sid, old.keys) if k not in seen]
@@ -376,16 +329,61 @@ class SessionTable:
         owners.end(sid, private)
         trust = self.trust
         if trust is not None:
-            self._ended[sid] = _Ended(source, now, go, allowed)
-            self._ended.move_to_end(sid)
-            while len(self._ended) > self.max_sessions:
-                self._ended.popitem(last=False)
+            self._pop_ended(sid)
+            self._ended[sid] = Ended(source, now, go, allowed)
+            self._held += len(go)
+            self._bound(now)
             for after in trust.end_checks():
-                heapq.heappush(self._checks, (now + after, sid, now))
+                self._push(self._checks, (now + after, sid, now))
 
     def _forget(self, sid: str, now: float) -> None:
         """Forget a session without letting its blocks go: its hints are dropped."""
-        s = self._sessions.pop(sid, None)
+        s = self._pop_session(sid)
         self.owners.forget(sid)
         if s is not None:
             self.owners.clear_hints(self.owners.private(sid, s.keys), now)
+
+    # ------------------------------------------------------------------ bounds
+
+    def _pop_session(self, sid: str) -> Session | None:
+        s = self._sessions.pop(sid, None)
+        if s is not None:
+            self._held -= len(s.keys)
+        return s
+
+    def _pop_ended(self, sid: str) -> Ended | None:
+        e = self._ended.pop(sid, None)
+        if e is not None:
+            self._held -= len(e.keys)
+        return e
+
+    def _bound(self, now: float) -> None:
+        """At most ``max_sessions`` sessions and as many ended ones, holding at most
+        ``max_keys`` keys in all: the oldest ended sessions are forgotten first (they are
+        only watched for a return), then the least recently hinted sessions (never the
+        last one)."""
+        ended, sessions = self._ended, self._sessions
+        while ended and (len(ended) > self.max_sessions or self._held > self.max_keys):
+            self._pop_ended(next(iter(ended)))
+        while len(sessions) > 1 and (len(sessions) > self.max_sessions or self._held > self.max_keys):
+            self._forget(next(iter(sessions)), now)
+
+    def _push(self, heap: list, entry: tuple) -> None:
+        """Push a deadline or a check; rebuild the heap without the entries of replaced
+        hints (skipped lazily when due) once they outnumber the live ones, so its size
+        stays O(sessions) however often one session is hinted."""
+        heapq.heappush(heap, entry)
+        if len(heap) > 4 * (len(self._sessions) + len(self._ended)) + 1024:
+            live = self._live_deadline if heap is self._deadlines else self._live_check
+            heap[:] = [e for e in heap if live(e)]
+            heapq.heapify(heap)
+
+    def _live_deadline(self, entry: tuple[float, str]) -> bool:
+        s = self._sessions.get(entry[1])
+        return s is not None and s.deadline == entry[0] and s.state == SessionState.CONTINUES
+
+    def _live_check(self, entry: tuple[float, str, float]) -> bool:
+        _, sid, t0 = entry
+        e, s = self._ended.get(sid), self._sessions.get(sid)
+        return ((e is not None and e.time == t0)
+                or (s is not None and s.pending is not None and s.pending.hinted_at == t0))

@@ -14,8 +14,9 @@ the table, nothing is paged back for it again, and a late resume still teaches t
 predictor (the last ``max_waiting`` expired waits are remembered by tool, start and
 prediction only). At most ``max_waiting`` trajectories wait (past it the one due to expire
 first expires now) and at most ``max_waiting`` running ones are remembered, each for
-``running_s`` seconds after its resume; the expiry heap is compacted when stale entries
-outnumber live ones. Every time is on the scheduler's clock (``time.monotonic`` in the
+``running_s`` seconds after its resume; together they hold at most ``max_keys`` block
+keys (a wait names up to ``MAX_HINT_KEYS``); the expiry heap is compacted when stale
+entries outnumber live ones. Every time is on the scheduler's clock (``time.monotonic`` in the
 daemon: stepping the wall clock moves nothing).
 
 Not thread-safe on its own: the scheduler's lock is held around every call.
@@ -34,6 +35,9 @@ log = logging.getLogger("kvstore.agent.prefetch")
 
 EXPIRE_TAIL_QUANTILE = 0.99
 """A wait never expires before this quantile of its tool's observed waits (see above)."""
+
+DEFAULT_MAX_KEYS = 4_000_000
+"""Keys the open waits and running trajectories hold in all, by default (about 260 MB)."""
 
 
 @dataclass
@@ -92,10 +96,16 @@ class WaitTable:
             its start (``prefetch.expire_factor``) ...
         max_wait_s: ... and at most this many seconds after it (``prefetch.max_wait_s``).
         running_s: seconds a resumed trajectory counts as running (its prefix in use).
+        max_keys: keys the open waits and the running trajectories hold in all (one hint
+            names at most ``MAX_HINT_KEYS``); past it the wait due to expire first expires
+            (never the only one) and the oldest running trajectory is forgotten.
     """
 
-    def __init__(self, max_waiting: int, expire_factor: float, max_wait_s: float, running_s: float):
+    def __init__(self, max_waiting: int, expire_factor: float, max_wait_s: float, running_s: float,
+                 max_keys: int = DEFAULT_MAX_KEYS):
         self.max_waiting = max_waiting
+        self.max_keys = max_keys
+        self._held = 0                                             # keys of _waits and _running
         self.expire_factor = expire_factor
         self.max_wait_s = max_wait_s
         self.running_s = running_s
@@ -135,9 +145,10 @@ class WaitTable:
             yield keys
 
     def sizes(self) -> dict[str, int]:
-        """Entries per table: ``waiting``, ``expiry`` (heap), ``running``, ``expired``."""
+        """Entries per table: ``waiting``, ``expiry`` (heap), ``running``, ``expired``, and
+        ``keys`` (held by the waiting and running ones)."""
         return {"waiting": len(self._waits), "expiry": len(self._expiry), "running": len(self._running),
-                "expired": len(self._late)}
+                "expired": len(self._late), "keys": self._held}
 
     # ------------------------------------------------------------------ changes
 
@@ -148,23 +159,28 @@ class WaitTable:
         after ``start``, at most ``max_wait_s`` (:meth:`expire` may put it off). The
         trajectory stops running; a memory of its expired wait is dropped. Call
         :meth:`over_bound` after."""
-        self._running.pop(trajectory_id, None)
+        self.stop_running(trajectory_id)
         self._late.pop(trajectory_id, None)
-        old = self._waits.pop(trajectory_id, None)
+        old = self.pop(trajectory_id)
         self._seq += 1
         w = Wait(trajectory_id, tool, start, keys, predicted_resume, ready_by, page_back_at, seq=self._seq)
         w.expires_at = start + min(self.max_wait_s, self.expire_factor * max(predicted_resume - start, 0.0))
         self._waits[trajectory_id] = w
+        self._held += len(keys)
         heapq.heappush(self._expiry, (w.expires_at, w.seq, trajectory_id))
         return w, old
 
     def over_bound(self) -> bool:
-        """Whether more than ``max_waiting`` trajectories wait."""
-        return len(self._waits) > self.max_waiting
+        """Whether more than ``max_waiting`` trajectories wait, or more than one holding
+        more than ``max_keys`` keys with the running ones."""
+        return len(self._waits) > self.max_waiting or (len(self._waits) > 1 and self._held > self.max_keys)
 
     def pop(self, trajectory_id: str) -> Wait | None:
         """Close the open wait of ``trajectory_id`` (resumed or ended) and return it."""
-        return self._waits.pop(trajectory_id, None)
+        w = self._waits.pop(trajectory_id, None)
+        if w is not None:
+            self._held -= len(w.keys)
+        return w
 
     def pop_late(self, trajectory_id: str) -> LateWait | None:
         """Forget the expired wait of ``trajectory_id`` and return it (a late resume)."""
@@ -190,7 +206,7 @@ class WaitTable:
                     w.expires_at = later
                     heapq.heappush(heap, (later, seq, tid))
                     continue
-            del self._waits[tid]
+            self.pop(tid)
             out.append(w)
             self._late[tid] = LateWait(w.tool, w.start, w.predicted_resume)
             while len(self._late) > self.max_waiting:
@@ -208,13 +224,18 @@ class WaitTable:
 
     def run(self, trajectory_id: str, now: float, keys: list[bytes]) -> None:
         """``trajectory_id`` resumed at ``now`` (seconds): its prefix ``keys`` is in use."""
+        self.stop_running(trajectory_id)
         self._running[trajectory_id] = (now, keys)
-        while len(self._running) > self.max_waiting:
-            del self._running[next(iter(self._running))]
+        self._held += len(keys)
+        running = self._running
+        while len(running) > self.max_waiting or (len(running) > 1 and self._held > self.max_keys):
+            self.stop_running(next(iter(running)))
 
     def stop_running(self, trajectory_id: str) -> None:
         """``trajectory_id`` no longer runs (it waits again, or its session ended)."""
-        self._running.pop(trajectory_id, None)
+        r = self._running.pop(trajectory_id, None)
+        if r is not None:
+            self._held -= len(r[1])
 
     def expire_running(self, now: float) -> None:
         """Forget the trajectories that resumed more than ``running_s`` before ``now``."""
@@ -223,4 +244,4 @@ class WaitTable:
             tid, (t, _) = next(iter(running.items()))
             if now - t <= self.running_s:
                 break
-            del running[tid]
+            self.stop_running(tid)

@@ -202,7 +202,7 @@ class SessionsConfig:
     default_gap_s: float = 60.0           # expected gap before any was observed
     window: int = 256                     # observed gaps kept for the learned median
     max_sessions: int = 100_000           # sessions remembered (least recently hinted forgotten)
-    max_keys: int = 4_000_000             # keys whose owning session is remembered
+    max_keys: int = 4_000_000             # keys whose owning session is remembered; keys held by hints in all
 
 
 @dataclass(frozen=True)

@@ -14,26 +14,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 
 from kvstore.common import errors
+from kvstore.common.hint_limits import MAX_HINT_KEYS, MAX_NAME_CHARS, check_name, check_seconds
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.service.auth import KeySpace
-from kvstore.agent.sessions import SessionHint, SessionState
-from kvstore.service.validate import MAX_CLOCK_SKEW_S, check_keys, check_number, to_monotonic, to_unix
+from kvstore.agent.sessions import MAX_SOURCE_CHARS, SessionHint, SessionState
+from kvstore.service.validate import check_keys, to_monotonic, to_unix
 
 _STATES = {pb.SessionHintRequest.CONTINUES: SessionState.CONTINUES,
            pb.SessionHintRequest.FINISHED: SessionState.FINISHED,
            pb.SessionHintRequest.ABANDONED: SessionState.ABANDONED}
 
-MAX_NAME_CHARS = 1024
-"""Longest trajectory id or tool name a hint may carry (characters)."""
+__all__ = ["HintHandlers", "MAX_NAME_CHARS"]
 
 
-def _check_names(trajectory_id: str, tool: str = "") -> None:
-    if not trajectory_id:
-        raise errors.InvalidRequest("trajectory_id must not be empty")
-    if len(trajectory_id) > MAX_NAME_CHARS or len(tool) > MAX_NAME_CHARS:
-        raise errors.InvalidRequest(f"trajectory_id and tool are limited to {MAX_NAME_CHARS} characters")
+def _hint_keys(keys, space: KeySpace) -> list[bytes]:
+    """A hint's keys, checked (at most ``MAX_HINT_KEYS``), in the caller's key space."""
+    if len(keys) > MAX_HINT_KEYS:
+        raise errors.InvalidRequest(f"keys: {len(keys)} keys; at most {MAX_HINT_KEYS} per hint")
+    return space.internal_many(check_keys(keys))
+
+
+def _source(space: KeySpace) -> str:
+    """The trust source of a caller's hints: its tenant (``""``: the shared key space)."""
+    t = space.tenant
+    if len(t) <= MAX_SOURCE_CHARS:
+        return t
+    return t[:MAX_SOURCE_CHARS - 9] + "#" + format(zlib.crc32(t.encode("utf-8")), "08x")
+
+
+def _reported(action_id: str) -> str:
+    """An envelope's action id as it can go back in a reply (at most 128 characters, UTF-8)."""
+    return action_id[:128].encode("utf-8", "replace").decode("utf-8")
 
 
 class HintHandlers:
@@ -66,16 +80,17 @@ class HintHandlers:
         """``ToolCallStart``: the tool call is scheduled; the reply has the predicted resume
         time (unix seconds)."""
         self._need_scheduler()
-        _check_names(request.trajectory_id, request.tool)
+        check_name(request.trajectory_id, "trajectory_id")
+        check_name(request.tool, "tool", required=False)
         start = to_monotonic(request.start_time, "start_time")
-        keys = space.internal_many(check_keys(request.keys))
+        keys = _hint_keys(request.keys, space)
         predicted = self._scheduler.tool_call_start(space.scoped(request.trajectory_id), request.tool, start, keys)
         return pb.ToolCallStartReply(predicted_resume_time=to_unix(predicted))
 
     def resume(self, request: pb.ResumeRequest, space: KeySpace) -> pb.ResumeReply:
         """``Resume``: whether the trajectory was waiting, and for how long (seconds)."""
         self._need_scheduler()
-        _check_names(request.trajectory_id)
+        check_name(request.trajectory_id, "trajectory_id")
         at = to_monotonic(request.time, "time")
         known, observed = self._scheduler.resume(space.scoped(request.trajectory_id), at)
         return pb.ResumeReply(known=known, observed_seconds=observed)
@@ -85,15 +100,14 @@ class HintHandlers:
         the reply has the expected-back time (unix seconds, ``inf`` once ended)."""
         if self._sessions is None:
             raise errors.FeatureDisabled("session hints are off (no session table)")
-        if len(request.session_id) > 1024:
-            raise errors.InvalidRequest("session_id is limited to 1024 characters")
         if request.state not in _STATES:
             raise errors.InvalidRequest(f"state: {request.state} is not a SessionHintRequest.State "
                                         f"(CONTINUES, FINISHED, ABANDONED)")
         at = to_monotonic(request.time, "time")
-        keys = tuple(space.internal_many(check_keys(request.keys)))
+        keys = tuple(_hint_keys(request.keys, space))
         for name in ("expected_back_s", "ttl_s"):
-            check_number(getattr(request, name), name, low=0.0, high=MAX_CLOCK_SKEW_S)
+            check_seconds(getattr(request, name), name)
+        source = _source(space)
         skipped: list[str] = []
         if request.kv_hints_json:
             import json
@@ -105,10 +119,12 @@ class HintHandlers:
             except RecursionError:
                 raise errors.InvalidRequest("kv_hints_json is nested too deeply to parse") from None
             hints, skipped = session_hints(envelope, keys, at)
-            hints = [dataclasses.replace(h, session_id=space.scoped(h.session_id)) for h in hints]
+            hints = [dataclasses.replace(h, session_id=space.scoped(h.session_id), source=source) for h in hints]
+            skipped = [_reported(a) for a in skipped]
         else:
+            check_name(request.session_id, "session_id")
             hints = [SessionHint(space.scoped(request.session_id), _STATES[request.state], keys,
-                                 request.expected_back_s or None, request.ttl_s or None, at)]
+                                 request.expected_back_s or None, request.ttl_s or None, at, source)]
         expected = math.inf
         for h in hints:
             expected = self._sessions(h)

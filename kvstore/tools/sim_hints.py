@@ -45,6 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from kvstore.common.hint_limits import MAX_HINT_S
 from kvstore.agent.sessions import SessionHint, SessionState
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS, Request
 
@@ -219,7 +220,7 @@ def derive(requests: Sequence[Request], times: Sequence[float], spec: HintModel,
         if continues:
             gap = (times[c] - times[j]) if c is not None else (rng.choice(gaps) if gaps else 60.0)
             out.append(SessionHint(sid, SessionState.CONTINUES, tuple(keys_of(r.hash_ids[:nfull])),
-                                   expected_back_s=max(gap * f, 0.0) if spec.times else None, time=times[j],
+                                   expected_back_s=min(max(gap * f, 0.0), MAX_HINT_S) if spec.times else None, time=times[j],
                                    source=spec.source))
         else:
             out.append(SessionHint(sid, SessionState.FINISHED, tuple(keys_of(r.hash_ids)), time=times[j],

@@ -113,6 +113,60 @@ def test_the_finished_sessions_own_last_read_does_not_revive_its_blocks():
         m.close()
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reads_of_a_shared_deepest_block_are_not_credited_to_the_session(policy):
+    """A first turn whose stored prefix is only the shared block S names [S]; plain traffic
+    then reads S 20 times; the session's next turn names [S, a] and later says it finished.
+    Those 20 reads are not the session's: S keeps its place, only ``a`` is let go."""
+    m, table, clock = manager(policy)
+    try:
+        S, a = key("S"), key("a")
+        clock[0] += 1.0
+        m.put(S, data(1))                                             # the session's first turn
+        table.apply(SessionHint("A", "continues", (S,), expected_back_s=30.0), clock[0])
+        for _ in range(20):                                           # plain traffic
+            clock[0] += 1.0
+            assert m.get(S).found
+        clock[0] += 10.0
+        assert m.get(S).found                                         # the session's second turn
+        m.put(a, data(2))
+        table.apply(SessionHint("A", "continues", (S, a), expected_back_s=30.0), clock[0])
+        clock[0] += 10.0
+        table.apply(SessionHint("A", "finished", (S, a)), clock[0])
+        p = m.policies[0]
+        assert not p.is_let_go(S)
+        assert p.is_let_go(a)
+        for i in range(20):
+            clock[0] += 1.0
+            m.put(key(f"x{i}"), data(i))
+            clock[0] += 1.0
+            assert m.get(S).found, f"S lost after {i + 1} puts"
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_session_hinting_every_turn_lets_all_its_own_blocks_go(policy):
+    """Each turn reads the session's stored prefix, puts one block and names the whole
+    prefix: every use of the session's blocks is explained, so all of them go at its end."""
+    m, table, clock = manager(policy, blocks=16)
+    try:
+        own: list[bytes] = []
+        for t in range(5):
+            clock[0] += 1.0
+            for k in own:
+                assert m.get(k).found
+            own.append(key(f"t{t}"))
+            m.put(own[-1], data(t))
+            table.apply(SessionHint("T", "continues", tuple(own), expected_back_s=5.0), clock[0])
+        clock[0] += 1.0
+        table.apply(SessionHint("T", "finished", tuple(own)), clock[0])
+        p = m.policies[0]
+        assert all(p.is_let_go(k) for k in own)
+    finally:
+        m.close()
+
+
 def test_through_the_daemon_a_finished_session_keeps_the_shared_block(tmp_path):
     import numpy as np
 

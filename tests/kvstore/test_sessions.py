@@ -163,7 +163,7 @@ def test_session_hints_through_the_daemon_make_finished_sessions_first_victims(t
             c.put_from(c_, np.zeros((3, 128 << 10), dtype=np.uint8))   # 9 x 128 KiB > 1 MiB: 1 must go
             assert c.lookup(a).hit_blocks == 3                         # kept: it continues
             assert c.lookup(b).hit_blocks < 3                          # the finished session paid
-            with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+            with pytest.raises(InvalidRequest, match="expected_back_s"):     # refused before it is sent
                 c.session_hint("agent-x", "continues", a, expected_back_s=float("nan"))
     finally:
         d.stop(0)

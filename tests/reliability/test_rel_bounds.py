@@ -269,3 +269,45 @@ def test_session_hint_waits_expire_and_a_late_hint_still_calibrates():
     assert len(s.waits) == 0 and s.stats.expired == 300
     assert s.resume("S0", clock.t) == (True, pytest.approx(201.0))   # late: learned, not scored
     assert s.stats.resumes_expired == 1 and s.stats.resumes == 0
+
+
+# ------------------------------------------------------------------ hint tables and keys
+
+def test_one_session_hinted_many_times_keeps_its_heaps_small():
+    """Every continuing hint with a TTL pushes a deadline and a trust check; replaced ones
+    are dropped when they outnumber the live ones, not kept until their time."""
+    from kvstore.agent.sessions import SessionHint, SessionTable
+    table = SessionTable([make_policy("next_use", 1000 * BLOCK)])
+    for i in range(20_000):
+        table.apply(SessionHint("one", "continues", (key(1),), expected_back_s=3000.0, ttl_s=80_000.0), float(i))
+    assert len(table._deadlines) <= 4 * 1 + 1024 + 1
+    assert len(table._checks) <= 4 * 1 + 1024 + 1
+    assert table.get("one").keys == (key(1),)
+
+
+def test_the_keys_held_by_session_hints_are_bounded():
+    from kvstore.agent.sessions import SessionHint, SessionTable
+    table = SessionTable([make_policy("lru", 1000 * BLOCK)], max_keys=10_000)
+    for i in range(100):                              # 100 sessions x 1,000 keys: 10x the bound
+        keys = tuple(key(i * 1000 + j) for j in range(1000))
+        table.apply(SessionHint(f"s{i}", "continues", keys, expected_back_s=60.0), float(i))
+        if i % 2:
+            table.apply(SessionHint(f"s{i - 1}", "finished", ()), float(i))
+    held = sum(len(s.keys) for s in table._sessions.values()) + sum(len(e.keys) for e in table._ended.values())
+    assert held <= 10_000
+    assert table.get("s99") is not None and table.get("s0") is None      # the least recently hinted went
+
+
+def test_the_keys_held_by_waiting_and_running_trajectories_are_bounded():
+    m, s, clock = scheduler(hbm_blocks=8)
+    s.waits.max_keys = 5_000
+    for i in range(60):                               # 60 waits x 500 keys: 6x the bound
+        clock.t = 100.0 + i
+        s.tool_call_start(f"t{i}", "search", clock.t, [key(i * 1000 + j) for j in range(500)])
+        if i % 3 == 0:
+            s.resume(f"t{i}", clock.t + 0.5)
+    t = s.waits.sizes()
+    assert t["keys"] <= 5_000
+    assert t["keys"] == (sum(len(s.waits.get(tid).keys) for tid in s.waits)
+                         + sum(len(k) for k in s.waits.running_keys()))
+    assert "t59" in s.waits                           # the newest wait stays
