@@ -117,7 +117,7 @@ class Cleaner:
             if self._stop.is_set():
                 break
             cap = tier.capacity_bytes
-            if i == room.last or cap <= 0 or not room.above_high(i):
+            if i == room.last or cap <= 0 or not room.needs_cleaning(i):
                 continue
             done += self._clean(i, cap)
         return done
@@ -135,7 +135,7 @@ class Cleaner:
         inflight: list = []
         width = 1 if room.tiers[i + 1].volatile else max(1, self.disk_workers)
         cleaned = 0
-        goal = (1.0 - room.low) * cap
+        goal = room.clean_goal(i)
         dry = False                                      # no dirty victim (or room) left
 
         def settle(t) -> None:
@@ -185,6 +185,7 @@ class Cleaner:
                         settle(oldest)     # waits up to transfer_timeout_s more, then abandons it
                         continue
                     self.cat.changed.wait(WAIT_S)    # a copy ended (notified), or look again
+                    dry = False        # a put may have left a new dirty block meanwhile
                 reap()
                 while inflight:
                     settle(inflight.pop(0))

@@ -56,6 +56,10 @@ takes the least recently used dirty block instead."""
 
 RETIRED_POLL_S = 0.002
 """How often a put waiting for retired arena space to come free looks again (seconds)."""
+CLEAN_AHEAD_BLOCKS = 8
+"""Above a disk, the cleaner keeps at least this many blocks (of the latest put's size)
+free or clean, the whole tier at most: twice the mover's default disk workers, so
+puts fill the room cleaned while the next writes run."""
 CLEAN_WAIT_S = 5.0
 """How long a put that found no clean victim waits for the cleaner's demotions before it
 demotes a block itself (seconds)."""
@@ -76,7 +80,8 @@ class Room:
 
     def __init__(self, tiers: Sequence[TierAdapter], policies: Sequence[EvictionPolicy], catalogue: Catalogue,
                  placement: Placement, transfers: Transfers, counters: Counters, clock: Callable[[], float],
-                 watermarks: tuple[float, float] = (0.85, 0.95), cleaner: CleanerSignal | None = None):
+                 watermarks: tuple[float, float] = (0.85, 0.95), cleaner: CleanerSignal | None = None,
+                 ahead_blocks: int | None = None):
         self.tiers = list(tiers)
         self.policies = list(policies)
         self.cat = catalogue
@@ -87,6 +92,9 @@ class Room:
         self.low, self.high = watermarks
         self.cleaner = cleaner
         self.last = len(self.tiers) - 1
+        self.ahead_blocks = CLEAN_AHEAD_BLOCKS if ahead_blocks is None else ahead_blocks
+        """Blocks kept free or clean above a disk (:meth:`ahead_bytes`)."""
+        self._put_bytes = [0] * len(self.tiers)      # size of the latest block put into each tier
         self.redundant: Callable[[bytes], bool] | None = None
         """Blocks an engine still holds in its own cache (prefetch sets it from the engines'
         KV events): their clean copies in a tier above the last are its first victims."""
@@ -119,12 +127,39 @@ class Room:
         tier = self.tiers[i]
         return tier.used_bytes > self.high * tier.capacity_bytes
 
-    def kick_if_full(self, i: int) -> None:
-        """Wake the cleaner when tier ``i`` passed its high watermark."""
-        if self.cleaner is not None:
-            tier = self.tiers[i]
-            if tier.used_bytes > self.high * tier.capacity_bytes:
-                self.cleaner.kick()
+    def ahead_bytes(self, i: int) -> int:
+        """Bytes the cleaner keeps free or clean in tier ``i`` below its watermarks: above a
+        disk, :attr:`ahead_blocks` blocks of the latest put's size (the whole tier at most);
+        else, and with a high watermark of 1 (no background cleaning), 0. In a tier of a
+        few blocks (a small staging tier) the watermarks are less than a block apart:
+        without these blocks the disk would wait while puts fill the tier to ``high``, and
+        then puts would wait while the disk cleans."""
+        nxt = self.tiers[i + 1] if i < self.last else None
+        if nxt is None or nxt.volatile or nxt.remote is not None or self.high >= 1.0:
+            return 0
+        return min(self.tiers[i].capacity_bytes, self.ahead_blocks * self._put_bytes[i])
+
+    def clean_goal(self, i: int) -> float:
+        """Free and clean bytes a cleaning pass of tier ``i`` works toward: ``1 - low`` of its
+        capacity, and at least :meth:`ahead_bytes`."""
+        return max((1.0 - self.low) * self.tiers[i].capacity_bytes, self.ahead_bytes(i))
+
+    def needs_cleaning(self, i: int) -> bool:
+        """Whether tier ``i`` holds more than its high watermark, or dirty blocks while its
+        free and clean bytes are below :meth:`ahead_bytes`."""
+        if self.above_high(i):
+            return True
+        p, tier = self.placement, self.tiers[i]
+        dirty = p.dirty_bytes(i)
+        free = tier.capacity_bytes - tier.used_bytes
+        return dirty > 0 and free + p.resident_bytes(i) - dirty < self.ahead_bytes(i)
+
+    def kick_if_full(self, i: int, nbytes: int = 0) -> None:
+        """Wake the cleaner when tier ``i`` needs cleaning; ``nbytes``: the block just put."""
+        if nbytes:
+            self._put_bytes[i] = nbytes
+        if self.cleaner is not None and i < self.last and self.needs_cleaning(i):
+            self.cleaner.kick()
 
     # ------------------------------------------------------------------ room for one block
 
@@ -161,7 +196,7 @@ class Room:
                 try:
                     victim = policy.victim(clean, incoming=incoming, now=now)
                 except NoVictim:
-                    if self.above_high(i):
+                    if self.needs_cleaning(i):
                         # the cleaner demotes several blocks at once: wait for one to be
                         # clean rather than demoting a single block here, for a while
                         if waited_until is None:

@@ -284,7 +284,7 @@ class Writes:
             self.policies[pending.tier].insert(pending.key, pending.size, self.clock())
             self.counters.inc("blocks_put")
             self.counters.inc("bytes_put", pending.size)
-            self._room.kick_if_full(pending.tier)
+            self._room.kick_if_full(pending.tier, pending.size)
             if self.write_policy == WRITE_THROUGH:
                 for j in range(pending.tier + 1, len(self.tiers)):
                     if self.tiers[j].remote is not None:

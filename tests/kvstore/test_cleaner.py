@@ -41,17 +41,48 @@ def make(host_blocks: int = 10, nvme_blocks: int = 100, watermarks=(0.5, 0.8)):
 
 
 def test_cleaner_copies_the_coldest_blocks_down_past_the_high_watermark():
-    m, host, nvme = make()
+    m, host, nvme = make(host_blocks=100, nvme_blocks=200)
     try:
-        for i in range(9):                                  # 90% > high watermark 80%
+        for i in range(90):                                 # 90% > high watermark 80%
             m.put(K(i), payload(i))
-        # free (10%) + clean must reach 1 - low = 50%: the 4 coldest blocks get a lower copy
+        # free (10%) + clean must reach 1 - low = 50%: the 40 coldest blocks get a lower copy
+        wait_for(lambda: m.counters["precleaned"] >= 40, "pre-cleaning")
+        m.drain(DEADLINE)
+        assert set(nvme.data) == {K(i) for i in range(40)}
+        assert all(m.tier_of(K(i)) == TierKind.HOST for i in range(90))   # still served from host
+        assert m.placement.dirty_bytes(0) == 50 * BLOCK
+    finally:
+        m.close()
+
+
+def test_a_tier_of_a_few_blocks_keeps_blocks_clean_ahead_of_puts():
+    """Above a disk, the cleaner keeps ``ahead_blocks`` blocks free or clean whatever the
+    watermarks (which are less than a block apart in a tier of a few blocks), starting
+    below the high watermark, and picks up blocks put while its pass runs."""
+    m, host, nvme = make(host_blocks=10, nvme_blocks=100, watermarks=(0.95, 0.99))
+    assert m.room.ahead_blocks == 8
+    try:
+        nvme.write_gate = threading.Event()                 # the first copies hang
+        for i in range(3):                                  # 30%: far below the high watermark
+            m.put(K(i), payload(i))
+        wait_for(lambda: nvme.waiting_writes == 3, "copies to start below the high watermark")
+        for i in range(3, 6):                               # put while the pass waits on the disk
+            m.put(K(i), payload(i))
+        wait_for(lambda: nvme.waiting_writes == 4, "the pass to pick up a new block (4 copies: its width)")
+        nvme.write_gate.set()
+        # free (4 blocks) + clean must reach 8 blocks: the 4 coldest (and, as copies in
+        # flight count as dirty, perhaps a few more)
         wait_for(lambda: m.counters["precleaned"] >= 4, "pre-cleaning")
         m.drain(DEADLINE)
-        assert set(nvme.data) == {K(0), K(1), K(2), K(3)}
-        assert all(m.tier_of(K(i)) == TierKind.HOST for i in range(9))   # still served from host
-        assert m.placement.dirty_bytes(0) == 5 * BLOCK
+        assert {K(i) for i in range(4)} <= set(nvme.data)
+        for i in range(6, 10):                              # every put keeps 8 blocks free or clean
+            m.put(K(i), payload(i))
+            wait_for(lambda: m.counters["precleaned"] >= i - 1, "pre-cleaning")
+        m.drain(DEADLINE)
+        assert m.placement.dirty_bytes(0) <= 2 * BLOCK
+        assert m.counters["demotions"] == 0                 # no put waited for a demotion
     finally:
+        nvme.write_gate.set()
         m.close()
 
 

@@ -95,12 +95,7 @@ class Reservations:
         path = p.path
         folder = os.path.dirname(path)
         if folder not in self._dirs:
-            created = not os.path.isdir(folder)
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            if created and self._fsync:        # the new folders' names: blocks/ab, blocks/ab/cd
-                parent = os.path.dirname(folder)
-                fsync_folder(parent)
-                fsync_folder(os.path.dirname(parent))
+            self._make_folder(folder)
             self._dirs.add(folder)
         temp = path + ".tmp"
         spare = self._spares.take() if self._spares is not None else None
@@ -118,6 +113,21 @@ class Reservations:
                     except OSError:
                         pass
         return os.open(temp, self._new_flags, 0o600)
+
+    def _make_folder(self, folder: str) -> None:
+        """Create a block's folder ``blocks/ab/cd`` (and ``blocks/ab``) unless it exists: one
+        ``mkdir`` when it does not, none of ``os.makedirs``' checks (a new tier creates a
+        folder for almost every block). With fsync the new folders' names are flushed."""
+        parent = os.path.dirname(folder)
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        if self._fsync:
+            fsync_folder(parent)
+            fsync_folder(os.path.dirname(parent))
 
     def write(self, key: bytes, offset: int, src: memoryview) -> None:
         with self._lock:
