@@ -24,16 +24,22 @@ state, expected_back_s?, ttl_s?}``                     finished / abandoned)
 request context
 ``agent_hint`` with a ``prefetch`` edit                continues, ``expected_back_s`` = 0
 ``agent_hint`` with an ``offload`` edit                continues (no time: the learned gap)
+``agent_hint`` with an ``evict`` edit of blocks        continues without those blocks, which
+``[block_start, block_end)``                           are let go (``dropped``)
 =====================================================  =====================================
 
-An edit with a block range applies to those blocks only: ``evict`` of a range becomes
-a finished hint for a derived session ``<session_id>#<start>:<end>`` holding just
-those keys. Unknown action types and major versions are skipped (returned, so the
-caller can log them); a malformed envelope or payload raises InvalidRequest.
+An edit with a block range applies to those blocks only: ``evict`` of a range (the
+framework cut them from the session's context) takes them out of the session's prefix
+and lets them go as the session's own (``SessionHint.dropped``: where nothing else used
+them since the session named them) while the session continues; ``offload`` and
+``prefetch`` of a range are checked and change nothing. Unknown action types and major
+versions are skipped (returned, so the caller can log them); a malformed envelope or
+payload raises InvalidRequest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 from kvstore.common.errors import InvalidRequest
@@ -73,6 +79,7 @@ def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) ->
     if not isinstance(edits, list):
         raise InvalidRequest("kv_hints: agent_hint.context_management.edits must be a list")
     whole: SessionHint | None = None
+    cut: set[int] = set()
     for e in edits:
         e = _obj(e, "agent_hint edit")
         kind = e.get("type")
@@ -92,11 +99,16 @@ def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) ->
         if (not (type(s) is int and type(t) is int)) or not 0 <= s <= t <= len(keys):
             raise InvalidRequest(f"kv_hints: edit block range [{show(start)}, {show(end)}) outside the "
                                  f"request's {len(keys)} blocks")
-        if kind == "evict" and t > s:
-            out.append(SessionHint(f"{sid}#{s}:{t}", SessionState.FINISHED, keys[s:t], time=time))
+        if kind == "evict":
+            cut.update(range(s, t))
     if whole is None:
         whole = SessionHint(sid, SessionState.CONTINUES, keys, None, ttl, time)
-    return [whole] + out
+    if cut and len(cut) == len(keys):                 # the whole context: as an evict of it
+        whole = SessionHint(sid, SessionState.FINISHED, keys, time=time)
+    elif cut and whole.state == SessionState.CONTINUES:
+        whole = dataclasses.replace(whole, keys=tuple(k for i, k in enumerate(keys) if i not in cut),
+                                    dropped=tuple(keys[i] for i in sorted(cut)))
+    return [whole]
 
 
 _ACTIONS = {SESSION_ACTION: _from_session_action, AGENT_HINT_ACTION: _from_agent_hint}

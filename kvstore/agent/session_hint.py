@@ -47,6 +47,9 @@ class SessionHint:
             :data:`MAX_SOURCE_CHARS` characters); trust is kept per source
             (:class:`kvstore.agent.hint_trust.HintTrust`); the daemon sets the caller's
             tenant. Empty: the shared source.
+        dropped: blocks the session's context dropped (a ``kv_hints`` evict edit of a
+            block range; continues only): not part of ``keys``, let go as the session's
+            own where nothing else used them.
     Raises:
         InvalidRequest: empty or unencodable id, times negative, non-finite or above
             their bound, bad or too many keys, bad source.
@@ -59,6 +62,7 @@ class SessionHint:
     ttl_s: float | None = None
     time: float | None = None
     source: str = ""
+    dropped: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         sid = self.session_id
@@ -79,15 +83,21 @@ class SessionHint:
         object.__setattr__(self, "time", check_seconds(self.time, "session hint: time", math.inf, -math.inf))
         if not isinstance(self.source, str) or len(self.source) > MAX_SOURCE_CHARS:
             raise InvalidRequest(f"session hint: source must be a string of at most {MAX_SOURCE_CHARS} characters")
-        keys = tuple(self.keys)
-        if len(keys) > MAX_HINT_KEYS:
-            raise InvalidRequest(f"session hint: {len(keys)} keys; at most {MAX_HINT_KEYS} per hint")
-        if not keys:
-            return
-        types = set(map(type, keys))          # C-level passes: a hint may name 131,072 keys
-        if not types <= {bytes, bytearray} or set(map(len, keys)) != {32}:
-            raise InvalidRequest("session hint: keys must be 32-byte block keys")
-        object.__setattr__(self, "keys", keys if types == {bytes} else tuple(map(bytes, keys)))
+        keys, dropped = tuple(self.keys), tuple(self.dropped)
+        if len(keys) + len(dropped) > MAX_HINT_KEYS:
+            raise InvalidRequest(f"session hint: {len(keys) + len(dropped)} keys; at most {MAX_HINT_KEYS} per hint")
+        object.__setattr__(self, "keys", _block_keys(keys))
+        object.__setattr__(self, "dropped", _block_keys(dropped))
+
+
+def _block_keys(keys: tuple) -> tuple[bytes, ...]:
+    """``keys`` as a tuple of bytes; InvalidRequest unless each is a 32-byte key."""
+    if not keys:
+        return keys
+    types = set(map(type, keys))          # C-level passes: a hint may name 131,072 keys
+    if not types <= {bytes, bytearray} or set(map(len, keys)) != {32}:
+        raise InvalidRequest("session hint: keys must be 32-byte block keys")
+    return keys if types == {bytes} else tuple(map(bytes, keys))
 
 
 def source_of(hint: SessionHint) -> str:

@@ -146,7 +146,7 @@ class SessionTable:
             if old is not None and not old.back and hint.state != SessionState.ABANDONED:   # it came back
                 self._returned(old, t)
             keys = hint.keys or (old.keys if old is not None else ())
-            self.owners.name(sid, keys)
+            self.owners.name(sid, hint.dropped + keys)       # the deepest block: keys[-1]
             believed = self.trust is None or self.trust.believed(source)
             self.stats.ignored += not believed
             if hint.state != SessionState.CONTINUES:
@@ -170,7 +170,7 @@ class SessionTable:
             s = Session(sid, SessionState.CONTINUES, keys, t, t + gap, deadline,
                          cal.hinted(t, gap) if cal is not None and believed else None, raw,
                          believed=believed, pending=Pending(source, t, raw, median))
-            self._store(s, old, now)
+            self._store(s, old, now, hint.dropped)
             if deadline < math.inf:
                 self._push(self._deadlines, (deadline, sid))
             if self.trust is not None:
@@ -286,12 +286,17 @@ class SessionTable:
                 s.believed = False
                 self.owners.clear_hints(self.owners.private(s.sid, s.keys), now)
 
-    def _store(self, s: Session, old: Session | None, now: float) -> None:
+    def _store(self, s: Session, old: Session | None, now: float, cut: Sequence[bytes] = ()) -> None:
+        """Store ``s`` in place of ``old``; the private blocks ``old`` had and ``s`` has
+        not, and those of ``cut`` (its context dropped them), are let go."""
         owners = self.owners
         private = owners.claim(s.sid, s.keys, now)
-        if old is not None and old.keys != s.keys:
+        cut = owners.claim(s.sid, cut, now) if cut else []
+        if (old is not None and old.keys != s.keys) or cut:
             now_keys = set(s.keys)
-            dropped = [k for k in owners.private(s.sid, old.keys) if k not in now_keys]
+            dropped = [k for k in owners.private(s.sid, old.keys) if k not in now_keys] if old is not None else []
+            seen = now_keys.union(dropped)
+            dropped += [k for k in cut if k not in seen]
             if dropped and s.believed:
                 go, _, kept = owners.let_go(s.sid, dropped, now)
                 self.stats.released_blocks += len(go)

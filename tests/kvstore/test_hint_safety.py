@@ -167,6 +167,39 @@ def test_a_session_hinting_every_turn_lets_all_its_own_blocks_go(policy):
         m.close()
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_evict_edit_of_a_range_lets_the_sessions_own_blocks_there_go(policy):
+    """A framework cut blocks 1-2 of a session's context (a kv_hints evict edit of that
+    range): those the session alone used go first, one another client read keeps its
+    place, and the rest of the session keeps its hint."""
+    from kvstore.agent.kv_hints import session_hints
+    m, table, clock = manager(policy, blocks=16)
+    try:
+        ks = [key(f"r{i}") for i in range(4)]
+        for i, k in enumerate(ks):
+            clock[0] += 1.0
+            m.put(k, data(i))
+        table.apply(SessionHint("R", "continues", tuple(ks), expected_back_s=30.0), clock[0])
+        clock[0] += 1.0
+        assert m.get(ks[2]).found                                     # another client reads block 2
+        clock[0] += 1.0
+        for k in ks:                                                  # the session's next request ...
+            assert m.get(k).found
+        env = {"protocol_version": "0.1", "actions": [{"action_id": "e", "action_type": "agent_hint",
+               "action_version": "1.0", "payload": {"session_id": "R", "context_management": {
+                   "edits": [{"type": "evict", "block_start": 1, "block_end": 3}]}}}]}
+        (hint,), _ = session_hints(env, ks, clock[0])                 # ... cut blocks 1 and 2
+        table.apply(hint, clock[0])
+        p = m.policies[0]
+        assert p.is_let_go(ks[1])
+        assert not p.is_let_go(ks[2])                                 # somebody else used it
+        assert not p.is_let_go(ks[0]) and not p.is_let_go(ks[3])
+        assert table.get("R").keys == (ks[0], ks[3])
+        assert table.stats.released_blocks == 1
+    finally:
+        m.close()
+
+
 def test_through_the_daemon_a_finished_session_keeps_the_shared_block(tmp_path):
     import numpy as np
 

@@ -126,8 +126,20 @@ def test_kv_hints_envelope_maps_our_action_and_the_agent_hint_rfc():
     assert hints[0] == SessionHint("S", SessionState.CONTINUES, tuple(keys), 4.5, None, 7.0)
     assert hints[1] == SessionHint("T", SessionState.CONTINUES, tuple(keys), None, 120, 7.0)
     assert hints[2].state == SessionState.FINISHED and hints[2].keys == tuple(keys)
-    assert hints[3] == SessionHint("U#1:3", SessionState.FINISHED, (k("b"), k("c")), time=7.0)
+    assert len(hints) == 3                            # the whole context is let go: the range adds nothing
     assert session_hints(None, keys) == ([], [])
+
+
+def test_an_evict_edit_of_a_block_range_cuts_those_blocks_from_a_continuing_session():
+    keys = [k(c) for c in "abcde"]
+    hints, _ = session_hints(envelope({"action_type": "agent_hint", "payload": {"session_id": "U", "context_management": {
+        "edits": [{"type": "evict", "block_start": 1, "block_end": 3}, {"type": "evict", "block_start": 4}]}}}),
+        keys, time=7.0)
+    assert hints == [SessionHint("U", SessionState.CONTINUES, (k("a"), k("d")), time=7.0,
+                                 dropped=(k("b"), k("c"), k("e")))]
+    hints, _ = session_hints(envelope({"action_type": "agent_hint", "payload": {"session_id": "U", "context_management": {
+        "edits": [{"type": "evict", "block_start": 0, "block_end": 5}]}}}), keys)
+    assert hints[0].state == SessionState.FINISHED and hints[0].keys == tuple(keys)
 
 
 @pytest.mark.parametrize("env", [{"protocol_version": "9"}, {"protocol_version": "0.1", "actions": {}},
