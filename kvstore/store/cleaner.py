@@ -3,8 +3,9 @@
 :class:`Cleaner` runs on its own thread (``kvstore-cleaner``). When a tier other than
 the last holds more than the high watermark of its capacity, it copies that tier's
 coldest dirty blocks to the next tier, several copies in flight, until the free and
-clean bytes reach ``1 - low`` of the capacity; a later put then evicts a clean block
-with a free and no I/O. Which blocks it copies is :meth:`kvstore.store.room.Room.dirty_victim`
+clean bytes reach ``1 - low`` of the capacity; above a disk it also keeps
+:meth:`kvstore.store.room.Room.ahead_bytes` free or clean (a few blocks: a small staging
+tier). A later put then evicts a clean block with a free and no I/O. Which blocks it copies is :meth:`kvstore.store.room.Room.dirty_victim`
 (the one place victims are chosen); the scheme is described in :mod:`kvstore.store.room`.
 Each tick it also runs ``on_tick`` (the store's lease and reservation expiry).
 
