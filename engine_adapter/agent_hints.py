@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.hint_limits import MAX_HINT_S, MAX_NAME_CHARS, check_name, check_seconds, show
+from kvstore.common.hint_limits import (MAX_ENVELOPE_CHARS, MAX_ENVELOPE_DEPTH, MAX_HINT_S, MAX_NAME_CHARS, check_name,
+                                        check_seconds, show)
 
 PARAMS_KEY = "kvstore"
 """The key of our hint inside a request's ``kv_transfer_params``."""
@@ -43,11 +44,9 @@ MAX_SECONDS = MAX_HINT_S
 """Largest ``expected_back_s`` / ``ttl_s`` accepted (one day: the daemon's limit,
 :mod:`kvstore.common.hint_limits`, where :data:`MAX_NAME_CHARS` comes from too)."""
 
-MAX_ENVELOPE_CHARS = 65536
-"""Largest ``kv_hints`` envelope forwarded (characters of its JSON)."""
-
-MAX_ENVELOPE_DEPTH = 32
-"""Deepest nesting of a ``kv_hints`` envelope forwarded (objects and lists)."""
+__all__ = ["ABANDONED", "CONTINUES", "FINISHED", "PARAMS_KEY", "STATES", "TOOL_CALL", "AgentHint", "HintError",
+           "MAX_ENVELOPE_CHARS", "MAX_ENVELOPE_DEPTH", "MAX_NAME_CHARS", "MAX_SECONDS", "envelope_of",
+           "envelope_session", "parse_kvstore_params"]
 
 _SESSION_ACTIONS = ("kvstore.session", "agent_hint")
 
@@ -136,7 +135,12 @@ def _plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
     stops at the size and depth limits, whatever the envelope holds."""
     if depth > MAX_ENVELOPE_DEPTH:
         raise HintError(f"kv_hints is nested deeper than {MAX_ENVELOPE_DEPTH} levels; not forwarded")
-    budget.spend(len(value) + 2 if isinstance(value, str) else 2)
+    if isinstance(value, str):
+        budget.spend(len(value) + 2)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        budget.spend(value.bit_length() * 3 // 10 + 2)         # its decimal digits, about
+    else:
+        budget.spend(2)
     fields = getattr(value, "__struct_fields__", None)
     if fields is not None:
         return {f: _plain(getattr(value, f), budget, depth + 1) for f in fields}
@@ -165,7 +169,12 @@ def envelope_of(kv_hints: Any) -> dict | None:
     """
     if kv_hints is None:
         return None
-    env = _plain(kv_hints, _Budget())
+    try:
+        env = _plain(kv_hints, _Budget())
+    except HintError:
+        raise
+    except Exception as e:                    # an engine object whose fields cannot be read
+        raise HintError(f"kv_hints could not be read: {type(e).__name__}: {e}") from None
     if not isinstance(env, dict) or not isinstance(env.get("actions"), list):
         raise HintError("kv_hints must be an envelope object with a list of actions")
     try:

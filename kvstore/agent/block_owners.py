@@ -13,9 +13,13 @@ keeps, for it:
   came with). At most one request is credited per naming: the deepest block may be
   read by others too (a first turn whose stored prefix is only the shared system
   prompt), and crediting all its uses would let a "finished" hint release a block
-  plain traffic reads. A session that sends a hint less often than once per request
-  so explains fewer uses than it made: its blocks are kept (never more harm than no
-  hint). Uses are counted by the policies
+  plain traffic reads. And a block is credited only when somebody used it since the
+  session last named it: an engine whose own cache holds the head of the prefix reads
+  only its tail from the store, so a request of the session proves no use of the head
+  (crediting it anyway let plain traffic's reads of a shared head pass for the
+  session's). A session that sends a hint less often than once per request so explains
+  fewer uses than it made: its blocks are kept (never more harm than no hint). Uses
+  are counted by the policies
   (:class:`kvstore.policy.uses.UseLedger`, one shared by all of them);
 - the **let-go decision** for an ended session's private blocks: only those used no
   more often than the session explains are let go (with that allowance, so that a later
@@ -44,6 +48,7 @@ class _Named:
     """The uses of its blocks a session explains."""
 
     own: dict = field(default_factory=dict)     # key -> uses explained
+    at: dict = field(default_factory=dict)      # key -> its uses when last named
     last: bytes | None = None                   # deepest block of the previous naming
     seen: int = 0                               # its uses then
 
@@ -86,9 +91,14 @@ class BlockOwners:
             n = self._named[sid] = _Named()
         count = self.uses.count
         done = min(count(n.last) - n.seen, 1) if n.last is not None else 0
-        own = n.own
+        own, at = n.own, n.at
         for k in keys:
-            own[k] = own[k] + done if k in own else 1
+            c = count(k)
+            if k not in own:
+                own[k] = 1
+            elif done and c > at[k]:
+                own[k] += 1
+            at[k] = c
         n.last = keys[-1]
         n.seen = count(n.last)
 
@@ -123,8 +133,10 @@ class BlockOwners:
         n = self._named.get(sid)
         named = n.own if n is not None else {}
         go, allowed, kept = [], [], []
+        seen = n.at if n is not None else {}
         for k in keys:
             own = named.pop(k, 1)
+            seen.pop(k, None)
             if self.uses.count(k) <= own:
                 go.append(k)
                 allowed.append(own)

@@ -43,7 +43,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.hint_limits import check_name, show
+from kvstore.common.hint_limits import MAX_ENVELOPE_ACTIONS, MAX_ENVELOPE_EDITS, check_name, show
 from kvstore.agent.sessions import SessionHint, SessionState
 
 PROTOCOL_VERSIONS = ("0.1",)
@@ -70,16 +70,16 @@ def _from_session_action(p: Mapping, keys: tuple[bytes, ...], time: float | None
 
 def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) -> list[SessionHint]:
     sid = check_name(p.get("session_id"), "kv_hints: agent_hint payload session_id")
-    out: list[SessionHint] = []
     ttl = None
     cc = p.get("cache_control")
     if cc is not None:
         ttl = _obj(cc, "agent_hint.cache_control").get("ttl", 300.0)
     edits = _obj(p.get("context_management") or {}, "agent_hint.context_management").get("edits") or []
-    if not isinstance(edits, list):
-        raise InvalidRequest("kv_hints: agent_hint.context_management.edits must be a list")
+    if not isinstance(edits, list) or len(edits) > MAX_ENVELOPE_EDITS:
+        raise InvalidRequest(f"kv_hints: agent_hint.context_management.edits must be a list of at most "
+                             f"{MAX_ENVELOPE_EDITS} edits")
     whole: SessionHint | None = None
-    cut: set[int] = set()
+    cut: list[tuple[int, int]] = []            # evicted block ranges
     for e in edits:
         e = _obj(e, "agent_hint edit")
         kind = e.get("type")
@@ -99,19 +99,29 @@ def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) ->
         if (not (type(s) is int and type(t) is int)) or not 0 <= s <= t <= len(keys):
             raise InvalidRequest(f"kv_hints: edit block range [{show(start)}, {show(end)}) outside the "
                                  f"request's {len(keys)} blocks")
-        if kind == "evict":
-            cut.update(range(s, t))
+        if kind == "evict" and t > s:
+            cut.append((s, t))
     if whole is None:
         whole = SessionHint(sid, SessionState.CONTINUES, keys, None, ttl, time)
-    if cut and len(cut) == len(keys):                 # the whole context: as an evict of it
-        whole = SessionHint(sid, SessionState.FINISHED, keys, time=time)
-    elif cut and whole.state == SessionState.CONTINUES:
-        whole = dataclasses.replace(whole, keys=tuple(k for i, k in enumerate(keys) if i not in cut),
-                                    dropped=tuple(keys[i] for i in sorted(cut)))
+    if cut and whole.state == SessionState.CONTINUES:
+        kept, dropped, at = [], [], 0
+        for s, t in sorted(cut):                  # the union of the ranges, in one pass over the keys
+            if t > at:
+                kept.extend(keys[at:max(s, at)])
+                dropped.extend(keys[max(s, at):t])
+                at = t
+        kept.extend(keys[at:])
+        if not kept:                              # the whole context: as an evict of it
+            return [SessionHint(sid, SessionState.FINISHED, keys, time=time)]
+        whole = dataclasses.replace(whole, keys=tuple(kept), dropped=tuple(dropped))
     return [whole]
 
 
 _ACTIONS = {SESSION_ACTION: _from_session_action, AGENT_HINT_ACTION: _from_agent_hint}
+
+MAX_SESSION_ACTIONS = 4
+"""Most ``kvstore.session`` and ``agent_hint`` actions one envelope may carry (the work of
+each is proportional to the request's blocks)."""
 
 
 def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
@@ -126,8 +136,10 @@ def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
         ``(hints, skipped)``: the hints in action order, and the ``action_id`` of each
         action skipped as unknown (type or major version).
     Raises:
-        InvalidRequest: a malformed envelope, action or payload, or an unsupported
-            ``protocol_version``.
+        InvalidRequest: a malformed envelope, action or payload, an unsupported
+            ``protocol_version``, more than ``MAX_ENVELOPE_ACTIONS`` actions, more than
+            :data:`MAX_SESSION_ACTIONS` session actions or ``MAX_ENVELOPE_EDITS`` edits
+            in one (:mod:`kvstore.common.hint_limits`).
     """
     if envelope is None:
         return [], []
@@ -136,17 +148,23 @@ def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
         raise InvalidRequest(f"kv_hints: protocol_version must be one of {PROTOCOL_VERSIONS}, "
                              f"got {show(env.get('protocol_version'))}")
     actions = env.get("actions", [])
-    if not isinstance(actions, list):
-        raise InvalidRequest("kv_hints: actions must be a list")
+    if not isinstance(actions, list) or len(actions) > MAX_ENVELOPE_ACTIONS:
+        raise InvalidRequest(f"kv_hints: actions must be a list of at most {MAX_ENVELOPE_ACTIONS} actions")
     keys = tuple(keys)
     hints: list[SessionHint] = []
     skipped: list[str] = []
     for i, a in enumerate(actions):
         a = _obj(a, f"actions[{i}]")
-        parse = _ACTIONS.get(a.get("action_type"))
+        kind = a.get("action_type")
+        if not isinstance(kind, str):
+            raise InvalidRequest(f"kv_hints: actions[{i}].action_type must be a string, got {show(kind)}")
+        parse = _ACTIONS.get(kind)
         if parse is None or _major(a.get("action_version"), f"actions[{i}]") != "1":
             aid = a.get("action_id", i)
             skipped.append(aid if isinstance(aid, str) else show(aid))
             continue
         hints.extend(parse(_obj(a.get("payload"), f"actions[{i}].payload"), keys, time))
+        if len(hints) > MAX_SESSION_ACTIONS:
+            raise InvalidRequest(f"kv_hints: at most {MAX_SESSION_ACTIONS} session actions per envelope "
+                                 f"(each applies to all of the request's blocks)")
     return hints, skipped

@@ -13,7 +13,11 @@ the plug-in first, with the same message:
   400-digit JSON integer is refused, not an overflow;
 - keys: at most :data:`MAX_HINT_KEYS` per hint (the work and memory of one hint are
   proportional to its keys). Plug-ins send the first :data:`MAX_HINT_KEYS` blocks of a
-  longer prefix (a hint is advice).
+  longer prefix (a hint is advice);
+- a vLLM ``kv_hints`` envelope: at most :data:`MAX_ENVELOPE_CHARS` characters of JSON,
+  :data:`MAX_ENVELOPE_DEPTH` levels deep (:func:`check_depth`), :data:`MAX_ENVELOPE_ACTIONS`
+  actions and :data:`MAX_ENVELOPE_EDITS` edits per action, so the work one envelope asks
+  of the daemon is bounded whatever it holds.
 """
 
 from __future__ import annotations
@@ -33,6 +37,18 @@ clock-skew bound)."""
 MAX_HINT_KEYS = 1 << 17
 """Most block keys one hint may name (131,072: a 2M-token prefix of 16-token blocks;
 4 MiB of keys)."""
+
+MAX_ENVELOPE_CHARS = 65536
+"""Largest ``kv_hints`` envelope (characters of its JSON)."""
+
+MAX_ENVELOPE_DEPTH = 32
+"""Deepest nesting of a ``kv_hints`` envelope (objects and lists)."""
+
+MAX_ENVELOPE_ACTIONS = 64
+"""Most actions one ``kv_hints`` envelope may carry."""
+
+MAX_ENVELOPE_EDITS = 64
+"""Most ``context_management`` edits one ``agent_hint`` action may carry."""
 
 
 def show(value: Any, chars: int = 80) -> str:
@@ -86,3 +102,20 @@ def check_seconds(value: Any, field: str, high: float = MAX_HINT_S, low: float =
     if bad:
         raise InvalidRequest(f"{field} must be a finite number of seconds in [{low:g}, {high:g}], got {show(value)}")
     return v
+
+
+def check_depth(value: Any, field: str, limit: int = MAX_ENVELOPE_DEPTH) -> None:
+    """Raise InvalidRequest when decoded JSON ``value`` nests objects and lists deeper than
+    ``limit`` (an iterative walk: no recursion, whatever the depth)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            items = v.values()
+        elif isinstance(v, list):
+            items = v
+        else:
+            continue
+        if d > limit:
+            raise InvalidRequest(f"{field} is nested deeper than {limit} levels")
+        stack.extend((c, d + 1) for c in items if isinstance(c, (dict, list)))

@@ -19,6 +19,7 @@ Plain Python; not thread-safe on its own: the policy's lock is held around every
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -35,11 +36,12 @@ class HintGroup:
         exact: the time is a commitment (a page back kept until used), not a prediction.
         gap: the hinted gap ``t - t_set`` (seconds, at least 1 ms); cls: its gap class.
         pos: key -> position in the hinted prefix.
-        resident: the keys resident in the tier, in position order.
+        resident: the keys resident in the tier (:meth:`tail_first`: in position order,
+            last first; blocks arriving in any order cost O(log n) each to place).
         queued: in the candidate heaps.
     """
 
-    __slots__ = ("hid", "t", "t_set", "gap", "cls", "pos", "resident", "queued", "exact")
+    __slots__ = ("hid", "t", "t_set", "gap", "cls", "pos", "resident", "queued", "exact", "_key_at", "_order")
 
     def __init__(self, hid: int, t: float, t_set: float, exact: bool = False):
         self.hid = hid
@@ -49,16 +51,46 @@ class HintGroup:
         self.gap = max(t - t_set, 1e-3)
         self.cls = max(0, min(int(math.log(self.gap / _GAP0) / _GAP_STEP), _GAP_BINS - 1))
         self.pos: dict[bytes, int] = {}
-        self.resident: dict[bytes, None] = {}      # in position order
+        self.resident: set[bytes] = set()
         self.queued = False                        # in the candidate heaps
+        self._key_at: dict[int, bytes] = {}        # position -> key
+        self._order: list[int] = []                # positions of the resident keys, ascending
+
+    def name(self, key: bytes, pos: int) -> None:
+        """``key`` is at position ``pos`` of the hinted prefix."""
+        self.pos[key] = pos
+        self._key_at[pos] = key
+
+    def forget(self, key: bytes) -> None:
+        """``key`` leaves the group (resident or not)."""
+        self.drop_resident(key)
+        del self._key_at[self.pos.pop(key)]
 
     def add_resident(self, key: bytes) -> None:
-        res = self.resident
-        if res and self.pos[key] < self.pos[next(reversed(res))]:
-            res[key] = None
-            self.resident = dict.fromkeys(sorted(res, key=self.pos.__getitem__))
+        if key in self.resident:
+            return
+        self.resident.add(key)
+        p, order = self.pos[key], self._order
+        if not order or p > order[-1]:
+            order.append(p)
         else:
-            res[key] = None
+            bisect.insort(order, p)
+
+    def drop_resident(self, key: bytes) -> None:
+        if key not in self.resident:
+            return
+        self.resident.discard(key)
+        p, order = self.pos[key], self._order
+        if order[-1] == p:
+            order.pop()
+        else:
+            del order[bisect.bisect_left(order, p)]
+
+    def tail_first(self) -> Iterator[bytes]:
+        """The resident keys, last position first."""
+        at = self._key_at
+        for p in reversed(self._order):
+            yield at[p]
 
 
 class HintGroups:
@@ -98,13 +130,19 @@ class HintGroups:
         h = HintGroup(next(self._hid), t, since, exact)
         self._hints[h.hid] = h
         heapq.heappush(self._expiry, (t, h.hid))
+        if len(self._expiry) > 2 * len(self._hints) + 1024:     # groups whose keys all moved on
+            self._expiry = [e for e in self._expiry if e[1] in self._hints]
+            heapq.heapify(self._expiry)
         return h
 
     def assign(self, h: HintGroup, key: bytes, pos: int) -> None:
         """``key`` (at position ``pos`` of the prefix) is hinted by ``h`` now, no longer by
-        any earlier hint. Call :meth:`join` too when it is resident."""
+        any earlier hint (a key named twice in one hint keeps its first position). Call
+        :meth:`join` too when it is resident."""
+        if self._hint_of.get(key) is h:
+            return
         self.unhint(key)
-        h.pos[key] = pos
+        h.name(key, pos)
         self._hint_of[key] = h
 
     def join(self, h: HintGroup, key: bytes) -> None:
@@ -112,16 +150,26 @@ class HintGroups:
         h.add_resident(key)
         if not h.queued:
             h.queued = True
-            heapq.heappush(self._hold.setdefault(h.cls, []), (h.t_set, h.hid))
-            heapq.heappush(self._hyoung.setdefault(h.cls, []), (-h.t_set, -h.hid))
+            old, young = self._hold.setdefault(h.cls, []), self._hyoung.setdefault(h.cls, [])
+            heapq.heappush(old, (h.t_set, h.hid))
+            heapq.heappush(young, (-h.t_set, -h.hid))
+            if len(old) > 2 * len(self._hints) + 1024:          # entries of groups gone
+                self._compact(h.cls)
+
+    def _compact(self, cls: int) -> None:
+        """Rebuild class ``cls``'s candidate heaps from the groups still queued in it."""
+        live = [g for g in self._hints.values() if g.cls == cls and g.queued]
+        self._hold[cls] = [(g.t_set, g.hid) for g in live]
+        self._hyoung[cls] = [(-g.t_set, -g.hid) for g in live]
+        heapq.heapify(self._hold[cls])
+        heapq.heapify(self._hyoung[cls])
 
     def unhint(self, key: bytes) -> bool:
         """Drop ``key``'s hint; False when it had none."""
         h = self._hint_of.pop(key, None)
         if h is None:
             return False
-        del h.pos[key]
-        h.resident.pop(key, None)
+        h.forget(key)
         if not h.pos:
             del self._hints[h.hid]
         return True
@@ -130,7 +178,7 @@ class HintGroups:
         """``key`` left the tier: it keeps its hint, but is no candidate."""
         h = self._hint_of.get(key)
         if h is not None:
-            h.resident.pop(key, None)
+            h.drop_resident(key)
 
     def expire(self, now: float) -> Iterator[tuple[bytes, float]]:
         """Drop the hints ``hint_grace_s`` past their time at ``now`` (seconds), yielding
@@ -179,7 +227,7 @@ class HintGroups:
                 heapq.heappop(heap)
                 h.queued = False
                 continue
-            key = next((k for k in reversed(h.resident) if evictable(k)), None)
+            key = next((k for k in h.tail_first() if evictable(k)), None)
             if key is None:
                 skipped.append(heapq.heappop(heap))
                 continue

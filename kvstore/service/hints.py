@@ -17,7 +17,8 @@ import math
 import zlib
 
 from kvstore.common import errors
-from kvstore.common.hint_limits import MAX_HINT_KEYS, MAX_NAME_CHARS, check_name, check_seconds
+from kvstore.common.hint_limits import (MAX_ENVELOPE_CHARS, MAX_HINT_KEYS, MAX_NAME_CHARS, check_depth, check_name,
+                                        check_seconds)
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.service.auth import KeySpace
 from kvstore.agent.sessions import MAX_SOURCE_CHARS, SessionHint, SessionState
@@ -112,12 +113,16 @@ class HintHandlers:
         if request.kv_hints_json:
             import json
             from kvstore.agent.kv_hints import session_hints
+            if len(request.kv_hints_json) > MAX_ENVELOPE_CHARS:
+                raise errors.InvalidRequest(f"kv_hints_json: {len(request.kv_hints_json)} characters; at most "
+                                            f"{MAX_ENVELOPE_CHARS}")
             try:
                 envelope = json.loads(request.kv_hints_json)
             except ValueError as e:
                 raise errors.InvalidRequest(f"kv_hints_json is not JSON: {e}") from None
             except RecursionError:
                 raise errors.InvalidRequest("kv_hints_json is nested too deeply to parse") from None
+            check_depth(envelope, "kv_hints_json")
             hints, skipped = session_hints(envelope, keys, at)
             hints = [dataclasses.replace(h, session_id=space.scoped(h.session_id), source=source) for h in hints]
             skipped = [_reported(a) for a in skipped]

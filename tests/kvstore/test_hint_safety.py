@@ -146,6 +146,34 @@ def test_reads_of_a_shared_deepest_block_are_not_credited_to_the_session(policy)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_a_head_the_session_never_reads_is_not_credited_to_it(policy):
+    """An engine whose own cache holds the head X of a session's prefix reads only the tail
+    L from the store, turn after turn, and hints [X, L] each turn; plain traffic reads X
+    12 times meanwhile. The session explains none of those reads: X keeps its place."""
+    m, table, clock = manager(policy)
+    try:
+        X, L = key("X"), key("L")
+        for k in (X, L):
+            clock[0] += 1.0
+            m.put(k, data(len(k)))
+        table.apply(SessionHint("A", "continues", (X, L), expected_back_s=30.0), clock[0])
+        for _ in range(12):                                           # plain traffic
+            clock[0] += 1.0
+            assert m.get(X).found
+        for _ in range(12):                                           # the session's turns
+            clock[0] += 10.0
+            assert m.get(L).found
+            table.apply(SessionHint("A", "continues", (X, L), expected_back_s=30.0), clock[0])
+        clock[0] += 10.0
+        table.apply(SessionHint("A", "finished", (X, L)), clock[0])
+        p = m.policies[0]
+        assert not p.is_let_go(X)
+        assert p.is_let_go(L)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_session_hinting_every_turn_lets_all_its_own_blocks_go(policy):
     """Each turn reads the session's stored prefix, puts one block and names the whole
     prefix: every use of the session's blocks is explained, so all of them go at its end."""

@@ -311,3 +311,33 @@ def test_the_keys_held_by_waiting_and_running_trajectories_are_bounded():
     assert t["keys"] == (sum(len(s.waits.get(tid).keys) for tid in s.waits)
                          + sum(len(k) for k in s.waits.running_keys()))
     assert "t59" in s.waits                           # the newest wait stays
+
+
+def test_next_use_hint_heaps_stay_small_when_one_session_is_hinted_again_and_again():
+    from kvstore.agent.sessions import SessionHint, SessionTable
+    p = make_policy("next_use", 1000 * BLOCK)
+    table = SessionTable([p])
+    p.insert(key(1), BLOCK, 0.0)
+    for i in range(20_000):
+        table.apply(SessionHint("one", "continues", (key(1),), expected_back_s=float(i % 50 + 1)), float(i))
+    g = p.hint_groups
+    assert len(g._hints) == 1
+    assert len(g._expiry) <= 2 * 1 + 1024 + 1
+    assert sum(map(len, g._hold.values())) <= 56 * (2 * 1 + 1024 + 1)
+
+
+def test_a_hint_groups_blocks_arriving_in_any_order_leave_tail_first():
+    import random
+    from kvstore.policy.hint_groups import HintGroups
+    groups = HintGroups(hint_grace_s=60.0, overdue_ratio=1.0)
+    h = groups.new_group(100.0, 0.0)
+    keys = [key(i) for i in range(2000)]
+    for i, k in enumerate(keys):
+        groups.assign(h, k, i)
+    order = list(range(2000))
+    random.Random(5).shuffle(order)
+    for i in order:
+        groups.join(h, keys[i])
+    for i in order[:500]:                                 # some leave again
+        groups.left(keys[i])
+    assert list(h.tail_first()) == [keys[i] for i in sorted(order[500:], reverse=True)]

@@ -175,3 +175,41 @@ def test_the_plugin_stops_reading_an_envelope_too_deep_or_too_large():
         envelope_of({"actions": [], 1: "x"})
     ok = envelope_of({"protocol_version": "0.1", "actions": [{"action_type": "agent_hint", "payload": {}}]})
     assert ok["actions"][0]["action_type"] == "agent_hint"
+
+
+@pytest.mark.parametrize("env, why", [
+    ({"protocol_version": "0.1", "actions": [{"action_type": ["agent_hint"], "action_version": "1.0",
+                                               "payload": {}}]}, "action_type"),
+    ({"protocol_version": "0.1", "actions": [{"action_type": "agent_hint", "action_version": "1.0", "payload": {
+        "session_id": "s", "context_management": {"edits": [{"type": "evict", "block_start": 0, "block_end": 1}] * 65}}}]},
+     "edits"),
+    ({"protocol_version": "0.1", "actions": [{"action_type": "kvstore.session", "action_version": "1.0",
+                                               "payload": {"session_id": f"s{i}", "state": "continues"}}
+                                              for i in range(5)]}, "session actions"),
+    ({"protocol_version": "0.1", "actions": [{"action_type": "x"}] * 65}, "actions"),
+    ({"protocol_version": "0.1", "actions": [], "pad": "x" * 65536}, "characters"),
+    ({"protocol_version": "0.1", "actions": [], "deep": json.loads("[" * 40 + "]" * 40)}, "nested"),
+], ids=["type-list", "65-edits", "5-session-actions", "65-actions", "64KiB", "depth-40"])
+def test_the_daemon_bounds_the_work_of_one_envelope(node, env, why):
+    d, stub = node
+    req = pb.SessionHintRequest(session_id="x", time=time.time(), keys=[key(i) for i in range(8)],
+                                kv_hints_json=json.dumps(env))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.SessionHint(req, timeout=20)
+    assert e.value.code() == INVALID and why in e.value.details()
+    assert d.service.hints.sessions.stats.hints == 0
+
+
+def test_the_plugin_counts_an_integers_digits_and_survives_an_unreadable_struct():
+    with pytest.raises(HintError, match="larger than"):
+        envelope_of({"actions": [10 ** 3000] * 30})          # 90,000 digits: refused before json.dumps
+
+    class Struct:
+        __struct_fields__ = ("actions",)
+
+        @property
+        def actions(self):
+            raise RuntimeError("field not readable")
+
+    with pytest.raises(HintError, match="could not be read"):
+        envelope_of(Struct())
