@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.hint_limits import (MAX_ENVELOPE_CHARS, MAX_ENVELOPE_DEPTH, MAX_HINT_S, MAX_NAME_CHARS, check_name,
-                                        check_seconds, show)
+from kvstore.common.hint_limits import (MAX_ENVELOPE_ACTIONS, MAX_ENVELOPE_CHARS, MAX_ENVELOPE_DEPTH,
+                                        MAX_ENVELOPE_EDITS, MAX_HINT_S, MAX_NAME_CHARS, MAX_SESSION_ACTIONS,
+                                        check_name, check_seconds, show)
 
 PARAMS_KEY = "kvstore"
 """The key of our hint inside a request's ``kv_transfer_params``."""
@@ -130,10 +131,12 @@ class _Budget:
             raise HintError(f"kv_hints is larger than {MAX_ENVELOPE_CHARS} characters of JSON; not forwarded")
 
 
-def _plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
+def _plain(value: Any, budget: _Budget, depth: int = 1) -> Any:
     """A msgspec Struct (vLLM's ``KvHintsEnvelope`` / ``KvHintAction``) as plain JSON values;
-    stops at the size and depth limits, whatever the envelope holds."""
-    if depth > MAX_ENVELOPE_DEPTH:
+    stops at the size and depth limits, whatever the envelope holds (``depth``: of
+    ``value`` if it is an object or a list, the envelope being 1, as the daemon counts)."""
+    fields = getattr(value, "__struct_fields__", None)
+    if depth > MAX_ENVELOPE_DEPTH and (fields is not None or isinstance(value, (Mapping, list, tuple))):
         raise HintError(f"kv_hints is nested deeper than {MAX_ENVELOPE_DEPTH} levels; not forwarded")
     if isinstance(value, str):
         budget.spend(len(value) + 2)
@@ -141,7 +144,6 @@ def _plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
         budget.spend(value.bit_length() * 3 // 10 + 2)         # its decimal digits, about
     else:
         budget.spend(2)
-    fields = getattr(value, "__struct_fields__", None)
     if fields is not None:
         return {f: _plain(getattr(value, f), budget, depth + 1) for f in fields}
     if isinstance(value, Mapping):
@@ -165,7 +167,9 @@ def envelope_of(kv_hints: Any) -> dict | None:
     Raises:
         HintError: not an object with a list of ``actions``, not JSON (a key that is not
             a string, a NaN, a value of another type), larger than
-            :data:`MAX_ENVELOPE_CHARS` or nested deeper than :data:`MAX_ENVELOPE_DEPTH`.
+            :data:`MAX_ENVELOPE_CHARS`, nested deeper than :data:`MAX_ENVELOPE_DEPTH`, or
+            with more actions, session actions or edits than the daemon takes
+            (:mod:`kvstore.common.hint_limits`).
     """
     if kv_hints is None:
         return None
@@ -183,7 +187,19 @@ def envelope_of(kv_hints: Any) -> dict | None:
         raise HintError(f"kv_hints is not JSON: {e}") from None
     if len(text) > MAX_ENVELOPE_CHARS:
         raise HintError(f"kv_hints is {len(text)} characters of JSON; at most {MAX_ENVELOPE_CHARS} are forwarded")
+    _check_counts(env["actions"])
     return env
+
+
+def _check_counts(actions: list) -> None:
+    """The daemon's bounds on actions, session actions and edits (kvstore.common.hint_limits)."""
+    ours = [a for a in actions if isinstance(a, Mapping) and a.get("action_type") in _SESSION_ACTIONS]
+    edits = max((len(e) for a in ours if isinstance(p := a.get("payload"), Mapping)
+                 and isinstance(cm := p.get("context_management"), Mapping)
+                 and isinstance(e := cm.get("edits"), list)), default=0)
+    if len(actions) > MAX_ENVELOPE_ACTIONS or len(ours) > MAX_SESSION_ACTIONS or edits > MAX_ENVELOPE_EDITS:
+        raise HintError(f"kv_hints has {len(actions)} actions, {len(ours)} session actions, up to {edits} edits "
+                        f"in one; at most {MAX_ENVELOPE_ACTIONS}, {MAX_SESSION_ACTIONS} and {MAX_ENVELOPE_EDITS}")
 
 
 def envelope_session(env: Mapping | None) -> str:

@@ -32,7 +32,9 @@ An edit with a block range applies to those blocks only: ``evict`` of a range (t
 framework cut them from the session's context) takes them out of the session's prefix
 and lets them go as the session's own (``SessionHint.dropped``: where nothing else used
 them since the session named them) while the session continues; ``offload`` and
-``prefetch`` of a range are checked and change nothing. Unknown action types and major
+``prefetch`` of a range are checked and change nothing. The hints of an envelope apply in
+its action order: a later action for the same session names its blocks again (a cut in an
+earlier action is undone by it). Unknown action types and major
 versions are skipped (returned, so the caller can log them); a malformed envelope or
 payload raises InvalidRequest.
 """
@@ -43,7 +45,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.hint_limits import MAX_ENVELOPE_ACTIONS, MAX_ENVELOPE_EDITS, check_name, show
+from kvstore.common.hint_limits import MAX_ENVELOPE_ACTIONS, MAX_ENVELOPE_EDITS, MAX_SESSION_ACTIONS, check_name, show
 from kvstore.agent.sessions import SessionHint, SessionState
 
 PROTOCOL_VERSIONS = ("0.1",)
@@ -96,9 +98,11 @@ def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) ->
             continue
         s = 0 if start is None else start
         t = len(keys) if end is None else end
-        if (not (type(s) is int and type(t) is int)) or not 0 <= s <= t <= len(keys):
-            raise InvalidRequest(f"kv_hints: edit block range [{show(start)}, {show(end)}) outside the "
-                                 f"request's {len(keys)} blocks")
+        if not (type(s) is int and type(t) is int):
+            raise InvalidRequest(f"kv_hints: edit block_start and block_end must be integers, got "
+                                 f"{show(start)} and {show(end)}")
+        if not 0 <= s <= t <= len(keys):
+            raise InvalidRequest(f"kv_hints: edit block range [{s}, {t}) outside the request's {len(keys)} blocks")
         if kind == "evict" and t > s:
             cut.append((s, t))
     if whole is None:
@@ -119,10 +123,6 @@ def _from_agent_hint(p: Mapping, keys: tuple[bytes, ...], time: float | None) ->
 
 _ACTIONS = {SESSION_ACTION: _from_session_action, AGENT_HINT_ACTION: _from_agent_hint}
 
-MAX_SESSION_ACTIONS = 4
-"""Most ``kvstore.session`` and ``agent_hint`` actions one envelope may carry (the work of
-each is proportional to the request's blocks)."""
-
 
 def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
                   time: float | None = None) -> tuple[list[SessionHint], list[str]]:
@@ -138,7 +138,7 @@ def session_hints(envelope: Mapping | None, keys: Sequence[bytes],
     Raises:
         InvalidRequest: a malformed envelope, action or payload, an unsupported
             ``protocol_version``, more than ``MAX_ENVELOPE_ACTIONS`` actions, more than
-            :data:`MAX_SESSION_ACTIONS` session actions or ``MAX_ENVELOPE_EDITS`` edits
+            ``MAX_SESSION_ACTIONS`` session actions or ``MAX_ENVELOPE_EDITS`` edits
             in one (:mod:`kvstore.common.hint_limits`).
     """
     if envelope is None:

@@ -16,8 +16,9 @@ the plug-in first, with the same message:
   longer prefix (a hint is advice);
 - a vLLM ``kv_hints`` envelope: at most :data:`MAX_ENVELOPE_CHARS` characters of JSON,
   :data:`MAX_ENVELOPE_DEPTH` levels deep (:func:`check_depth`), :data:`MAX_ENVELOPE_ACTIONS`
-  actions and :data:`MAX_ENVELOPE_EDITS` edits per action, so the work one envelope asks
-  of the daemon is bounded whatever it holds.
+  actions, :data:`MAX_SESSION_ACTIONS` of them session actions, and
+  :data:`MAX_ENVELOPE_EDITS` edits per action, so the work one envelope asks of the daemon
+  is bounded whatever it holds.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ MAX_ENVELOPE_ACTIONS = 64
 
 MAX_ENVELOPE_EDITS = 64
 """Most ``context_management`` edits one ``agent_hint`` action may carry."""
+
+MAX_SESSION_ACTIONS = 4
+"""Most ``kvstore.session`` and ``agent_hint`` actions one envelope may carry (the work of
+each is proportional to the request's blocks)."""
 
 
 def show(value: Any, chars: int = 80) -> str:

@@ -153,7 +153,7 @@ class HintGroups:
             old, young = self._hold.setdefault(h.cls, []), self._hyoung.setdefault(h.cls, [])
             heapq.heappush(old, (h.t_set, h.hid))
             heapq.heappush(young, (-h.t_set, -h.hid))
-            if len(old) > 2 * len(self._hints) + 1024:          # entries of groups gone
+            if max(len(old), len(young)) > 2 * len(self._hints) + 1024:     # entries of groups gone
                 self._compact(h.cls)
 
     def _compact(self, cls: int) -> None:

@@ -148,6 +148,7 @@ class NextUsePolicy(EvictionPolicy):
             return
         if t + self.hint_grace_s < now:
             return
+        self._expire(now)          # also here: evictions served by blocks let go never expire hints
         self.revive(keys)
         h = self.hint_groups.new_group(t, since, exact)
         for i, key in enumerate(keys):
@@ -183,8 +184,15 @@ class NextUsePolicy(EvictionPolicy):
 
     def _add_group(self, g: _Group) -> None:
         self._groups[g.rid] = g
-        heapq.heappush(self._old.setdefault(g.cls, []), (g.t0, g.rid))
-        heapq.heappush(self._young.setdefault(g.cls, []), (-g.t0, -g.rid))
+        old, young = self._old.setdefault(g.cls, []), self._young.setdefault(g.cls, [])
+        heapq.heappush(old, (g.t0, g.rid))
+        heapq.heappush(young, (-g.t0, -g.rid))
+        if max(len(old), len(young)) > 2 * len(self._groups) + 1024:     # entries of groups gone
+            live = [x for x in self._groups.values() if x.cls == g.cls]
+            self._old[g.cls] = [(x.t0, x.rid) for x in live]
+            self._young[g.cls] = [(-x.t0, -x.rid) for x in live]
+            heapq.heapify(self._old[g.cls])
+            heapq.heapify(self._young[g.cls])
 
     def _ungroup(self, key: bytes) -> None:
         g = self._group_of.pop(key, None)

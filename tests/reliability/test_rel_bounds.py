@@ -341,3 +341,31 @@ def test_a_hint_groups_blocks_arriving_in_any_order_leave_tail_first():
     for i in order[:500]:                                 # some leave again
         groups.left(keys[i])
     assert list(h.tail_first()) == [keys[i] for i in sorted(order[500:], reverse=True)]
+
+
+def test_next_use_hints_of_finished_sessions_expire_and_their_heaps_stay_small():
+    """Short hinted sessions that finish, in a full tier: evictions are served by the blocks
+    let go (the policy's own choice never runs), yet old hint groups expire and the
+    candidate heaps of both ends of each gap class stay bounded."""
+    from kvstore.agent.sessions import SessionHint, SessionTable
+    tier = MemTier(TierKind.HOST, 64 * BLOCK)
+    p = make_policy("next_use", tier.capacity_bytes, tier_name="host")
+    clock = [0.0]
+    m = TierManager([tier], [p], clock=lambda: clock[0], watermarks=(1.0, 1.0))
+    table = SessionTable([p])
+    try:
+        for i in range(3000):
+            clock[0] += 26.0
+            ks = (key(2 * i), key(2 * i + 1))
+            m.put(ks[0], b"x" * BLOCK)
+            table.apply(SessionHint(f"s{i}", "continues", ks[:1], expected_back_s=float(i % 40 + 1)), clock[0])
+            m.put(ks[1], b"y" * BLOCK)
+            table.apply(SessionHint(f"s{i}", "continues", ks, expected_back_s=5.0), clock[0] + 1.0)
+            table.apply(SessionHint(f"s{i}", "finished", ks), clock[0] + 2.0)
+        g = p.hint_groups
+        assert len(g._hints) <= 64                    # groups of hints still valid (300 s grace)
+        assert len(g._expiry) <= 2 * len(g._hints) + 1024 + 1
+        assert max(map(len, g._hyoung.values())) <= 2 * len(g._hints) + 1024 + 1
+        assert max(map(len, p._young.values()), default=0) <= 2 * len(p._groups) + 1024 + 1
+    finally:
+        m.close()

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import daemon_config
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.hint_limits import MAX_HINT_KEYS, MAX_NAME_CHARS
+from kvstore.common.hint_limits import MAX_HINT_KEYS, MAX_NAME_CHARS, check_depth
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.agent.sessions import SessionHint, SessionState, source_of
@@ -213,3 +213,26 @@ def test_the_plugin_counts_an_integers_digits_and_survives_an_unreadable_struct(
 
     with pytest.raises(HintError, match="could not be read"):
         envelope_of(Struct())
+
+
+@pytest.mark.parametrize("env, ok", [
+    ({"actions": [{"action_type": "x"}] * 64}, True),
+    ({"actions": [{"action_type": "x"}] * 65}, False),
+    ({"actions": [{"action_type": "kvstore.session", "payload": {}}] * 5}, False),
+    ({"actions": [{"action_type": "agent_hint", "payload": {"context_management": {"edits": [{}] * 65}}}]}, False),
+    ({"actions": [], "deep": json.loads("[" * 31 + "]" * 31)}, True),          # 32 levels with the envelope
+    ({"actions": [], "deep": json.loads("[" * 32 + "]" * 32)}, False),
+    ({"actions": [], "deep": json.loads("[" * 31 + "1" + "]" * 31)}, True),    # a number inside the 32nd
+], ids=["64-actions", "65-actions", "5-session-actions", "65-edits", "depth-32", "depth-33", "depth-32-scalar"])
+def test_the_plugin_forwards_an_envelope_within_the_daemons_bounds_only(env, ok):
+    env = {"protocol_version": "0.1", **env}
+    daemon_refuses = False
+    try:
+        check_depth(env, "kv_hints")
+    except InvalidRequest:
+        daemon_refuses = True
+    if ok:
+        assert envelope_of(env) == env and not daemon_refuses
+    else:
+        with pytest.raises(HintError):
+            envelope_of(env)
