@@ -56,6 +56,8 @@ DATA_SERVICE = "kvstore.v1.KVStoreData"
 DATA_METHODS = ("Get", "Put", "PutInline")
 """Methods of the KVStore service that carry block data: they run on the stream threads
 (with ``GetRaw`` and ``PutRaw``), so the other threads stay free for control calls."""
+HINT_METHODS = ("ToolCallStart", "Resume", "SessionHint", "Explain")
+"""Advice (and a diagnosis): on threads of their own, so a flood never holds Lookup or Lease."""
 DEFAULT_LEASE_TTL_S = 30.0
 """``[server] lease_ttl_s``'s default: the longest lease or reservation granted (seconds)."""
 
@@ -85,7 +87,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             this long (seconds; ``stream_idle_timeout_s`` when that is shorter).
         stream_timeout_s: a stream running longer is ended, DEADLINE_EXCEEDED (seconds).
         stream_pool: the threads streaming calls run on (:func:`~kvstore.service.streams.on_pool`),
-            or None: the server's.
+            or None: the server's; hint_pool: the same for the agent-hint calls (HINT_METHODS).
         lease_ttl_s: the longest TTL a lease or reservation is granted (seconds): a longer
             one asked for is granted this long (the reply says so), and one asked as 0 too.
     """
@@ -95,7 +97,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                  stream_idle_timeout_s: float = 30.0, stream_first_message_s: float = 5.0, health=None, info: pb.InfoReply | None = None,
                  observe: Callable[[str, float, str], None] | None = None, tally=None, sessions=None,
                  explain=None, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-                 stream_timeout_s: float = float("inf"), stream_pool=None):
+                 stream_timeout_s: float = float("inf"), stream_pool=None, hint_pool=None):
         self.manager = manager
         self.max_chunk_bytes = max_chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -106,9 +108,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.streams = StreamGuard(stream_idle_timeout_s, stream_timeout_s, counters=manager.counters,
                                    first_message_s=stream_first_message_s)
         self.stream_pool = stream_pool
-        if stream_pool is not None:        # registered from these attributes (grpc's per-method pool)
-            for name in DATA_METHODS:
-                setattr(self, name, on_pool(getattr(self, name), stream_pool))
+        for names, pool in ((DATA_METHODS, stream_pool), (HINT_METHODS, hint_pool)):
+            for name in names if pool is not None else ():    # registered from these attributes
+                setattr(self, name, on_pool(getattr(self, name), pool))     # (grpc's per-method pool)
         self.lease_ttl_s = lease_ttl_s
         self._observe = observe
         self.tally = tally

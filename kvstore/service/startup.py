@@ -34,7 +34,7 @@ from kvstore.service.listen import UnixSocket, bind, check_port_free, check_sock
 from kvstore.store.manager import TierManager
 from kvstore.agent.sessions import SessionTable
 from kvstore.service.server import KVStoreService, data_handler
-from kvstore.service.streams import stream_threads
+from kvstore.service.streams import HINT_THREADS, stream_threads
 from kvstore.common.transport import channel_options
 
 log = logging.getLogger("kvstore.service.startup")
@@ -255,6 +255,7 @@ def start_server(cfg: Config) -> Daemon:
         stream_pool = futures.ThreadPoolExecutor(max_workers=n_streams, thread_name_prefix="kvstore-stream")
         unary_pool = futures.ThreadPoolExecutor(max_workers=cfg.server.workers - n_streams,
                                                 thread_name_prefix="kvstore-rpc")
+        hint_pool = futures.ThreadPoolExecutor(max_workers=HINT_THREADS, thread_name_prefix="kvstore-hint")
         server = grpc.server(unary_pool, options=options, interceptors=interceptors)
         sessions = SessionTable(manager.policies, **session_options(cfg.sessions))
         hints = _start_prefetch(cfg, manager, sessions, background)
@@ -287,7 +288,8 @@ def start_server(cfg: Config) -> Daemon:
                                  observe=metrics.observe if metrics is not None else None,
                                  tally=metrics.tally if metrics is not None else None,
                                  sessions=apply_hint, explain=explain,
-                                 stream_timeout_s=cfg.server.stream_timeout_s, stream_pool=stream_pool)
+                                 stream_timeout_s=cfg.server.stream_timeout_s, stream_pool=stream_pool,
+                                 hint_pool=hint_pool)
         pb_grpc.add_KVStoreServicer_to_server(service, server)
         server.add_generic_rpc_handlers((data_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -316,4 +318,4 @@ def start_server(cfg: Config) -> Daemon:
     monitor.start()
     return Daemon(server, address, manager, service, health_servicer, monitor=monitor,
                   background=background, socket=sock, metrics=metrics, events=events,
-                  persist_s=cfg.store.stop_persist_s, pools=[stream_pool, unary_pool])
+                  persist_s=cfg.store.stop_persist_s, pools=[stream_pool, unary_pool, hint_pool])

@@ -35,6 +35,12 @@ from kvstore.common.errors import StreamTimeout
 log = logging.getLogger("kvstore.service.server")
 
 
+HINT_THREADS = 2
+"""Threads the agent-hint calls run on (``kvstore.service.server.HINT_METHODS``), beside the
+``[server] workers``: a flood of slow hints waits for these, never for the threads of Lookup
+and Lease (with ``workers = 8``, two unary threads, it stalled another client's Lookup 5 s)."""
+
+
 def stream_threads(workers: int, max_streams: int) -> int:
     """The threads of the stream pool for ``[server] workers`` and ``max_streams`` (0:
     ``workers - workers // 4``, at least 1, at most ``workers - 1``)."""

@@ -236,3 +236,40 @@ def test_the_plugin_forwards_an_envelope_within_the_daemons_bounds_only(env, ok)
     else:
         with pytest.raises(HintError):
             envelope_of(env)
+
+
+def test_hints_stuck_in_the_daemon_never_hold_the_threads_of_lookup(tmp_path):
+    """With ``workers = 4`` the daemon has one thread for unary calls. Hint calls run on
+    threads of their own: three SessionHints stuck in the session table (a slow hint)
+    leave another client's Lookup answered at once."""
+    import threading
+    d = start_server(daemon_config(tmp_path, host="8MiB", nvme=None,
+                                   extra={"prefetch": {"enabled": True}, "server": {"workers": 4}}))
+    ch = grpc.insecure_channel(d.address)
+    stub = pb_grpc.KVStoreStub(ch)
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    handlers = d.service.hint_handlers
+    apply = handlers._sessions
+
+    def slow(hint):
+        entered.release()
+        gate.wait(60)
+        return apply(hint)
+
+    handlers._sessions = slow
+    codes: list = []
+    threads = [threading.Thread(target=lambda i=i: codes.append(code(stub.SessionHint, pb.SessionHintRequest(
+        session_id=f"s{i}", time=time.time(), keys=[key(i)])))) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        assert entered.acquire(timeout=30)                # a hint is stuck (on the old code: the unary thread)
+        reply = stub.Lookup(pb.LookupRequest(keys=[key(1)]), timeout=30)
+        assert reply.hit_blocks == 0
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(60)
+        ch.close()
+        d.stop(0)
+    assert codes == [grpc.StatusCode.OK] * 3
