@@ -32,8 +32,8 @@ class HintCalls:
     def __init__(self, connection: Connection):
         self.connection = connection
 
-    def _keys(self, keys: Sequence[bytes], limit: int | None = None) -> list[bytes]:
-        return check_keys(keys, limit=min(self.connection.max_keys_per_request, limit or MAX_HINT_KEYS))
+    def _keys(self, keys: Sequence[bytes], limit: int = MAX_HINT_KEYS) -> list[bytes]:
+        return check_keys(keys, limit=min(self.connection.max_keys_per_request, limit))
 
     def tool_call_start(self, trajectory_id: str, tool: str, keys: Sequence[bytes], start_time: float | None,
                         timeout: float | None) -> float:

@@ -23,9 +23,26 @@ import bisect
 import heapq
 import itertools
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 _GAP0, _GAP_STEP, _GAP_BINS = 0.25, math.log(1.25), 56   # hint classes: gap bins 0.25 s .. ~4 h
+
+
+def push_ends(old: dict[int, list], young: dict[int, list], cls: int, t: float, ident: int,
+              live: Callable[[], Iterable[tuple[float, int]]], bound: int) -> None:
+    """Push ``(t, ident)`` onto class ``cls``'s two end heaps: ``old`` holds ``(t, ident)``
+    (oldest at the top), ``young`` ``(-t, -ident)`` (youngest). Entries of items gone are
+    skipped when they reach a top; once either heap passes ``bound`` entries both are
+    rebuilt from ``live()``, the ``(t, ident)`` of the class's items still there."""
+    o, y = old.setdefault(cls, []), young.setdefault(cls, [])
+    heapq.heappush(o, (t, ident))
+    heapq.heappush(y, (-t, -ident))
+    if max(len(o), len(y)) > bound:
+        entries = list(live())
+        old[cls] = [(a, b) for a, b in entries]
+        young[cls] = [(-a, -b) for a, b in entries]
+        heapq.heapify(old[cls])
+        heapq.heapify(young[cls])
 
 
 class HintGroup:
@@ -150,19 +167,8 @@ class HintGroups:
         h.add_resident(key)
         if not h.queued:
             h.queued = True
-            old, young = self._hold.setdefault(h.cls, []), self._hyoung.setdefault(h.cls, [])
-            heapq.heappush(old, (h.t_set, h.hid))
-            heapq.heappush(young, (-h.t_set, -h.hid))
-            if max(len(old), len(young)) > 2 * len(self._hints) + 1024:     # entries of groups gone
-                self._compact(h.cls)
-
-    def _compact(self, cls: int) -> None:
-        """Rebuild class ``cls``'s candidate heaps from the groups still queued in it."""
-        live = [g for g in self._hints.values() if g.cls == cls and g.queued]
-        self._hold[cls] = [(g.t_set, g.hid) for g in live]
-        self._hyoung[cls] = [(-g.t_set, -g.hid) for g in live]
-        heapq.heapify(self._hold[cls])
-        heapq.heapify(self._hyoung[cls])
+            push_ends(self._hold, self._hyoung, h.cls, h.t_set, h.hid, bound=2 * len(self._hints) + 1024,
+                      live=lambda: ((g.t_set, g.hid) for g in self._hints.values() if g.cls == h.cls and g.queued))
 
     def unhint(self, key: bytes) -> bool:
         """Drop ``key``'s hint; False when it had none."""

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 
 from kvstore.common.errors import ConfigError
 from kvstore.policy.base import EvictionPolicy, NoVictim, register
-from kvstore.policy.hint_groups import HintGroups
+from kvstore.policy.hint_groups import HintGroups, push_ends
 from kvstore.policy.reuse_model import ReuseModel
 
 
@@ -184,15 +184,8 @@ class NextUsePolicy(EvictionPolicy):
 
     def _add_group(self, g: _Group) -> None:
         self._groups[g.rid] = g
-        old, young = self._old.setdefault(g.cls, []), self._young.setdefault(g.cls, [])
-        heapq.heappush(old, (g.t0, g.rid))
-        heapq.heappush(young, (-g.t0, -g.rid))
-        if max(len(old), len(young)) > 2 * len(self._groups) + 1024:     # entries of groups gone
-            live = [x for x in self._groups.values() if x.cls == g.cls]
-            self._old[g.cls] = [(x.t0, x.rid) for x in live]
-            self._young[g.cls] = [(-x.t0, -x.rid) for x in live]
-            heapq.heapify(self._old[g.cls])
-            heapq.heapify(self._young[g.cls])
+        push_ends(self._old, self._young, g.cls, g.t0, g.rid, bound=2 * len(self._groups) + 1024,
+                  live=lambda: ((x.t0, x.rid) for x in self._groups.values() if x.cls == g.cls))
 
     def _ungroup(self, key: bytes) -> None:
         g = self._group_of.pop(key, None)

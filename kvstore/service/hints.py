@@ -33,9 +33,7 @@ __all__ = ["HintHandlers", "MAX_NAME_CHARS"]
 
 def _hint_keys(keys, space: KeySpace) -> list[bytes]:
     """A hint's keys, checked (at most ``MAX_HINT_KEYS``), in the caller's key space."""
-    if len(keys) > MAX_HINT_KEYS:
-        raise errors.InvalidRequest(f"keys: {len(keys)} keys; at most {MAX_HINT_KEYS} per hint")
-    return space.internal_many(check_keys(keys))
+    return space.internal_many(check_keys(keys, limit=MAX_HINT_KEYS))
 
 
 def _source(space: KeySpace) -> str:

@@ -25,10 +25,10 @@ MAX_CLOCK_SKEW_S = 24 * 3600.0
 """A client time further than this from the daemon's now is refused (seconds)."""
 
 
-def check_keys(keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
-    """Every key 32 bytes, at most :data:`MAX_KEYS` of them."""
-    if len(keys) > MAX_KEYS:
-        raise InvalidRequest(f"{field}: {len(keys)} keys; at most {MAX_KEYS} per request")
+def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int = MAX_KEYS) -> list[bytes]:
+    """Every key 32 bytes, at most ``limit`` of them (:data:`MAX_KEYS`)."""
+    if len(keys) > limit:
+        raise InvalidRequest(f"{field}: {len(keys)} keys; at most {limit} per request")
     out = list(keys)
     if out and set(map(len, out)) != {KEY_BYTES}:      # one C-level pass; the loop only names the culprit
         for i, k in enumerate(out):
