@@ -25,8 +25,9 @@ MAX_CLOCK_SKEW_S = 24 * 3600.0
 """A client time further than this from the daemon's now is refused (seconds)."""
 
 
-def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int = MAX_KEYS) -> list[bytes]:
-    """Every key 32 bytes, at most ``limit`` of them (:data:`MAX_KEYS`)."""
+def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int | None = None) -> list[bytes]:
+    """Every key 32 bytes, at most ``limit`` of them (None: :data:`MAX_KEYS`)."""
+    limit = MAX_KEYS if limit is None else limit
     if len(keys) > limit:
         raise InvalidRequest(f"{field}: {len(keys)} keys; at most {limit} per request")
     out = list(keys)
