@@ -97,7 +97,7 @@ class Writers:
 def served_blocks(address: str, keys: list[bytes]) -> tuple[set[bytes], list[str]]:
     """Keys the daemon serves, and a description of every block served wrong."""
     found, wrong = set(), []
-    with KVStoreClient(address, timeout=30) as c:
+    with KVStoreClient(address, timeout=120) as c:      # generous: the audit, not a deadline, is tested
         for i in range(0, len(keys), 64):
             batch = keys[i:i + 64]
             for k, got in zip(batch, c.get(batch)):
