@@ -231,8 +231,8 @@ def measure_paths(args, folder, gpu, rows, started, hbm, arena, keys, total, n) 
                         best_rate(lambda: put_blocks(nvme, keys, sl, block), total, reps,
                                   before=lambda: free_blocks(nvme, keys)),
                         "raw file write", raw_w, nv_note))
-        rows.append(Row("NVMe -> host (NVMeTier read)",
-                        best_rate(lambda: [nvme.read(k) for k in keys], total, reps,
+        rows.append(Row("NVMe -> host (NVMeTier read_into)",
+                        best_rate(lambda: [nvme.read_into(k, sl(i)) for i, k in enumerate(keys)], total, reps,
                                   before=lambda: drop_page_cache(folder / "nvme")),
                         "raw file read", raw_r, nv_note))
         if not over_budget():
@@ -249,8 +249,13 @@ def measure_paths(args, folder, gpu, rows, started, hbm, arena, keys, total, n) 
                             best_rate(hbm_to_nvme, total, reps, before=lambda: free_blocks(nvme, bounce)),
                             "raw file write", raw_w, nv_note))
             up = [key(2 * n + i) for i in range(n)]
-            rows.append(Row(f"NVMe -> {hbm_name} (bounce: NVMeTier read + HBMTier.write)",
-                            best_rate(lambda: put_blocks(hbm, up, lambda i: nvme.read(bounce[i]), block), total,
+
+            def bounced(i: int) -> memoryview:
+                nvme.read_into(bounce[i], sl(i))
+                return sl(i)
+
+            rows.append(Row(f"NVMe -> {hbm_name} (bounce: NVMeTier read_into host arena + HBMTier.write)",
+                            best_rate(lambda: put_blocks(hbm, up, bounced, block), total,
                                       reps, before=lambda: (free_blocks(hbm, up), drop_page_cache(folder / "nvme"))),
                             "raw file read", raw_r, nv_note))
             free_blocks(hbm, up)
@@ -330,7 +335,7 @@ def measure_tier_gds(folder: pathlib.Path, hbm, keys: list[bytes], total: int, b
     def put_all():
         for k in keys:
             tier.reserve(k, block)
-            tier.write_device(k, hbm.device_array(k))
+            tier.write_from_device(k, hbm.device_array(k))
             tier.commit(k)
         os.sync()
 
@@ -342,7 +347,7 @@ def measure_tier_gds(folder: pathlib.Path, hbm, keys: list[bytes], total: int, b
             hbm.commit(u)
 
     try:
-        rows.append(Row("HBM -> NVMe (NVMeTier.write_device: GDS + checksum)",
+        rows.append(Row("HBM -> NVMe (NVMeTier.write_from_device: GDS + checksum)",
                         best_rate(put_all, total, reps, before=lambda: free_blocks(tier, keys)),
                         "kvikio raw write", raw[0], note))
         rows.append(Row("NVMe -> HBM (NVMeTier.read_into_device: GDS + checksum)",

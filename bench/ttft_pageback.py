@@ -28,6 +28,7 @@ fail on a time.
     python bench/ttft_pageback.py [--prefixes 1024,4096,16384] [--tp 1] [--block-tokens 64]
                                   [--target ADDR]   # an already running daemon instead
                                   [--no-shared-memory]  # blocks by gRPC frames
+                                  [--device cuda]       # weights and paged cache in HBM
 
 Before/after comparisons of the adapter: run this file from the other checkout's root
 (``python /path/to/this/bench/ttft_pageback.py --root OTHER``) so that checkout's
@@ -80,6 +81,7 @@ class BenchOptions:
     max_prefill_tokens: int
     tenant: str
     shared_memory: bool
+    device: str = "cpu"
 
 
 def start_daemon(folder: pathlib.Path, host_bytes: int) -> tuple[subprocess.Popen, str]:
@@ -145,7 +147,7 @@ def bench_rank(tp, opts: BenchOptions) -> list[dict]:
     engine = EngineConfig(model_id=f"bench-llama/{model.fingerprint()}", dtype=opts.dtype,
                           block_tokens=opts.block_tokens, num_cache_blocks=longest // opts.block_tokens + 4,
                           max_prefill_tokens=opts.max_prefill_tokens, tenant=opts.tenant,
-                          load_timeout_s=120.0, store_timeout_s=120.0)
+                          load_timeout_s=120.0, store_timeout_s=120.0, device=opts.device)
     client = KVStoreClient(opts.target, timeout=120.0, shared_memory=None if opts.shared_memory else False)
     runner = Runner(model, engine, tp, store=client, seed=0)
     loads = _time_loaders(transfer)
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill chunk, tokens")
     ap.add_argument("--target", default=None, help="use this running daemon instead of starting one")
     ap.add_argument("--no-shared-memory", action="store_true", help="blocks by gRPC, not the shared arena")
+    ap.add_argument("--device", default="cpu", help="torch device of the weights and paged cache (cpu, cuda)")
     ap.add_argument("--root", default=str(ROOT), help="checkout whose engine_adapter and kvstore run")
     args = ap.parse_args(argv)
 
@@ -230,14 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             opts = BenchOptions(target, prefixes, args.delta_tokens, args.repeats, args.block_tokens, args.hidden,
                                 args.layers, args.heads, args.kv_heads, args.head_dim, args.dtype,
                                 args.max_prefill_tokens, tenant=f"bench-{time.time_ns()}",
-                                shared_memory=not args.no_shared_memory)
+                                shared_memory=not args.no_shared_memory, device=args.device)
             rows = launch(bench_rank, args.tp, opts, timeout_s=3600)[0]
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(10)
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads "
-          f"x {args.head_dim}, {args.dtype}, {kv_per_token} B of KV per token; TP={args.tp}, "
+          f"x {args.head_dim}, {args.dtype}, {kv_per_token} B of KV per token; TP={args.tp} on {args.device}, "
           f"block_tokens={args.block_tokens}, delta {args.delta_tokens} tokens, median of {args.repeats}; "
           f"code: {ROOT}; data path: {'gRPC' if args.no_shared_memory else 'shared arena when offered'}")
     print(f"{'prefix':>7} {'paged back':>10} {'prefilled':>9} {'TTFT recompute':>15} {'TTFT page back':>15} "

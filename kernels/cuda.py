@@ -153,6 +153,17 @@ def plan_launch(caches: Sequence[torch.Tensor], layer_ids: Sequence[int], h0: in
                       block_size=bs, head0=h0, total=total, grid=min(-(-total // _THREADS), _MAX_GRID))
 
 
+def _on_stream(stream: torch.cuda.Stream, index: int):
+    """CuPy's handle of torch's current stream: ``Stream.from_external`` (CuPy >= 14, through the
+    CUDA stream protocol), else ``ExternalStream`` (deprecated in CuPy 14)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, index)
+
+
 def _launch(caches: Sequence[torch.Tensor], layer_ids: list[int], idx: torch.Tensor, h0: int,
             layout: str, buf: torch.Tensor, to_cache: bool) -> None:
     import cupy
@@ -166,7 +177,7 @@ def _launch(caches: Sequence[torch.Tensor], layer_ids: list[int], idx: torch.Ten
     strides = torch.tensor(p.strides, dtype=torch.int64).to(device)
     ids = idx.to(device=device, dtype=torch.int64).contiguous()
     stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+    with cupy.cuda.Device(device.index), _on_stream(stream, device.index):
         _kernel(p.unit)((p.grid,), (_THREADS,), (
             cupy.uint64(ptrs.data_ptr()), cupy.uint64(strides.data_ptr()), cupy.uint64(ids.data_ptr()),
             cupy.uint64(buf.data_ptr()), cupy.int64(p.n), cupy.int32(p.num_layers),

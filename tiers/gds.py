@@ -53,8 +53,10 @@ class GDSInfo:
     reason: str
 
 
-def _compat_mode_preferred(kvikio: Any) -> bool:
-    defaults = kvikio.defaults
+def _compat_mode_preferred() -> bool:
+    """kvikio's own answer to "POSIX compatibility mode or real GDS?". ``kvikio.defaults`` is
+    a submodule that kvikio >= 26 no longer imports with the package, so it is imported here."""
+    defaults = importlib.import_module("kvikio.defaults")
     if hasattr(defaults, "is_compat_mode_preferred"):      # kvikio >= 25.02
         return bool(defaults.is_compat_mode_preferred())
     return bool(defaults.compat_mode())                      # kvikio 24.x
@@ -73,13 +75,13 @@ def gds_info() -> GDSInfo:
     if not gpu.available:
         return GDSInfo(False, "", gpu.reason)
     try:
-        import kvikio
+        import kvikio  # noqa: F401  (its settings are read below)
     except ImportError:
         return GDSInfo(False, "", "kvikio is not installed (pip install 'kvstore[gpu]')")
     except Exception as e:
         return GDSInfo(False, "", f"kvikio failed to import ({type(e).__name__}: {e})")
     try:
-        mode = "compat" if _compat_mode_preferred(kvikio) else "gds"
+        mode = "compat" if _compat_mode_preferred() else "gds"
     except Exception as e:
         return GDSInfo(False, "", f"kvikio cannot read its settings ({type(e).__name__}: {e})")
     return GDSInfo(True, mode, "")

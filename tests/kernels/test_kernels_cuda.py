@@ -101,3 +101,26 @@ def test_empty_and_errors_match_reference():
         with pytest.raises(ValueError) as got:
             call(cuda)
         assert str(got.value) == str(want.value)
+
+
+def test_kernels_run_in_order_on_torch_current_stream():
+    """A gather launched on a side stream sees the fill queued just before it on that stream
+    and a scatter's writes are seen by the copy queued after it, with no synchronisation in
+    between: the kernels run on torch's current stream, not on CuPy's default one."""
+    cuda = _cuda()
+    caches = make_caches(2, 64, 16, 8, 128, "NHD", torch.float16, device="cuda", seed=1)
+    ids = list(range(0, 64, 3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())     # the caches are made on the default stream
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)                 # hold the stream (~tens of ms) before the fill
+        for c in caches:
+            c.fill_(2.0)
+        got = cuda.gather_blocks(caches, ids)
+        src = torch.full_like(got, 3.0)
+        cuda.scatter_blocks(caches, ids, src)
+        after = torch.stack([c.clone() for c in caches])
+    side.synchronize()
+    assert bool((got == 2.0).all())
+    picked = after[:, :, ids]
+    assert bool((picked == 3.0).all()) and int((after == 3.0).sum()) == picked.numel()

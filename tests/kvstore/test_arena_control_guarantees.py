@@ -31,7 +31,7 @@ from kvstore.service.arena_server import ArenaServer
 from kvstore.service.auth import Authenticator, tenant_key
 from kvstore.service.liveness import ClientSessions
 from kvstore.service.startup import start_server
-from support.daemon import ROOT, daemon_config, short_socket_dir
+from support.daemon import child_env, daemon_config, short_socket_dir
 from tiers.base import TierKind
 
 from test_arena_control import DEADLINE_S, forbid_grpc, key, wait_for
@@ -96,7 +96,7 @@ def test_a_killed_clients_frame_lease_is_reclaimed_with_its_session(tmp_path):
         with KVStoreClient(d.address, shared_memory=False, timeout=DEADLINE_S) as c:
             c.put([((f"held:{i}:".encode() * 32)[:32], os.urandom(BLOCK)) for i in range(4)])
             holder = subprocess.Popen([sys.executable, "-c", HOLDER, d.address], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                      stdout=subprocess.PIPE, text=True, env=child_env())
             try:
                 assert holder.stdout.readline().split() == ["HELD", "True", "600.0", "4"]
                 assert d.manager.catalogue.num_leases == 1

@@ -31,7 +31,7 @@ from kvstore.service.arena_server import ArenaServer
 from kvstore.service.auth import Authenticator, tenant_key
 from kvstore.service.liveness import ClientSessions
 from kvstore.service.startup import start_server
-from support.daemon import ROOT, daemon_config, short_socket_dir
+from support.daemon import child_env, daemon_config, short_socket_dir
 from tiers.base import TierKind
 from tiers.block_table import supported
 
@@ -191,7 +191,7 @@ DAEMON = textwrap.dedent('''
 
 def spawn_daemon(sock: pathlib.Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", DAEMON, str(sock)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=child_env())
     line = proc.stdout.readline()
     assert line.startswith("ready"), line
     return proc
@@ -245,7 +245,7 @@ def test_a_client_killed_inside_a_read_holds_no_space_after_its_session(tmp_path
         with KVStoreClient(d.address, timeout=DEADLINE_S) as c:
             c.put_from(keys, payloads(4, seed=8))
         reader = subprocess.Popen([sys.executable, "-c", READER, d.address], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                  stdout=subprocess.PIPE, text=True, env=child_env())
         try:
             assert reader.stdout.readline().split() == ["READING", "True"]
             assert d.manager.delete(keys) == 4

@@ -6,7 +6,6 @@ libibverbs1 (``scripts/setup-mooncake.sh`` installs both)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CONVERSATION_TRACE, ROOT, short_socket_dir
+from support.daemon import CONVERSATION_TRACE, child_env, short_socket_dir
 from support.cluster_nodes import (ideal_hit_rate, mooncake_master, node_config, stop_all,  # noqa: F401
                                    wait_connected)
 
@@ -50,7 +49,7 @@ def until(pred, timeout_s=30.0):
 def _serve(tmp_path, name, text):
     path = tmp_path / f"{name}.toml"
     path.write_text(text)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     with open(tmp_path / f"{name}.log", "wb") as log:      # a file: the client library logs a lot
         return subprocess.Popen([sys.executable, "-m", "kvstore.tools.cli", "serve", "--config", str(path)],
                                 cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

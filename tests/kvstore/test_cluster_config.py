@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from support.cluster_nodes import require_mooncake
 
 from kvstore import config

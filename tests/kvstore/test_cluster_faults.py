@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CONVERSATION_TRACE
+from support.daemon import CONVERSATION_TRACE
 from support.cluster_nodes import Timed, mooncake_master, node_config, stop_all, wait_connected  # noqa: F401
 
 from kvstore.client.client import KVStoreClient

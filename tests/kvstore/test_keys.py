@@ -1,8 +1,6 @@
 import hashlib
-import os
 import subprocess
 import sys
-import pathlib
 import struct
 
 import numpy as np
@@ -22,7 +20,7 @@ from kvstore.common.keys import (
     validate_key,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from support.daemon import child_env
 
 
 def ns(**kw):
@@ -97,7 +95,7 @@ def test_stable_across_processes_and_hash_seeds():
             ".keys(list(range(12)), {'lora':'x'})[-1].hex())")
     outs = set()
     for seed in ("0", "1", "12345"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(ROOT))
+        env = child_env(PYTHONHASHSEED=seed)
         outs.add(subprocess.check_output([sys.executable, "-c", code], env=env, text=True).strip())
     local = BlockKeyer(ns(layout="l", tenant="t", extra={"kv_heads": 2})).keys(list(range(12)), {"lora": "x"})[-1].hex()
     assert outs == {local}

@@ -25,7 +25,7 @@ from kvstore.client.client import KVStoreClient
 from kvstore.common.arena import HELLO
 from kvstore.common.errors import FeatureDisabled
 from kvstore.service.startup import start_server
-from support.daemon import ROOT, daemon_config
+from support.daemon import child_env, daemon_config
 from tiers.base import TierKind
 
 BLOCK = 256 << 10
@@ -79,7 +79,7 @@ def test_a_killed_clients_leases_and_reservations_are_reclaimed_at_once(long_ttl
     with KVStoreClient(d.address, shared_memory=False, timeout=60) as c:
         c.put([(key(i), os.urandom(BLOCK)) for i in range(n_leased)])
         assert all(d.manager.tier_of(key(i)) == TierKind.HOST for i in range(n_leased))
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = child_env()
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, d.address, str(n_leased), str(BLOCK)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         try:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore.client.client import KVStoreClient
 from kvstore.service.startup import start_server
 from rel_support import key

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, daemon_config
+from support.daemon import ROOT, daemon_config
 from kvstore import config
 from kvstore.common import errors
 from kvstore.client.client import KVStoreClient

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore import config
 from kvstore.common import errors
 from kvstore.client.client import KVStoreClient

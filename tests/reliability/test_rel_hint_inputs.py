@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore.common.errors import InvalidRequest
 from kvstore.common.hint_limits import MAX_HINT_KEYS, MAX_NAME_CHARS, check_depth
 from kvstore._proto import kvstore_pb2 as pb

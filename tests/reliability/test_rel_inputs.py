@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc

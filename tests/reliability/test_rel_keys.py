@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.client import KVStoreClient

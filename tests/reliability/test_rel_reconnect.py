@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore.client.client import KVStoreClient
 from kvstore.common import errors
 from kvstore.common.transport import RECONNECT_BACKOFF_MS, client_channel_options

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, daemon_config
+from support.daemon import ROOT, daemon_config
 from kvstore.client.client import KVStoreClient
 from kvstore.store.counters import COUNTERS, Counters, declared, unit_of
 from kvstore.service.startup import start_server

@@ -19,7 +19,7 @@ import resource
 import pytest
 
 import tiers.nvme.tier
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore.client.client import KVStoreClient
 from kvstore.policy import make_policy
 from kvstore.service.startup import start_server

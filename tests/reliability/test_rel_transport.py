@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from conftest import daemon_config
+from support.daemon import daemon_config
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc

@@ -4,12 +4,20 @@ config of a small in-process daemon. Import as ``from support.daemon import ...`
 
 from __future__ import annotations
 
+import os
 import pathlib
 import tempfile
 
 from kvstore import config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports the checkout: ``ROOT`` first
+    on ``PYTHONPATH``, the caller's own entries kept (packages installed by path stay found)."""
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
 SHARED_DATA = ROOT.parent / "shared" / "data"
 CONVERSATION_TRACE = SHARED_DATA / "traces" / "mooncake_conversation_trace.jsonl"
 

@@ -39,10 +39,12 @@ from tiers.nvme.format import PAGE
 
 
 def test_kind_mode_and_declared_capabilities(open_nvme, io_mode):
+    """``io = "auto"`` is GDS where kvikio and a GPU are (then declared as device_files), else POSIX."""
     t = open_nvme()
-    assert t.kind is TierKind.NVME and t.io == "posix" and t.volatile is False
+    on_gpu = gds.gds_available()
+    assert t.kind is TierKind.NVME and t.io == ("gds" if on_gpu else "posix") and t.volatile is False
     assert t.direct is (io_mode == "direct")
-    assert t.capabilities.device_files is None and t.capabilities.host is None
+    assert (t.capabilities.device_files is t) is on_gpu and t.capabilities.host is None
 
 
 def test_put_read_ranges_and_file_layout(open_nvme):
