@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for a GPU machine lent for a few minutes (docs/device_check.md):
+#   1. the GPU tests (kernels, HBM tier, pinned host memory, GDS, the engine side in HBM);
+#   2. bench/device_check.py's bandwidth matrix (ratios to limits measured in the same run);
+#   3. bench/ttft_pageback.py with the model in HBM: TTFT of page back vs recompute, 4k/16k tokens.
+# Needs the project's dependencies (and CuPy, kvikio) importable by python3; PYTHON overrides it.
+# Logs go to OUT (default ./gpu-check-out); each step has a time limit, so the whole run stays
+# under 7 minutes. Exit status: that of the GPU tests.
+#   scripts/gpu-check.sh
+set -u
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+py=${PYTHON:-python3}
+out=${OUT:-$repo/gpu-check-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+start=$(date +%s)
+step() { echo "== $1 ($(( $(date +%s) - start )) s)"; }
+step "GPU tests"
+timeout 180 "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels tests/tiers tests/kvstore/test_mover.py \
+  tests/engine_adapter/test_gpu_engine.py > "$out/gpu_tests.log" 2>&1
+tests=$?
+echo "exit $tests"; grep -E "passed|failed|^FAILED|^ERROR" "$out/gpu_tests.log" | tail -20
+step "device check"
+timeout 120 "$py" bench/device_check.py --skip-tests > "$out/device_check.log" 2>&1
+echo "exit $?"; tail -20 "$out/device_check.log"
+step "page back vs recompute, model in HBM"
+if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "skipped: torch sees no CUDA device"
+  step "done"
+  exit $tests
+fi
+timeout 150 "$py" bench/ttft_pageback.py --device cuda --layers 16 --hidden 2048 --heads 16 --kv-heads 8 \
+  --head-dim 128 --prefixes 4096,16384 --repeats 3 > "$out/ttft.log" 2>&1
+echo "exit $?"; tail -5 "$out/ttft.log"
+step "done"
+exit $tests
