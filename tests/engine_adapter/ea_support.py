@@ -233,6 +233,20 @@ class FaultyStore:
         return self.inner.delete(keys, timeout=timeout)
 
 
+def run_step(worker, layer_names: Sequence[str], plan, flush_s: float = 60.0) -> set[int]:
+    """One engine step of a vLLM ``WorkerTransfers`` as vLLM drives it: bind ``plan``, start
+    the loads, wait for and save each layer, end the step; then wait up to ``flush_s`` for
+    its puts. Returns the cache block ids whose load failed."""
+    worker.bind(plan)
+    worker.start_load()
+    for name in layer_names:
+        worker.wait_layer(name)
+        worker.save_layer(name)
+    worker.end_step()
+    assert worker.flush(flush_s)
+    return worker.take_load_errors()
+
+
 def short_dir(prefix: str = "ea-") -> pathlib.Path:
     """A short folder for a unix socket (paths are limited to ~107 bytes)."""
     return pathlib.Path(tempfile.mkdtemp(prefix=prefix))

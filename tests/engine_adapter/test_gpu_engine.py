@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ea_support import TINY, MemoryStore, engine
+from ea_support import TINY, MemoryStore, engine, run_step
 from engine_adapter.layout import BlockLayout
 from engine_adapter.reference.runner import Runner
 from engine_adapter.reference.session import AgentSession, SessionOptions, play_session
@@ -101,14 +101,7 @@ SHAPES = {"token": (24, H, BS, 2 * HD), "kv_first": (2, 24, BS, H, HD)}
 
 
 def step(w: WorkerTransfers, plan: StepPlan) -> set[int]:
-    w.bind(plan)
-    w.start_load()
-    for name in NAMES:
-        w.wait_layer(name)
-        w.save_layer(name)
-    w.end_step()
-    assert w.flush(60)
-    return w.take_load_errors()
+    return run_step(w, NAMES, plan)
 
 
 @pytest.mark.parametrize("kv_layout", ["token", "kv_first"])

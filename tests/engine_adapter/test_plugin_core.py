@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from ea_support import run_step
 from engine_adapter import store_io
 from engine_adapter.engine_keys import IncrementalKeys, engine_namespace, key_from_engine_hash
 from engine_adapter.layout import BlockLayout
@@ -172,14 +173,7 @@ def test_blocks_written_at_tp2_are_read_at_tp1_and_back(daemon, client):
 
 
 def _drive(w: WorkerTransfers, plan: StepPlan) -> set[int]:
-    w.bind(plan)
-    w.start_load()
-    for name in NAMES:
-        w.wait_layer(name)
-        w.save_layer(name)
-    w.end_step()
-    assert w.flush(30)
-    return w.take_load_errors()
+    return run_step(w, NAMES, plan)
 
 
 def test_kv_views_address_vllm_layouts():
