@@ -7,7 +7,9 @@ store next to the hardware limit it should approach, measured in the same run, a
 prints ``ours / limit`` ratios. On a CPU machine it says so, measures the paths that
 have a CPU twin (HBM stand-in, POSIX NVMe) quickly, and exits 0. The output format
 is documented in ``docs/device_check.md``. Nothing here passes or fails on a time: the
-exit status is 1 only when the GPU tests fail (2 for bad arguments).
+exit status is 1 when the GPU tests fail, 3 when a matrix row raised (its row reads
+``(stopped)``; SIGTERM from a ``timeout`` too: the rows measured before it are printed and the
+scratch files removed), 2 for bad arguments.
 
 It must finish in under 8 minutes on the GPU machine: the tests get at most
 ``TEST_TIMEOUT_S`` and every measurement moves ``--total-mib`` (default 1024 on a
@@ -25,6 +27,7 @@ import pathlib
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -410,6 +413,14 @@ def run_gpu_tests() -> tuple[int, str]:
     return (0 if res.returncode in (0, 5) else 1), text
 
 
+class Terminated(Exception):
+    """SIGTERM arrived while measuring (a ``timeout`` around the script)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated("SIGTERM: the rows above were measured before it")
+
+
 def header(gpu_info) -> list[str]:
     lines = ["kvstore device check",
              f"  machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
@@ -479,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="device-check-", dir=args.dir))
     rows: list[Row] = []
+    signal.signal(signal.SIGTERM, _terminated)       # `timeout`: report the rows so far, remove the files
     try:
         print(f"files: {folder} (O_DIRECT {'yes' if o_direct_ok(folder) else 'no'})", flush=True)
         measure_tiers(args, folder, gpu, rows, started)
@@ -490,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nbandwidth: {n} blocks x {args.block_mib} MiB = {n * args.block / 2**30:.2f} GiB per run, "
           f"best of {args.reps}; GB/s = 1e9 bytes/s")
     print("\n".join(table(rows)))
+    if any(r.path == "(stopped)" for r in rows) and rc == 0:
+        rc = 3
     print(f"\ndevice check: done in {time.monotonic() - started:.1f} s (exit {rc})")
     return rc
 

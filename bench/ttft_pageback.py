@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill chunk, tokens")
     ap.add_argument("--target", default=None, help="use this running daemon instead of starting one")
     ap.add_argument("--no-shared-memory", action="store_true", help="blocks by gRPC, not the shared arena")
-    ap.add_argument("--device", default="cpu", help="torch device of the weights and paged cache (cpu, cuda)")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device of the weights and paged cache: cpu, or cuda (TP > 1: one GPU per rank)")
     ap.add_argument("--root", default=str(ROOT), help="checkout whose engine_adapter and kvstore run")
     args = ap.parse_args(argv)
 

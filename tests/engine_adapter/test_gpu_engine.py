@@ -54,8 +54,12 @@ def test_page_back_on_the_gpu_equals_recompute():
 
 def test_the_gpu_runner_generates_the_cpu_runners_tokens():
     prompt = torch.randint(0, TINY.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
-    cpu = Runner(TINY, engine(), TPGroup.single()).generate(prompt, 12, page_back=False, store=False)
-    gpu = Runner(TINY, engine(device="cuda"), TPGroup.single()).generate(prompt, 12, page_back=False, store=False)
+    runners = [Runner(TINY, engine(device=dev), TPGroup.single()) for dev in ("cpu", "cuda")]
+    try:
+        cpu, gpu = (r.generate(prompt, 12, page_back=False, store=False) for r in runners)
+    finally:
+        for r in runners:
+            r.close()
     assert gpu.tokens == cpu.tokens
     torch.testing.assert_close(torch.as_tensor(gpu.logits), torch.as_tensor(cpu.logits), rtol=0, atol=1e-3)
 
@@ -63,7 +67,8 @@ def test_the_gpu_runner_generates_the_cpu_runners_tokens():
 def test_page_back_through_a_daemon_with_an_hbm_tier(tmp_path):
     """HBM first, then pinned host memory (``pinned = "auto"`` on a GPU machine), then NVMe.
     Same-node puts land in the shared host arena; blocks then promoted to HBM (as a prefetch
-    does) are paged back from HBM with recompute's result."""
+    does) and moved out of the host arena are paged back from HBM (none read from NVMe, the
+    only other copy) with recompute's result."""
     cfg = daemon_config(tmp_path, extra={"tiers": {"hbm": {"enabled": True, "capacity": "64MiB"},
                                                    "host": {"capacity": "64MiB"},
                                                    "nvme": {"enabled": True, "path": str(tmp_path / "nvme"),
@@ -78,13 +83,16 @@ def test_page_back_through_a_daemon_with_an_hbm_tier(tmp_path):
             runner.generate(prompt, 1)
             assert runner.flush()
             keys = runner.adapter.keyer.keys(prompt)[:200 // BT]
-            for k in keys:
-                assert d.manager.promote(k, 0)
+            for k in keys:                  # up to HBM (as a prefetch does), then out of the host arena
+                assert d.manager.promote(k, 0) and d.manager.demote(k, 1)
             assert [d.manager.tier_of(k) for k in keys] == [TierKind.HBM] * len(keys)
+            assert not any(k in d.manager.tiers[1] for k in keys)
+            nvme_reads = d.manager.tiers[2].read_counters().reads
             longer = prompt + list(range(30))
             base = runner.generate(longer, 4, page_back=False, store=False)
             out = runner.generate(longer, 4, store=False)
             assert out.stats.paged_tokens == len(keys) * BT and not out.stats.problems
+            assert d.manager.tiers[2].read_counters().reads == nvme_reads     # every block came from HBM
             assert out.tokens == base.tokens
             torch.testing.assert_close(torch.as_tensor(out.logits), torch.as_tensor(base.logits), rtol=0, atol=ATOL)
             runner.close()

@@ -18,6 +18,8 @@ def child_env(**extra: str) -> dict[str, str]:
     on ``PYTHONPATH``, the caller's own entries kept (packages installed by path stay found)."""
     paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
+
+
 SHARED_DATA = ROOT.parent / "shared" / "data"
 CONVERSATION_TRACE = SHARED_DATA / "traces" / "mooncake_conversation_trace.jsonl"
 

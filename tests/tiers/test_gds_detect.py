@@ -35,6 +35,8 @@ def fake_kvikio(tmp_path, monkeypatch):
         gds.gds_info.cache_clear()
     yield make
     gds.gds_info.cache_clear()
+    for name in [m for m in sys.modules if m == "kvikio" or m.startswith("kvikio.")]:
+        del sys.modules[name]              # the stand-ins; monkeypatch then puts back what was there
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
