@@ -13,7 +13,10 @@ stride is the token's and which the head's, and non-contiguous layer caches work
 The copy is bitwise, in units of 16, 8, 4, 2 or 1 bytes: the widest that divides
 the row, every stride and every base address (fp16 with head_dim 128 moves 16-byte
 vectors). Kernels run on torch's current stream of the caches' device, so they
-are ordered with the caller's torch work.
+are ordered with the caller's torch work, and a launch never makes the host wait for
+the device: block ids given as a list or host tensor are checked on the host, and the
+kernel's argument arrays go to the device from pinned memory without a sync (a forward
+pass that saves or loads KV per layer keeps queueing its kernels ahead of the GPU).
 
 Import needs no GPU; calling needs CuPy and CUDA tensors.
 """
@@ -172,17 +175,73 @@ def _launch(caches: Sequence[torch.Tensor], layer_ids: list[int], idx: torch.Ten
         return
     device = caches[0].device
     p = plan_launch(caches, layer_ids, h0, layout, buf)
-    # int64 argument arrays on the device; freed tensors are only reused later on this stream
-    ptrs = torch.tensor(p.ptrs, dtype=torch.int64).to(device)
-    strides = torch.tensor(p.strides, dtype=torch.int64).to(device)
-    ids = idx.to(device=device, dtype=torch.int64).contiguous()
     stream = torch.cuda.current_stream(device)
+    ptrs, strides = _launch_args(p, device, stream)
+    ids = idx.to(device=device, dtype=torch.int64).contiguous()
     with cupy.cuda.Device(device.index), _on_stream(stream, device.index):
         _kernel(p.unit)((p.grid,), (_THREADS,), (
             cupy.uint64(ptrs.data_ptr()), cupy.uint64(strides.data_ptr()), cupy.uint64(ids.data_ptr()),
             cupy.uint64(buf.data_ptr()), cupy.int64(p.n), cupy.int32(p.num_layers),
             cupy.int32(p.num_heads), cupy.int32(p.block_size), cupy.int32(p.row_units),
             cupy.int64(p.head0), cupy.int32(1 if to_cache else 0)))
+
+
+_ARGS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+ARGS_KEPT = 4096
+"""Launch argument arrays kept on the device (per stream, layer pointers and strides): a
+serving engine's caches never move, so each layer's arrays are copied once."""
+
+
+def _launch_args(p: LaunchPlan, device: torch.device, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_copy``'s int64 arrays of layer pointers and strides on ``device``, copied on
+    ``stream`` (so they precede its launches; kept per stream and never freed while kept, up
+    to :data:`ARGS_KEPT`; beyond, made per launch: a tensor freed after the launch is reused
+    only by later work on this stream)."""
+    key = (stream.cuda_stream, p.ptrs, p.strides)
+    got = _ARGS.get(key)
+    if got is None:
+        got = (to_device(torch.tensor(p.ptrs, dtype=torch.int64), device),
+               to_device(torch.tensor(p.strides, dtype=torch.int64), device))
+        if len(_ARGS) < ARGS_KEPT:
+            _ARGS[key] = got
+    return got
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``, queued on the current stream without the host waiting:
+    copied from pinned memory (``t`` itself when pinned), which torch's host allocator keeps
+    until the copy has run. A tensor already on ``device`` is returned as is."""
+    if t.device == device:
+        return t
+    if not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def device_index(block_ids, num_blocks: int, device: torch.device, distinct: bool = False) -> torch.Tensor:
+    """``block_ids`` as a 1-D int64 tensor on ``device`` (:func:`kernels.reference.block_index`'s
+    checks, and with ``distinct`` no id twice). Ids given as a list or host tensor are checked
+    on the host and copied without a sync; a device tensor is checked where it is (the host
+    waits for it).
+
+    Raises ValueError for an id outside ``[0, num_blocks)``, ids not 1-D, or (``distinct``)
+    a repeated id.
+    """
+    if isinstance(block_ids, reference.DeviceIds):
+        if distinct and not block_ids.distinct:
+            raise ValueError("destination block ids must be distinct (these were not checked for it)")
+        return reference.block_index(block_ids, num_blocks, device)
+    on_device = isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu"
+    idx = reference.block_index(block_ids, num_blocks, block_ids.device if on_device else "cpu")
+    if distinct and idx.numel() != torch.unique(idx).numel():
+        raise ValueError("destination block ids must be distinct")
+    return to_device(idx, device)
+
+
+def device_ids(block_ids, num_blocks: int, device: torch.device, distinct: bool = False) -> reference.DeviceIds:
+    """``block_ids`` checked (as :func:`device_index`) and copied to ``device`` on the current
+    stream once, for the launches of many layers on that stream. Raises as :func:`device_index`."""
+    return reference.DeviceIds(device_index(block_ids, num_blocks, device, distinct), num_blocks, distinct)
 
 
 def _check_cuda(caches: Sequence[torch.Tensor]) -> None:
@@ -205,7 +264,7 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids, *, heads: tuple[int
     layer_ids, h0, h1, nb, bs, hd = reference.resolve_selection(caches, layers, heads, layout)
     _check_cuda(caches)
     device = caches[0].device
-    idx = reference.block_index(block_ids, nb, device)
+    idx = device_index(block_ids, nb, device)
     shape = (idx.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
     dtype = caches[0].dtype
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
@@ -232,15 +291,14 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids, src: torch.Tensor,
     layer_ids, h0, h1, nb, bs, hd = reference.resolve_selection(caches, layers, heads, layout)
     _check_cuda(caches)
     device = caches[0].device
-    idx = reference.block_index(block_ids, nb, device)
+    idx = device_index(block_ids, nb, device, distinct=True)
     shape = (idx.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
     if tuple(src.shape) != shape or src.dtype != caches[0].dtype:
         raise ValueError(f"src must be {shape} {caches[0].dtype}, got {tuple(src.shape)} {src.dtype}")
-    if idx.numel() != torch.unique(idx).numel():
-        raise ValueError("destination block ids must be distinct")
     if len(set(layer_ids)) != len(layer_ids):
         # a layer listed twice: the reference's sequential "last one wins" is not a race
         reference.scatter_blocks(caches, idx, src, heads=heads, layers=layers, layout=layout)
         return
-    buf = src.to(device).contiguous()
+    # from pinned memory without a sync (torch keeps the source until the copy ran)
+    buf = src.to(device, non_blocking=src.is_pinned()).contiguous()
     _launch(caches, layer_ids, idx, h0, layout, buf, to_cache=True)

@@ -18,6 +18,7 @@ the tests compare the two.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -47,6 +48,11 @@ def _dims(cache: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     return nb, bs, nh, hd
 
 
+def num_blocks(cache: torch.Tensor, layout: str) -> int:
+    """Blocks of one layer cache in ``layout`` (``"NHD"`` or ``"HND"``)."""
+    return _dims(cache, layout)[0]
+
+
 def resolve_selection(caches: Sequence[torch.Tensor], layers: Sequence[int] | None,
                       heads: tuple[int, int] | None, layout: str) -> tuple[list[int], int, int, int, int, int]:
     """Check a gather/scatter's caches and selection; the CUDA kernels share it (same errors).
@@ -67,11 +73,31 @@ def resolve_selection(caches: Sequence[torch.Tensor], layers: Sequence[int] | No
     return list(layer_ids), h0, h1, nb, bs, hd
 
 
+@dataclass(frozen=True)
+class DeviceIds:
+    """Block ids checked once and kept on a device, for the launches of many layers (a step's
+    saves or loads): no check, copy or host sync per launch. Made by
+    :func:`kernels.cuda.device_ids`; accepted wherever ``block_ids`` is.
+
+    ``ids``: ``(n,)`` int64 on the device; every id is in ``[0, num_blocks)`` and, with
+    ``distinct``, none is repeated.
+    """
+
+    ids: torch.Tensor
+    num_blocks: int
+    distinct: bool
+
+
 def block_index(block_ids, num_blocks: int, device) -> torch.Tensor:
     """``block_ids`` as a 1-D int64 tensor on ``device``; the CUDA kernels share it.
 
-    Raises ValueError unless every id is in ``[0, num_blocks)``.
+    Raises ValueError unless every id is in ``[0, num_blocks)`` (a :class:`DeviceIds` checked
+    against at most ``num_blocks`` is taken as it is, on its own device).
     """
+    if isinstance(block_ids, DeviceIds):
+        if block_ids.num_blocks > num_blocks:
+            raise ValueError(f"block ids checked against {block_ids.num_blocks} blocks, the cache has {num_blocks}")
+        return block_ids.ids
     idx = torch.as_tensor(block_ids, dtype=torch.long, device=device)
     if idx.ndim != 1:
         raise ValueError("block_ids must be 1-D")

@@ -2,11 +2,13 @@
 # Every GPU check in one run, for a GPU machine lent for a few minutes (docs/device_check.md):
 #   1. the GPU tests (kernels, HBM tier, pinned host memory, GDS, the engine side in HBM);
 #   2. bench/device_check.py's bandwidth matrix (ratios to limits measured in the same run);
-#   3. bench/ttft_pageback.py with the model in HBM: TTFT of page back vs recompute, 4k/16k tokens.
+#   3. bench/ttft_pageback.py with the model in HBM: TTFT of page back vs recompute, 4k/16k tokens;
+#   4. bench/forward_hooks.py: what the vLLM worker's save and load hooks add to a forward pass.
 # Needs the project's dependencies (and CuPy, kvikio) importable by python3; PYTHON overrides it.
 # Logs go to OUT (default: gpu-check-out in the repository). Each step has a time limit, so the
 # whole run stays under 8 minutes (about 2 on an H200). Exit status: 0 when every step passed,
-# else 1 (the GPU tests failed), 3 (a matrix row could not be measured) or 4 (the TTFT step failed).
+# else 1 (the GPU tests failed), 3 (a matrix row could not be measured), 4 (the TTFT step failed) or
+# 5 (the forward-hooks step failed).
 #   scripts/gpu-check.sh
 set -u
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,5 +41,10 @@ timeout 150 "$py" bench/ttft_pageback.py --device cuda --layers 16 --hidden 2048
 ttft=$?
 [ $ttft -ne 0 ] && [ $status -eq 0 ] && status=4
 echo "exit $ttft"; tail -5 "$out/ttft.log"
+step "the vLLM worker's hooks in a forward pass"
+timeout 100 "$py" bench/forward_hooks.py --repeats 10 > "$out/forward_hooks.log" 2>&1
+hooks=$?
+[ $hooks -ne 0 ] && [ $status -eq 0 ] && status=5
+echo "exit $hooks"; tail -5 "$out/forward_hooks.log"
 step "done"
 exit $status

@@ -16,7 +16,8 @@ One instance per TP rank, driven by the hooks vLLM calls in every step:
   given up is stopped before vLLM goes on, so it writes nothing into the cache later;
 - ``save_layer(l)`` (after layer ``l``'s attention): copies layer ``l`` of the blocks
   this step completes out of the cache (``kernels.gather_blocks``), so vLLM may reuse
-  the cache blocks as soon as the step ends;
+  the cache blocks as soon as the step ends (a CUDA cache's copies and loads are queued
+  through pinned staging, the forward never waits: :mod:`engine_adapter.vllm.cuda_copies`);
 - ``end_step()``: when every layer was copied, TP rank 0 gathers the other ranks' heads
   (``gather_heads``) and a background thread stores the full-head payloads
   (``store_io.save_blocks``) with each block's vLLM hash, parent hash and token ids from
@@ -44,6 +45,7 @@ from kvstore.common.errors import KVStoreError, StoreUnavailable
 from engine_adapter import store_io
 from engine_adapter.background import BackgroundJobs, KeptThread
 from engine_adapter.layout import BlockLayout
+from engine_adapter.vllm.cuda_copies import CudaSaves, rows_of
 from engine_adapter.vllm.kv_views import kernel_view
 from engine_adapter.vllm.plan import BlockTransfer, StepPlan
 
@@ -81,7 +83,7 @@ class _LayerLoads:
 
     def __init__(self, client, loads: Sequence[BlockTransfer], layout: BlockLayout,
                  heads: tuple[int, int], timeout_s: float, direct: Sequence[torch.Tensor] | None,
-                 start: Callable[[Callable[[], None]], None]):
+                 start: Callable[[Callable[[], None]], None], pin: bool = False):
         self.loads = list(loads)
         self.keys = [k for t in self.loads for k in t.keys]
         self.layout, self.heads, self.timeout_s = layout, heads, timeout_s
@@ -89,7 +91,7 @@ class _LayerLoads:
         self.want = 2 * nh * layout.head_bytes              # bytes of one block of one layer
         self.direct = list(direct) if direct is not None else None
         self.staging = None if direct is not None else [
-            torch.empty((n, 1, 2, nh, layout.block_tokens, layout.head_dim), dtype=layout.dtype)
+            torch.empty((n, 1, 2, nh, layout.block_tokens, layout.head_dim), dtype=layout.dtype, pin_memory=pin)
             for _ in range(layout.num_layers)]
         self.ok: list[list[bool] | None] = [None] * layout.num_layers
         self.ready = [threading.Event() for _ in range(layout.num_layers)]
@@ -139,7 +141,7 @@ class _Save:
     transfers: list[BlockTransfer]
     block_ids: list[int]
     keys: list[bytes]
-    staging: torch.Tensor            # (n, num_layers, 2, rank_heads, bs, hd)
+    staging: torch.Tensor            # (n, num_layers, 2, rank_heads, bs, hd); CUDA: (num_layers, n, ...)
     layers_done: list[bool]
 
 
@@ -185,6 +187,7 @@ class WorkerTransfers:
             view, self.kernel_layout = kernel_view(kv, kv_layout, layout.head_dim)
             self.views.append(view)
         caches = [kv_caches[name] for name in layer_names]
+        self._cuda = CudaSaves(caches[0].device) if caches[0].is_cuda else None
         self.direct = caches if direct_loads and kv_layout == "cpu" and all(
             kv.device.type == "cpu" and kv.is_contiguous() for kv in caches) else None
         shape = self.views[0].shape
@@ -199,6 +202,7 @@ class WorkerTransfers:
         self._last_load: _LayerLoads | None = None
         self._load_valid: list[int] = []        # per load transfer: leading blocks usable so far
         self._waited: list[bool] = []
+        self._load_ids: dict = {}               # CUDA: (transfer, blocks) -> ids on the device, per step
         self._errors: set[int] = set()
         self._save: _Save | None = None
         self.blocks_loaded = self.blocks_saved = self.save_failures = self.saves_dropped = 0
@@ -216,9 +220,12 @@ class WorkerTransfers:
         self._save = None
         if plan.saves:
             ids = [b for t in plan.saves for b in t.block_ids]
-            nh = self.heads[1] - self.heads[0]
-            staging = torch.empty((len(ids), self.layout.num_layers, 2, nh, self.layout.block_tokens,
-                                   self.layout.head_dim), dtype=self.layout.dtype)
+            nh, lay = self.heads[1] - self.heads[0], self.layout
+            if self._cuda is not None:
+                staging = self._cuda.staging(len(ids), lay.num_layers, nh, lay.block_tokens, lay.head_dim, lay.dtype)
+            else:
+                staging = torch.empty((len(ids), lay.num_layers, 2, nh, lay.block_tokens, lay.head_dim),
+                                      dtype=lay.dtype)
             self._save = _Save(list(plan.saves), ids, [k for t in plan.saves for k in t.keys], staging,
                                [False] * self.layout.num_layers)
 
@@ -228,10 +235,11 @@ class WorkerTransfers:
         if plan is None or not plan.loads or self._load is not None:
             return
         self._load = _LayerLoads(self.client, plan.loads, self.layout, self.heads, self.timeout_s, self.direct,
-                                 start=self._start_loader)
+                                 start=self._start_loader, pin=self._cuda is not None)
         self._last_load = self._load
         self._load_valid = [len(t.keys) for t in plan.loads]
         self._waited = [False] * self.layout.num_layers
+        self._load_ids = {}
         self._deadline = time.monotonic() + self.load_timeout_s
 
     def _start_loader(self, job: Callable[[], None]) -> None:
@@ -278,9 +286,13 @@ class WorkerTransfers:
                 self._fail(i, lead)
             valid = self._load_valid[i]
             if valid and load.staging is not None:
-                scatter_blocks([self.views[layer]], list(t.block_ids[:valid]),
-                               load.staging[layer][start:start + valid].to(self.views[layer].device),
-                               heads=None, layers=[0], layout=self.kernel_layout)
+                src = load.staging[layer][start:start + valid]     # pinned for a CUDA cache: no sync
+                ids = list(t.block_ids[:valid])
+                if self._cuda is not None:          # checked and copied once for every layer
+                    ids = self._load_ids.get((i, valid)) or self._load_ids.setdefault(
+                        (i, valid), self._cuda.ids_on(ids, self.views[layer], self.kernel_layout))
+                    src = src.to(self.views[layer].device, non_blocking=True)
+                scatter_blocks([self.views[layer]], ids, src, heads=None, layers=[0], layout=self.kernel_layout)
             start += n
 
     # ------------------------------------------------------------ saves
@@ -290,11 +302,11 @@ class WorkerTransfers:
         if save is None or name not in self.layer_index:
             return
         layer = self.layer_index[name]
-        dst = save.staging[:, layer:layer + 1]
-        if self.views[layer].device.type == "cpu":
-            gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout, out=dst)
+        if self._cuda is not None:      # queued off the forward's stream; the host does not wait
+            self._cuda.copy_layer(self.views[layer], save.block_ids, self.kernel_layout, save.staging[layer])
         else:
-            dst.copy_(gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout).cpu())
+            gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout,
+                          out=save.staging[:, layer:layer + 1])
         save.layers_done[layer] = True
 
     def end_step(self) -> None:
@@ -318,10 +330,17 @@ class WorkerTransfers:
         if not all(save.layers_done):
             log.error("KV of %d blocks was not copied for every layer; not storing them", len(save.keys))
             return
-        full = self.gather_heads(save.staging) if self.gather_heads is not None else save.staging
+        rows, ready = save.staging, None
+        if self._cuda is not None:
+            ready = self._cuda.finish()
+            if self.gather_heads is not None:    # the collective reads the host copies: wait for them now
+                ready.synchronize()
+                rows, ready = rows_of(rows), None
+        full = self.gather_heads(rows) if self.gather_heads is not None else rows
         if full is None or not self.is_first_rank:
             return
-        if not self._writes.submit(save.keys, full.contiguous(), save.transfers, block=False):
+        if not self._writes.submit(save.keys, full if ready is not None else full.contiguous(), save.transfers,
+                                   ready, block=False):
             self.saves_dropped += 1
             if not self._behind:
                 log.warning("kvstore writer is %d steps behind; not storing the blocks of the steps that find "
@@ -330,7 +349,12 @@ class WorkerTransfers:
         else:
             self._behind = False
 
-    def _write(self, keys, full, transfers: list[BlockTransfer]) -> None:
+    def _write(self, keys, full, transfers: list[BlockTransfer], ready: torch.cuda.Event | None = None) -> None:
+        """Store a step's saves: ``full`` is ``(n, layers, 2, heads, bs, hd)``, or with ``ready``
+        (a CUDA cache) the layer-major pinned staging, read once its copies are done."""
+        if ready is not None:
+            ready.synchronize()
+            full = rows_of(full)
         metas = [t.block_meta() for t in transfers]
         meta = None
         if any(m is not None for m in metas):

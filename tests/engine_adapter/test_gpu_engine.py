@@ -143,3 +143,59 @@ def test_vllm_worker_with_cuda_caches_moves_the_cpu_twins_bytes(tmp_path, kv_lay
                 assert torch.equal(pick(cpu_caches[n], dest), pick(src[n], ids))
     finally:
         d.stop(0)
+
+
+def step_without_host_sync(w: WorkerTransfers, plan: StepPlan) -> None:
+    """The step's hooks as vLLM's forward calls them, with torch raising on any operation that
+    makes the host wait for the GPU (a ``.cpu()``, a pageable copy, ``.item()``, a sync)."""
+    w.bind(plan)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w.start_load()
+        for name in NAMES:
+            w.wait_layer(name)
+            w.save_layer(name)
+        w.end_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_vllm_worker_steps_never_make_the_host_wait_and_saves_precede_reuse(tmp_path):
+    """A step that loads some blocks and saves others queues all its copies without a host
+    sync; the forward's stream waits for the saves' copies, so a kernel that overwrites a saved
+    block right after the step (vLLM reusing it) cannot reach the copy first; what is stored
+    and loaded is the CPU twin's, bit for bit."""
+    d = start_server(daemon_config(tmp_path))
+    try:
+        with KVStoreClient(d.address, timeout=60.0) as client:
+            gen = torch.Generator().manual_seed(9)
+            src = {n: torch.randn(SHAPES["token"], generator=gen) for n in NAMES}
+            gpu_caches = {n: t.clone().cuda() for n, t in src.items()}
+            cpu_caches = {n: t.clone() for n, t in src.items()}
+            gpu = WorkerTransfers(client, NAMES, gpu_caches, "token", LAYOUT, (0, H), timeout_s=60.0)
+            cpu = WorkerTransfers(client, NAMES, cpu_caches, "token", LAYOUT, (0, H), timeout_s=60.0)
+            first = [f"ns-a{i}".encode().ljust(32, b".") for i in range(4)]
+            assert step(cpu, StepPlan(saves=[BlockTransfer("c", tuple(first), (0, 1, 2, 3))])) == set()
+            saved = (5, 9, 14, 2, 20)
+            keys = [f"ns-g{i}".encode().ljust(32, b".") for i in range(len(saved))]
+            twin = [f"ns-c{i}".encode().ljust(32, b".") for i in range(len(saved))]
+            plan = StepPlan(loads=[BlockTransfer("g", tuple(first), (10, 11, 12, 13))],
+                            saves=[BlockTransfer("g", tuple(keys), saved)])
+            big = torch.randn(2048, 2048, device="cuda")
+            for _ in range(20):                 # keep the GPU busy, so the copies run late
+                big = big @ big / 2048
+            step_without_host_sync(gpu, plan)
+            reuse = torch.tensor(saved, device="cuda")
+            for t in gpu_caches.values():       # the next step reuses the saved blocks at once
+                t.index_fill_(0, reuse, -7.0)
+            assert gpu.flush(60.0) and gpu.take_load_errors() == set()
+            assert step(cpu, StepPlan(loads=[BlockTransfer("c", tuple(first), (10, 11, 12, 13))],
+                                      saves=[BlockTransfer("c", tuple(twin), saved)])) == set()
+            got = [r for r in client.get(keys + twin)]
+            assert all(r.found for r in got)
+            assert [bytes(r.data) for r in got[:5]] == [bytes(r.data) for r in got[5:]]
+            for n in NAMES:
+                assert torch.equal(gpu_caches[n].cpu()[10:14], cpu_caches[n][10:14])
+                assert torch.equal(cpu_caches[n][10:14], src[n][0:4])
+    finally:
+        d.stop(0)

@@ -124,3 +124,29 @@ def test_kernels_run_in_order_on_torch_current_stream():
     assert bool((got == 2.0).all())
     picked = after[:, :, ids]
     assert bool((picked == 3.0).all()) and int((after == 3.0).sum()) == picked.numel()
+
+
+def test_device_ids_and_launches_never_make_the_host_wait():
+    """Block ids checked once (``device_ids``) serve every layer's launch; gathers and
+    scatters given host ids or device ids queue without a host sync (torch raises on one in
+    its ``error`` sync debug mode), and move what the reference moves."""
+    cuda = _cuda()
+    caches = make_caches(3, 32, 16, 4, 64, "HND", torch.bfloat16, device="cuda", seed=4)
+    ids = [30, 2, 17, 9]
+    want = reference.gather_blocks(caches, ids, layout="HND")
+    fresh = [torch.zeros_like(c) for c in caches]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_device = cuda.device_ids(ids, 32, caches[0].device, distinct=True)
+        layers = [cuda.gather_blocks(caches, on_device, layers=[j], layout="HND") for j in range(3)]
+        from_list = cuda.gather_blocks(caches, ids, layout="HND")
+        for j in range(3):
+            cuda.scatter_blocks(fresh, on_device, layers[j], layers=[j], layout="HND")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(torch.cat(layers, dim=1), want) and torch.equal(from_list, want)
+    assert all(torch.equal(f[:, ids], c[:, ids]) for f, c in zip(fresh, caches))
+    with pytest.raises(ValueError, match="checked against 32 blocks"):
+        cuda.gather_blocks([c[:, :16] for c in caches], on_device, layout="HND")
+    with pytest.raises(ValueError, match="must be distinct"):
+        cuda.scatter_blocks(fresh, cuda.device_ids(ids, 32, caches[0].device), want, layout="HND")

@@ -123,3 +123,21 @@ def test_errors(call, message):
     caches = make_caches(2, 4, 4, 2, 4, "NHD", torch.float32)
     with pytest.raises(ValueError, match=message):
         call(caches)
+
+
+def test_device_ids_serve_as_block_ids_and_are_checked_once():
+    """``kernels.cuda.device_ids`` (pure torch: it runs on the CPU too) checks ids once; the
+    reference takes the result wherever it takes ids, refusing a cache with fewer blocks than
+    they were checked against, and a scatter refuses ids not checked for being distinct."""
+    from kernels import cuda
+    caches = make_caches(2, 8, 4, 2, 8, "NHD", torch.float32, seed=3)
+    ids = cuda.device_ids([5, 1, 7], 8, torch.device("cpu"), distinct=True)
+    assert torch.equal(reference.gather_blocks(caches, ids), reference.gather_blocks(caches, [5, 1, 7]))
+    with pytest.raises(ValueError, match="checked against 8 blocks"):
+        reference.gather_blocks([c[:, :6] for c in caches], ids)
+    with pytest.raises(ValueError, match="block id outside"):
+        cuda.device_ids([8], 8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be distinct"):
+        cuda.device_ids([1, 1], 8, torch.device("cpu"), distinct=True)
+    with pytest.raises(ValueError, match="must be distinct"):
+        cuda.device_index(cuda.device_ids([1, 2], 8, torch.device("cpu")), 8, torch.device("cpu"), distinct=True)
