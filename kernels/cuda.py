@@ -208,14 +208,36 @@ def _launch_args(p: LaunchPlan, device: torch.device, stream: torch.cuda.Stream)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device``, queued on the current stream without the host waiting:
-    copied from pinned memory (``t`` itself when pinned), which torch's host allocator keeps
-    until the copy has run. A tensor already on ``device`` is returned as is."""
+    """A private copy of ``t`` on ``device``. From the host it is queued on the current stream
+    without the host waiting: through a pinned copy of ``t`` made here (never ``t``'s own
+    memory, which its owner may rewrite before the stream reaches the copy), which torch's
+    host allocator keeps until the copy has run. A tensor already on ``device`` is returned as
+    is; one on another device is copied there."""
     if t.device == device:
         return t
-    if not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    if t.device.type != "cpu":
+        return t.to(device)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device, non_blocking=True)
+
+
+def _checked(block_ids, num_blocks: int) -> torch.Tensor:
+    """``block_ids`` as a 1-D int64 tensor, checked against ``num_blocks``: on the host for a
+    list or host tensor, on its device for a device tensor (the host waits for it), as is for
+    :class:`~kernels.reference.DeviceIds`."""
+    if isinstance(block_ids, reference.DeviceIds):
+        return reference.block_index(block_ids, num_blocks, block_ids.ids.device)
+    on_device = isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu"
+    return reference.block_index(block_ids, num_blocks, block_ids.device if on_device else "cpu")
+
+
+def _check_distinct(block_ids, idx: torch.Tensor) -> None:
+    if isinstance(block_ids, reference.DeviceIds):
+        if not block_ids.distinct:
+            raise ValueError("destination block ids must be distinct (these were not checked for it)")
+    elif idx.numel() != torch.unique(idx).numel():
+        raise ValueError("destination block ids must be distinct")
 
 
 def device_index(block_ids, num_blocks: int, device: torch.device, distinct: bool = False) -> torch.Tensor:
@@ -227,20 +249,16 @@ def device_index(block_ids, num_blocks: int, device: torch.device, distinct: boo
     Raises ValueError for an id outside ``[0, num_blocks)``, ids not 1-D, or (``distinct``)
     a repeated id.
     """
-    if isinstance(block_ids, reference.DeviceIds):
-        if distinct and not block_ids.distinct:
-            raise ValueError("destination block ids must be distinct (these were not checked for it)")
-        return reference.block_index(block_ids, num_blocks, device)
-    on_device = isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu"
-    idx = reference.block_index(block_ids, num_blocks, block_ids.device if on_device else "cpu")
-    if distinct and idx.numel() != torch.unique(idx).numel():
-        raise ValueError("destination block ids must be distinct")
+    idx = _checked(block_ids, num_blocks)
+    if distinct:
+        _check_distinct(block_ids, idx)
     return to_device(idx, device)
 
 
 def device_ids(block_ids, num_blocks: int, device: torch.device, distinct: bool = False) -> reference.DeviceIds:
     """``block_ids`` checked (as :func:`device_index`) and copied to ``device`` on the current
-    stream once, for the launches of many layers on that stream. Raises as :func:`device_index`."""
+    stream once, for the launches of many layers on that stream (use them on no other stream:
+    nothing orders the copy before another stream's launches). Raises as :func:`device_index`."""
     return reference.DeviceIds(device_index(block_ids, num_blocks, device, distinct), num_blocks, distinct)
 
 
@@ -291,14 +309,17 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids, src: torch.Tensor,
     layer_ids, h0, h1, nb, bs, hd = reference.resolve_selection(caches, layers, heads, layout)
     _check_cuda(caches)
     device = caches[0].device
-    idx = device_index(block_ids, nb, device, distinct=True)
-    shape = (idx.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
+    checked = _checked(block_ids, nb)                 # the reference's order of checks
+    shape = (checked.numel(), len(layer_ids), 2, h1 - h0, bs, hd)
     if tuple(src.shape) != shape or src.dtype != caches[0].dtype:
         raise ValueError(f"src must be {shape} {caches[0].dtype}, got {tuple(src.shape)} {src.dtype}")
+    _check_distinct(block_ids, checked)
+    idx = to_device(checked, device)
     if len(set(layer_ids)) != len(layer_ids):
         # a layer listed twice: the reference's sequential "last one wins" is not a race
         reference.scatter_blocks(caches, idx, src, heads=heads, layers=layers, layout=layout)
         return
-    # from pinned memory without a sync (torch keeps the source until the copy ran)
-    buf = src.to(device, non_blocking=src.is_pinned()).contiguous()
+    # a host src is copied before this returns (its owner may reuse it at once); a caller that
+    # wants no wait copies it to the device itself (non_blocking, from memory it leaves alone)
+    buf = src.to(device).contiguous()
     _launch(caches, layer_ids, idx, h0, layout, buf, to_cache=True)

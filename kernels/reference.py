@@ -73,14 +73,15 @@ def resolve_selection(caches: Sequence[torch.Tensor], layers: Sequence[int] | No
     return list(layer_ids), h0, h1, nb, bs, hd
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DeviceIds:
     """Block ids checked once and kept on a device, for the launches of many layers (a step's
     saves or loads): no check, copy or host sync per launch. Made by
     :func:`kernels.cuda.device_ids`; accepted wherever ``block_ids`` is.
 
     ``ids``: ``(n,)`` int64 on the device; every id is in ``[0, num_blocks)`` and, with
-    ``distinct``, none is repeated.
+    ``distinct``, none is repeated. They were copied on one stream: launches on another are
+    not ordered after that copy.
     """
 
     ids: torch.Tensor

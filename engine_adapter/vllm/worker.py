@@ -143,6 +143,7 @@ class _Save:
     keys: list[bytes]
     staging: torch.Tensor            # (n, num_layers, 2, rank_heads, bs, hd); CUDA: (num_layers, n, ...)
     layers_done: list[bool]
+    device_ids: object = None        # CUDA: the step's block ids on the device, after its first layer
 
 
 class WorkerTransfers:
@@ -289,9 +290,8 @@ class WorkerTransfers:
                 src = load.staging[layer][start:start + valid]     # pinned for a CUDA cache: no sync
                 ids = list(t.block_ids[:valid])
                 if self._cuda is not None:          # checked and copied once for every layer
-                    ids = self._load_ids.get((i, valid)) or self._load_ids.setdefault(
-                        (i, valid), self._cuda.ids_on(ids, self.views[layer], self.kernel_layout))
-                    src = src.to(self.views[layer].device, non_blocking=True)
+                    ids = self._cuda.ids_once(self._load_ids, (i, valid), ids, self.views[layer], self.kernel_layout)
+                    src = src.to(self.views[layer].device, non_blocking=True)   # staging left alone after
                 scatter_blocks([self.views[layer]], ids, src, heads=None, layers=[0], layout=self.kernel_layout)
             start += n
 
@@ -303,7 +303,8 @@ class WorkerTransfers:
             return
         layer = self.layer_index[name]
         if self._cuda is not None:      # queued off the forward's stream; the host does not wait
-            self._cuda.copy_layer(self.views[layer], save.block_ids, self.kernel_layout, save.staging[layer])
+            save.device_ids = self._cuda.copy_layer(self.views[layer], save.device_ids or save.block_ids,
+                                                    self.kernel_layout, save.staging[layer])
         else:
             gather_blocks([self.views[layer]], save.block_ids, layers=[0], layout=self.kernel_layout,
                           out=save.staging[:, layer:layer + 1])
@@ -351,15 +352,15 @@ class WorkerTransfers:
 
     def _write(self, keys, full, transfers: list[BlockTransfer], ready: torch.cuda.Event | None = None) -> None:
         """Store a step's saves: ``full`` is ``(n, layers, 2, heads, bs, hd)``, or with ``ready``
-        (a CUDA cache) the layer-major pinned staging, read once its copies are done."""
-        if ready is not None:
-            ready.synchronize()
-            full = rows_of(full)
+        (a CUDA cache) the layer-major staging, read once its copies are done."""
         metas = [t.block_meta() for t in transfers]
         meta = None
         if any(m is not None for m in metas):
             meta = [b for t, m in zip(transfers, metas) for b in (m if m is not None else [None] * len(t.keys))]
         try:
+            if ready is not None:           # a CUDA error here is counted as the save's failure
+                ready.synchronize()
+                full = rows_of(full)
             store_io.save_blocks(self.client, keys, full, meta=meta, timeout_s=self.timeout_s)
         except StoreUnavailable:            # failing or skipped: the breaker logs and counts it
             self.save_failures += 1

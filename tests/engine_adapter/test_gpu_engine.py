@@ -145,17 +145,21 @@ def test_vllm_worker_with_cuda_caches_moves_the_cpu_twins_bytes(tmp_path, kv_lay
         d.stop(0)
 
 
-def step_without_host_sync(w: WorkerTransfers, plan: StepPlan) -> None:
-    """The step's hooks as vLLM's forward calls them, with torch raising on any operation that
-    makes the host wait for the GPU (a ``.cpu()``, a pageable copy, ``.item()``, a sync)."""
+def step_without_host_sync(w: WorkerTransfers, plan: StepPlan, then) -> None:
+    """The step's hooks as vLLM's forward calls them, then ``then()`` (queued at once, as the
+    next step would be), with torch raising on any operation that makes the host wait for the
+    GPU (a ``.cpu()``, a blocking copy, ``.item()``, a sync). Its staging is pinned (a copy
+    into pageable memory would wait without torch noticing)."""
     w.bind(plan)
     torch.cuda.set_sync_debug_mode("error")
     try:
         w.start_load()
+        assert w._save.staging.is_pinned() and w._load.staging[0].is_pinned()
         for name in NAMES:
             w.wait_layer(name)
             w.save_layer(name)
         w.end_step()
+        then()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -181,13 +185,15 @@ def test_vllm_worker_steps_never_make_the_host_wait_and_saves_precede_reuse(tmp_
             twin = [f"ns-c{i}".encode().ljust(32, b".") for i in range(len(saved))]
             plan = StepPlan(loads=[BlockTransfer("g", tuple(first), (10, 11, 12, 13))],
                             saves=[BlockTransfer("g", tuple(keys), saved)])
-            big = torch.randn(2048, 2048, device="cuda")
-            for _ in range(20):                 # keep the GPU busy, so the copies run late
-                big = big @ big / 2048
-            step_without_host_sync(gpu, plan)
             reuse = torch.tensor(saved, device="cuda")
-            for t in gpu_caches.values():       # the next step reuses the saved blocks at once
-                t.index_fill_(0, reuse, -7.0)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(gpu._cuda.stream):
+                torch.cuda._sleep(100_000_000)  # hold the copies' stream (tens of ms): the copies run late
+
+            def reuse_blocks():                 # the next step overwrites the saved blocks at once
+                for t in gpu_caches.values():
+                    t.index_fill_(0, reuse, -7.0)
+            step_without_host_sync(gpu, plan, reuse_blocks)
             assert gpu.flush(60.0) and gpu.take_load_errors() == set()
             assert step(cpu, StepPlan(loads=[BlockTransfer("c", tuple(first), (10, 11, 12, 13))],
                                       saves=[BlockTransfer("c", tuple(twin), saved)])) == set()

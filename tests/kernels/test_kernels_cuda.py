@@ -146,6 +146,8 @@ def test_device_ids_and_launches_never_make_the_host_wait():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(torch.cat(layers, dim=1), want) and torch.equal(from_list, want)
     assert all(torch.equal(f[:, ids], c[:, ids]) for f, c in zip(fresh, caches))
+    others = [b for b in range(32) if b not in ids]
+    assert all(bool((f[:, others] == 0).all()) for f in fresh)
     with pytest.raises(ValueError, match="checked against 32 blocks"):
         cuda.gather_blocks([c[:, :16] for c in caches], on_device, layout="HND")
     with pytest.raises(ValueError, match="must be distinct"):
