@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(x) for x in args.threads.split(",")]
     total, chunk, cache = parse_size(args.total), parse_size(args.chunk), parse_size(args.header_cache)
+    if args.dir:
+        pathlib.Path(args.dir).mkdir(parents=True, exist_ok=True)
     base = pathlib.Path(tempfile.mkdtemp(prefix="nvme-bench-", dir=args.dir))
     direct = probe_direct(str(base))
     print(f"# folder {base} ({'O_DIRECT' if direct else 'buffered: the filesystem refuses O_DIRECT'}), "

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Iterable
 
 log = logging.getLogger("kvstore.agent.engine_holdings")
@@ -57,11 +58,12 @@ def event_hash(engine_hash) -> int:
 class _Engine:
     """One engine's event stream: its held hashes and the last sequence number seen."""
 
-    __slots__ = ("endpoint", "held", "seq")
+    __slots__ = ("endpoint", "held", "stored_at", "seq")
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
         self.held: dict[int, int] = {}      # hash -> how many of HELD_MEDIA hold it
+        self.stored_at: dict[int, float] = {}   # held hash -> when its last BlockStored arrived
         self.seq: int | None = None
 
 
@@ -99,6 +101,7 @@ class EngineHoldings:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self.clock: Callable[[], float] = time.monotonic
         self.on_removed: Callable[[list[int]], None] | None = None
         """Called (on the subscriber thread, outside the lock) with the hashes of the blocks
         one batch dropped, when it dropped some: the prefetch scheduler wakes for those it
@@ -113,6 +116,16 @@ class EngineHoldings:
             return False
         h = event_hash(engine_hash)
         return any(h in e.held for e in self._engines)
+
+    def held_for(self, engine_hash) -> float | None:
+        """Seconds since an engine last announced it stored the block (``BlockStored``), while
+        one holds it; None when none does. A block stored moments ago belongs to a request that
+        is running, or just ran."""
+        if engine_hash is None or engine_hash == b"":
+            return None
+        h = event_hash(engine_hash)
+        times = [t for t in (e.stored_at.get(h) for e in self._engines) if t is not None]
+        return self.clock() - max(times) if times else None
 
     def take_removed(self) -> tuple[list[int], bool]:
         """The hashes of the blocks the engines dropped since the last call, and whether
@@ -175,6 +188,7 @@ class EngineHoldings:
         else:
             return
         if kind == "AllBlocksCleared":
+            e.stored_at.clear()
             if e.held:
                 e.held.clear()
                 self._everything = True
@@ -188,6 +202,7 @@ class EngineHoldings:
             if kind == "BlockStored":
                 if len(e.held) < MAX_HELD or h in e.held:
                     e.held[h] = e.held.get(h, 0) + 1
+                    e.stored_at[h] = self.clock()
             elif kind == "BlockRemoved":
                 n = e.held.get(h)
                 if n is None:
@@ -196,6 +211,7 @@ class EngineHoldings:
                     e.held[h] = n - 1
                     continue
                 del e.held[h]
+                e.stored_at.pop(h, None)
                 if len(self._removed) < MAX_REMOVED:
                     self._removed.append(h)
                 else:
@@ -209,6 +225,7 @@ class EngineHoldings:
 
     def _forget(self, e: _Engine, why: str) -> None:
         self.forgotten += 1
+        e.stored_at.clear()
         if e.held:
             log.info("forgetting the %d blocks engine %s held (%s): prefetch pages them back as needed",
                      len(e.held), e.endpoint, why)

@@ -120,6 +120,10 @@ class PrefetchScheduler:
             whose page back started once an engine drops some; with ``enabled``, their
             copies in the faster tiers are the first victims when a lower tier holds one
             (None: unknown, every block is paged back).
+        exclusive_after_s: of those, only blocks predicted (``next_use``) to be used more
+            than this many seconds from now: a block needed sooner keeps its copy, since an
+            engine under pressure may drop it just before that use, too late to page it
+            back (0: every engine-held block).
     """
 
     def __init__(self, manager, prefetch_config: PrefetchConfig | None = None,
@@ -131,11 +135,11 @@ class PrefetchScheduler:
                  poll_s: float = 0.05, refresh_s: float = 2.0, retry_s: float = 0.5,
                  margin_s: float = 1.0, dedupe_s: float = 0.5, victim_margin: float = 2.0,
                  repromote: bool = False, protect_s: float = 30.0, confidence: float = 0.7,
-                 horizon_s: float = 30.0, engines=None):
+                 horizon_s: float = 30.0, engines=None, exclusive_after_s: float = 2.0):
         cfg = prefetch_config or PrefetchConfig()
         self.port = ManagerPort(manager, engines)
         if cfg.enabled:
-            self.port.evict_engine_held_first()
+            self.port.evict_engine_held_first(exclusive_after_s, lambda: self.clock())
         self.config = cfg
         self.enabled = cfg.enabled
         self.clock = clock

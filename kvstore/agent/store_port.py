@@ -26,6 +26,7 @@ callback; :meth:`promote` is the store's one promotion path
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 from tiers.base import TierKind
@@ -91,13 +92,33 @@ class ManagerPort:
         h = self.engine_hash(key)
         return h is not None and self.engines.holds(h)
 
-    def evict_engine_held_first(self) -> None:
+    def evict_engine_held_first(self, unless_within_s: float = 0.0,
+                                clock: Callable[[], float] = time.monotonic) -> None:
         """Make the blocks an engine holds, where a lower tier has their copy, the first
         victims of every tier above the last (:attr:`kvstore.store.room.Room.redundant`):
         exclusive caching, as in Wong and Wilkes, "My cache or yours? Making storage more
-        exclusive" (USENIX ATC 2002). No-op when the engines' holdings are unknown."""
-        if self.engines is not None:
+        exclusive" (USENIX ATC 2002), but for blocks the fastest tier's policy predicts to
+        be used within ``unless_within_s`` seconds (at ``clock()``) and blocks an engine
+        stored within the last ``unless_within_s`` seconds (a running request's, whose agent
+        is back soon): an engine short of room drops blocks at any time, and one dropped just
+        before its use is paged back too late, so a block needed soon keeps its copy. No-op
+        when the engines' holdings are unknown."""
+        if self.engines is None:
+            return
+        if unless_within_s <= 0:
             self.manager.room.redundant = self.engine_holds
+            return
+
+        def redundant(key: bytes) -> bool:
+            h = self.engine_hash(key)
+            if h is None or not self.engines.holds(h):
+                return False
+            age = self.engines.held_for(h)
+            if age is not None and age <= unless_within_s:    # just computed: its request runs
+                return False
+            d = self.distance(key, clock())
+            return d is None or d > unless_within_s
+        self.manager.room.redundant = redundant
 
     def engines_dropped(self) -> tuple[list[int], bool]:
         """The hashes of blocks engines dropped since the last call, and whether any held

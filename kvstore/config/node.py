@@ -192,6 +192,7 @@ class PrefetchConfig:
     protect_s: float = 30.0
     confidence: float = 0.7
     horizon_s: float = 30.0
+    exclusive_after_s: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,7 @@ def _validate_prefetch(p: PrefetchConfig) -> None:
         _within(f"prefetch.{name}", getattr(p, name), 0, _WEEK_S, unit=" seconds")
     _within("prefetch.dedupe_s", p.dedupe_s, 0, _HOUR_S, unit=" seconds")
     _within("prefetch.victim_margin", p.victim_margin, 0, 1e6)
+    _within("prefetch.exclusive_after_s", p.exclusive_after_s, 0, 1e6)
     _within("prefetch.confidence", p.confidence, 0, 1)
 
 

@@ -163,7 +163,7 @@ def prefetch_options(p: PrefetchConfig) -> dict[str, Any]:
                 headroom_fraction=p.headroom_fraction, active_protect_s=p.active_protect_s, poll_s=p.poll_s,
                 refresh_s=p.refresh_s, retry_s=p.retry_s, margin_s=p.margin_s, dedupe_s=p.dedupe_s,
                 victim_margin=p.victim_margin, repromote=p.repromote, protect_s=p.protect_s,
-                confidence=p.confidence, horizon_s=p.horizon_s)
+                confidence=p.confidence, horizon_s=p.horizon_s, exclusive_after_s=p.exclusive_after_s)
 
 
 def session_options(s: SessionsConfig) -> dict[str, Any]:

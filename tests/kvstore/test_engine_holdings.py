@@ -254,17 +254,26 @@ def test_a_drop_of_a_block_left_to_the_engine_wakes_the_prefetch_thread():
         s.stop()
 
 
-def test_a_clean_block_the_engine_holds_is_the_first_victim_and_never_the_only_copy():
+def held_blocks(enabled: bool = True, **options):
+    """An HBM tier of 4 blocks over a host tier (write-through, LRU), a scheduler reading one
+    engine's holdings (their clock the test's), and blocks b0..b3 put at t = 0..3."""
     engines = EngineHoldings(["tcp://127.0.0.1:1"])
     clock = Clock()
+    engines.clock = clock
     tiers = [NullTier(TierKind.HBM, 4 * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
     m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock,
                     write_policy="write_through")
-    PrefetchScheduler(m, PrefetchConfig(enabled=True), clock=clock, measure_bandwidth=False, engines=engines)
+    s = PrefetchScheduler(m, PrefetchConfig(enabled=enabled), clock=clock, measure_bandwidth=False, engines=engines,
+                          **options)
     keys = []
     for i in range(4):
         clock.t = float(i)
         keys.append(put_meta(m, f"b{i}", i))
+    return engines, clock, m, s, keys
+
+
+def test_a_clean_block_the_engine_holds_is_the_first_victim_and_never_the_only_copy():
+    engines, clock, m, _, keys = held_blocks()
     engines.apply(0, 0, batch(stored(2)))        # the engine holds b2; b0 is the least recently used
     clock.t = 10.0
     new = put_meta(m, "new", 9)
@@ -275,17 +284,44 @@ def test_a_clean_block_the_engine_holds_is_the_first_victim_and_never_the_only_c
     assert keys[0] not in m.tiers[0] and keys[1] in m.tiers[0]
 
 
+@pytest.mark.parametrize("exclusive_after_s", [2.0, 0.0])
+def test_a_held_block_needed_soon_keeps_its_copy(exclusive_after_s):
+    """Of the blocks an engine holds, only those predicted to be used more than
+    ``exclusive_after_s`` from now are first victims: an engine short of room may drop one
+    needed sooner just before its use (0: every held block, as plain exclusive caching)."""
+    engines, clock, m, s, keys = held_blocks()
+    predicted = {keys[1]: 0.5, keys[2]: 10.0}              # seconds to the next use
+    s.port.distance = lambda key, now: predicted.get(key)
+    s.port.evict_engine_held_first(exclusive_after_s, clock)
+    engines.apply(0, 0, batch(stored(1), stored(2)))       # the engine holds b1 (needed soon) and b2
+    clock.t = 10.0
+    put_meta(m, "new", 9)
+    soon_kept = exclusive_after_s > 0.5
+    assert [k in m.tiers[0] for k in keys] == [True, soon_kept, not soon_kept, True]
+    assert keys[1] in m.tiers[1] and keys[2] in m.tiers[1]
+
+
+def test_a_block_the_engine_has_just_stored_keeps_its_copy():
+    """A block an engine announced within the last ``exclusive_after_s`` belongs to a request
+    that is running (its agent is back soon): not a first victim until then."""
+    engines, clock, m, _, keys = held_blocks(exclusive_after_s=2.0)
+    engines.apply(0, 0, batch(stored(1)))                  # long ago
+    clock.t = 9.5
+    engines.apply(0, 1, batch(stored(2)))                  # just now: its request runs
+    assert engines.held_for(ehash(2)) == 0.0 and engines.held_for(ehash(1)) == 6.5
+    assert engines.held_for(ehash(3)) is None
+    clock.t = 10.0
+    put_meta(m, "new", 9)
+    assert [k in m.tiers[0] for k in keys] == [True, False, True, True]
+    clock.t = 12.0
+    put_meta(m, "new2", 10)                                # b2 stored 2.5 s ago: now a first victim
+    assert [k in m.tiers[0] for k in keys] == [True, False, False, True]
+    engines.apply(0, 2, batch(removed(2)))
+    assert engines.held_for(ehash(2)) is None
+
+
 def test_without_prefetch_the_engines_holdings_change_no_eviction():
-    engines = EngineHoldings(["tcp://127.0.0.1:1"])
-    clock = Clock()
-    tiers = [NullTier(TierKind.HBM, 4 * BLOCK), NullTier(TierKind.HOST, 1000 * BLOCK)]
-    m = TierManager(tiers, [make_policy("lru", t.capacity_bytes) for t in tiers], clock=clock,
-                    write_policy="write_through")
-    PrefetchScheduler(m, PrefetchConfig(enabled=False), clock=clock, measure_bandwidth=False, engines=engines)
-    keys = []
-    for i in range(4):
-        clock.t = float(i)
-        keys.append(put_meta(m, f"b{i}", i))
+    engines, clock, m, _, keys = held_blocks(enabled=False)
     engines.apply(0, 0, batch(stored(2)))
     clock.t = 10.0
     put_meta(m, "new", 9)
