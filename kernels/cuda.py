@@ -225,9 +225,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _checked(block_ids, num_blocks: int) -> torch.Tensor:
     """``block_ids`` as a 1-D int64 tensor, checked against ``num_blocks``: on the host for a
     list or host tensor, on its device for a device tensor (the host waits for it), as is for
-    :class:`~kernels.reference.DeviceIds`."""
-    if isinstance(block_ids, reference.DeviceIds):
-        return reference.block_index(block_ids, num_blocks, block_ids.ids.device)
+    :class:`~kernels.reference.DeviceIds` (:func:`kernels.reference.block_index` takes them)."""
     on_device = isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu"
     return reference.block_index(block_ids, num_blocks, block_ids.device if on_device else "cpu")
 

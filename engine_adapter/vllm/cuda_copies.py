@@ -76,7 +76,7 @@ class CudaSaves:
         head_dim)`` of ``dtype``, pinned while the pinned staging alive stays within
         ``max_pinned_bytes`` (counted until the tensor is freed), else pageable."""
         shape = (num_layers, n, 2, rank_heads, block_tokens, head_dim)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         with self._lock:
             pin = self.pinned_bytes + nbytes <= self.max_pinned_bytes
             if pin:

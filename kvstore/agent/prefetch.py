@@ -121,9 +121,9 @@ class PrefetchScheduler:
             copies in the faster tiers are the first victims when a lower tier holds one
             (None: unknown, every block is paged back).
         exclusive_after_s: of those, only blocks predicted (``next_use``) to be used more
-            than this many seconds from now: a block needed sooner keeps its copy, since an
-            engine under pressure may drop it just before that use, too late to page it
-            back (0: every engine-held block).
+            than this many seconds from now and stored by the engine longer ago than that: a
+            block needed sooner keeps its copy, since an engine under pressure may drop it
+            just before that use, too late to page it back (0: every engine-held block).
     """
 
     def __init__(self, manager, prefetch_config: PrefetchConfig | None = None,

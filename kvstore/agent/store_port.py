@@ -111,10 +111,8 @@ class ManagerPort:
 
         def redundant(key: bytes) -> bool:
             h = self.engine_hash(key)
-            if h is None or not self.engines.holds(h):
-                return False
-            age = self.engines.held_for(h)
-            if age is not None and age <= unless_within_s:    # just computed: its request runs
+            age = self.engines.held_for(h) if h is not None else None     # None: not held
+            if age is None or age <= unless_within_s:       # stored just now: its request runs
                 return False
             d = self.distance(key, clock())
             return d is None or d > unless_within_s
