@@ -54,10 +54,13 @@ def test_two_block_host_tier_without_nvme(tmp_path):
 
 
 def test_two_block_host_tier_with_nvme(tmp_path):
-    # the same, but block 1 is demoted to NVMe, so r3 hits it there
+    # the same, but nothing is lost: r3 hits block 1. Usually r2's put of block 3 demoted it to
+    # NVMe and r3 hits it there; when r2's reads still pin blocks 1 and 2 as that put arrives (a
+    # loaded machine), the put finds no victim in the host tier and lands on NVMe, and r3 hits
+    # block 1 on host. Both are right; which one happens depends on timing.
     rep = run(tmp_path, bytes_per_token=1024, host="1MiB", nvme="2MiB")
-    assert rep.hit_tokens == 1536
-    assert rep.hits_by_tier == {"host": 1024, "nvme": 512}
+    assert rep.hit_tokens == 1536 and rep.put_failures == 0 and rep.blocks_put == 4
+    assert rep.hits_by_tier in ({"host": 1024, "nvme": 512}, {"host": 1536})
 
 
 def test_wrong_bytes_are_counted_as_corrupt(tmp_path):
