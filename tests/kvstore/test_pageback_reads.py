@@ -18,7 +18,7 @@ from kvstore.store.manager import TierManager
 from tiers.base import TierKind
 from tiers.errors import MediaIOError
 from tiers.host import HostTier
-from tiers.nvme.format import DEFAULT_CHUNK_BYTES, header_bytes
+from tiers.nvme.format import DEFAULT_CHUNK_BYTES, block_path, header_bytes
 from tiers.nvme.tier import NVMeTier
 
 BLOCK = 64 << 10
@@ -121,8 +121,7 @@ def test_a_page_back_reads_several_blocks_at_once_and_each_once(on_nvme, monkeyp
 
 
 def flip_a_payload_byte(m: TierManager, k: bytes) -> None:
-    h = k.hex()
-    path = pathlib.Path(m.tiers[1].path) / "blocks" / h[:2] / h[2:4] / h
+    path = pathlib.Path(block_path(str(pathlib.Path(m.tiers[1].path) / "blocks"), k))
     with open(path, "r+b") as f:
         f.seek(header_bytes(BLOCK, DEFAULT_CHUNK_BYTES) + 1000)
         b = f.read(1)

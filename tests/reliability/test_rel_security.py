@@ -388,4 +388,4 @@ def test_hostile_key_bytes_never_become_paths(tmp_path, with_tenants):
     for p in (nvme / "blocks").rglob("*"):
         assert not p.is_symlink()
         rel = p.relative_to(nvme / "blocks").parts
-        assert all(len(part) in (2, 64) and set(part) <= set("0123456789abcdef") for part in rel), rel
+        assert all(len(part) in (3, 64) and set(part) <= set("0123456789abcdef") for part in rel), rel

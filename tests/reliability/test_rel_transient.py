@@ -26,6 +26,7 @@ from kvstore.service.startup import start_server
 from kvstore.store.manager import TierManager
 from rel_support import DaemonProcess, MemTier, key, payload, short_socket_dir, write_toml
 from tiers.base import TierKind
+from tiers.nvme.format import block_path
 from tiers.errors import MediaIOError
 from tiers.host import HostTier
 from tiers.nvme.tier import NVMeTier
@@ -67,8 +68,7 @@ def open_manager(tmp_path) -> TierManager:
 
 
 def block_file(tier: NVMeTier, k: bytes) -> pathlib.Path:
-    h = k.hex()
-    return pathlib.Path(tier.path) / "blocks" / h[:2] / h[2:4] / h
+    return pathlib.Path(block_path(str(pathlib.Path(tier.path) / "blocks"), k))
 
 
 @pytest.mark.parametrize("err", [errno.EMFILE, errno.EIO, errno.ENOSPC], ids=errno.errorcode.get)

@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 from tiers.base import read_bytes
 from tiers.nvme.tier import NVMeTier
-from tiers.nvme.format import DEFAULT_CHUNK_BYTES, file_bytes
+from tiers.nvme.format import DEFAULT_CHUNK_BYTES, block_path, file_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -48,5 +48,4 @@ def block_files(root) -> list[str]:
 
 def file_of(tier_or_path, key: bytes) -> pathlib.Path:
     root = tier_or_path.path if isinstance(tier_or_path, NVMeTier) else tier_or_path
-    h = key.hex()
-    return pathlib.Path(root) / "blocks" / h[:2] / h[2:4] / h
+    return pathlib.Path(block_path(str(pathlib.Path(root) / "blocks"), key))

@@ -13,6 +13,7 @@ import pytest
 from tiers.base import read_bytes
 from tiers.errors import BlockCorrupt
 from tiers.gds import gds_available, gds_info, padded_size, read_block_file, write_block_file
+from tiers.nvme.format import block_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gds_available(), reason=gds_info().reason or "no kvikio")]
 
@@ -114,8 +115,7 @@ def hbm_block(hbm, k: bytes, data: bytes):
 
 
 def file_of(nvme, key: bytes) -> str:
-    h = key.hex()
-    return os.path.join(nvme.path, "blocks", h[:2], h[2:4], h)
+    return block_path(os.path.join(nvme.path, "blocks"), key)
 
 
 @pytest.mark.parametrize("direct", [None, False])

@@ -269,7 +269,7 @@ def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open
     assert (r.dropped, r.temps_removed, r.quarantined, r.adopted) == (2, 1, 3, 0)
     assert sorted(t2.recover()) == [(K(3), 5000), (K(4), 5000)]
     assert t2.used_bytes == 2 * disk_bytes(5000) and len(t2) == 2
-    rel = lambda k: f"{k.hex()[:2]}/{k.hex()[2:4]}/{k.hex()}"       # noqa: E731
+    rel = lambda k: f"{k.hex()[:3]}/{k.hex()}"                      # noqa: E731
     assert block_files(t2.path) == sorted(["README", rel(K(3)), rel(K(4))])
     quarantined = sorted(p.name for p in (pathlib.Path(t2.path) / "quarantine").iterdir())
     assert quarantined == sorted([K(2).hex(), K(9).hex(), K(4).hex()])   # moved, never deleted
@@ -277,6 +277,32 @@ def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open
     t2.close()
     t3 = open_nvme()                                                # the index agrees too
     assert sorted(t3.recover()) == [(K(3), 5000), (K(4), 5000)] and t3.recovery.dropped == 0
+
+
+def test_blocks_of_the_earlier_two_level_layout_are_moved_in_place_at_start(open_nvme):
+    t = open_nvme()
+    for i in range(1, 5):
+        put(t, K(i), payload(K(i), 5000))
+    t.close()
+    blocks = pathlib.Path(t.path) / "blocks"
+    old = lambda k: blocks / k.hex()[:2] / k.hex()[2:4] / k.hex()     # noqa: E731 - blocks/ab/cd/<hex>
+    for i in (1, 2, 3):                                             # as an earlier tier left them
+        old(K(i)).parent.mkdir(parents=True, exist_ok=True)
+        file_of(t, K(i)).rename(old(K(i)))
+    old(K(4)).parent.mkdir(parents=True, exist_ok=True)             # a stale copy of a block in place
+    old(K(4)).write_bytes(file_of(t, K(4)).read_bytes())
+    leftover = old(K(1)).with_name(K(1).hex() + ".tmp")             # an unfinished write of that time
+    leftover.write_bytes(b"partial")
+
+    t2 = open_nvme()
+    r = t2.recovery
+    assert (r.migrated, r.dropped, r.adopted, r.temps_removed, r.quarantined) == (3, 0, 0, 1, 1)
+    assert sorted(t2.recover()) == [(K(i), 5000) for i in range(1, 5)]
+    assert block_files(t2.path) == sorted(f"{K(i).hex()[:3]}/{K(i).hex()}" for i in range(1, 5))
+    assert [p.name for p in (pathlib.Path(t2.path) / "quarantine").iterdir()] == [K(4).hex()]
+    assert not (blocks / K(1).hex()[:2]).exists()                   # the emptied folders removed
+    for i in range(1, 5):
+        assert read(t2, K(i)) == payload(K(i), 5000)
 
 
 def test_reopen_with_smaller_capacity_drops_oldest_blocks(open_nvme):
@@ -360,7 +386,7 @@ def test_hostile_keys_stay_inside_the_tier_folder(open_nvme, tmp_path, key):
     t = open_nvme()
     put(t, key, b"secret")
     h = key.hex()
-    assert block_files(t.path) == [f"{h[:2]}/{h[2:4]}/{h}"]
+    assert block_files(t.path) == [f"{h[:3]}/{h}"]
     outside = [p for p in tmp_path.rglob("*") if p.is_file() and pathlib.Path(t.path) not in p.parents]
     assert outside == []
     assert read(t, key) == b"secret"

@@ -16,7 +16,7 @@ import time
 import lmdb
 import pytest
 
-from nvme_support import ROOT, K, block_files, disk_bytes, payload, put, read
+from nvme_support import ROOT, K, block_files, disk_bytes, file_of, payload, put, read
 from tiers.errors import MediaIOError
 from tiers.nvme import commit as nvme_commit
 
@@ -101,7 +101,7 @@ def test_commits_in_flight_share_an_index_transaction_after_their_flushes(open_n
     assert [len(b) for b in held.batches] == [1, 7]                # 8 commits, 2 index transactions
     assert t._writes.group.batches == 2 and t._writes.group.items == 8
     for k in keys:
-        final = str(pathlib.Path(t.path) / "blocks" / k.hex()[:2] / k.hex()[2:4] / k.hex())
+        final = str(file_of(t, k))
         at = {e: i for i, e in enumerate(map(repr, events))}
         data = at[repr(("data", final + ".tmp"))]
         rename = at[repr(("rename", final))]
@@ -120,10 +120,10 @@ def test_a_new_folder_is_flushed_in_its_parents_before_its_block_is_indexed(open
     real = nvme_commit.fsync_folder
     monkeypatch.setattr(nvme_commit, "fsync_folder", lambda folder: (real(folder), flushed.append(folder))[0])
     put(t, K(1), payload(K(1), 5000))
-    leaf = pathlib.Path(t.path) / "blocks" / K(1).hex()[:2] / K(1).hex()[2:4]
-    assert [str(leaf.parent), str(leaf.parent.parent), str(leaf)] == flushed
-    put(t, K(257), payload(K(257), 5000))                            # the same folders: only the leaf again
-    assert K(257).hex()[:4] == K(1).hex()[:4] and flushed[3:] == [str(leaf)]
+    leaf = file_of(t, K(1)).parent                                  # blocks/abc
+    assert [str(leaf.parent), str(leaf)] == flushed
+    put(t, K(257), payload(K(257), 5000))                            # the same folder: only the leaf again
+    assert K(257).hex()[:3] == K(1).hex()[:3] and flushed[2:] == [str(leaf)]
 
 
 def test_a_failed_flush_fails_that_commit_alone(open_nvme, monkeypatch):
@@ -168,7 +168,7 @@ def test_a_failed_index_transaction_fails_its_batch_and_leaves_nothing(open_nvme
     monkeypatch.undo()
     assert [k in t for k in keys] == [k == first for k in keys]
     assert t.used_bytes == disk_bytes(20_000)
-    assert block_files(t.path) == [f"{first.hex()[:2]}/{first.hex()[2:4]}/{first.hex()}"]
+    assert block_files(t.path) == [f"{first.hex()[:3]}/{first.hex()}"]
     for k in failed:
         put(t, k, payload(k, 20_000))
     assert all(read(t, k) == payload(k, 20_000) for k in keys)

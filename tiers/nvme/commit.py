@@ -115,10 +115,8 @@ class Reservations:
         return os.open(temp, self._new_flags, 0o600)
 
     def _make_folder(self, folder: str) -> None:
-        """Create a block's folder ``blocks/ab/cd`` (and ``blocks/ab``) unless it exists: one
-        ``mkdir`` when it does not, none of ``os.makedirs``' checks (a new tier creates a
-        folder for almost every block). With fsync the new folders' names are flushed."""
-        parent = os.path.dirname(folder)
+        """Create a block's folder ``blocks/abc`` unless it exists: one ``mkdir`` when it does
+        not, none of ``os.makedirs``' checks. With fsync the new folder's name is flushed."""
         try:
             os.mkdir(folder, 0o700)
         except FileExistsError:
@@ -126,8 +124,7 @@ class Reservations:
         except FileNotFoundError:
             os.makedirs(folder, mode=0o700, exist_ok=True)
         if self._fsync:
-            fsync_folder(parent)
-            fsync_folder(os.path.dirname(parent))
+            fsync_folder(os.path.dirname(folder))
 
     def write(self, key: bytes, offset: int, src: memoryview) -> None:
         with self._lock:

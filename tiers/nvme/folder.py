@@ -38,7 +38,8 @@ class BlockFolder:
         fsync: flush the index to the device with every update.
         map_size: initial LMDB map size in bytes.
         spare_files: most freed files kept for reuse in ``path/spare`` (0: none).
-        spare_bytes: most bytes those files may hold (None: capacity / 16, at most 1 GiB).
+        spare_bytes: most bytes those files may hold (None: the capacity; blocks and spare
+            files together still never exceed it, :mod:`tiers.nvme.spare`).
         rebuild_index: move the index aside and rebuild it from the block files' headers.
 
     Attributes:
@@ -77,9 +78,6 @@ class BlockFolder:
             raise MediaUnavailable(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT (direct=True)")
         self.direct = accepted
         self.spares: SpareFiles | None = None
-        if spare_files > 0:
-            limit = min(capacity // 16, 1 << 30) if spare_bytes is None else spare_bytes
-            self.spares = SpareFiles(os.path.join(self.path, "spare"), spare_files, limit)
         self.space = Space(self.path, capacity, lambda: self.spare_bytes, self.name)
         report = self.recovery = RecoveryReport()
         try:
@@ -96,6 +94,10 @@ class BlockFolder:
         if self.space.used > capacity:
             report.trimmed = trim_to_capacity(self.index, self.space, self.remove_file, self.name)
         report.blocks, report.file_bytes = len(self.index.entries), self.space.used
+        if spare_files > 0:               # adopts the spare files a previous run left, within the room
+            limit = spare_bytes if spare_bytes is not None else (lambda: self.space.capacity)
+            self.spares = SpareFiles(os.path.join(self.path, "spare"), spare_files, limit,
+                                     adopt_bytes=max(0, capacity - self.space.used) if spare_bytes is None else None)
         level = logging.WARNING if (report.quarantined or report.index_damage) else logging.INFO
         log.log(level, "%s: opened %s: %s", self.name, self.path, report.summary())
 

@@ -5,14 +5,19 @@ Folder (the tier's ``path``)::
     path/LOCK                          flock'ed by the one process that owns the folder
     path/index/data.mdb                LMDB index (see "Index" below); a cache of the headers
     path/index.damaged-<UTC time>/     a damaged index moved aside, kept for inspection
-    path/blocks/ab/cd/<key hex>        one block file: 64 lowercase hex digits of the key,
-                                       ab and cd being its first four hex digits
-    path/blocks/ab/cd/<key hex>.tmp    a block being written: never read, removed at start
+    path/blocks/abc/<key hex>          one block file: 64 lowercase hex digits of the key,
+                                       abc being its first three hex digits
+    path/blocks/abc/<key hex>.tmp      a block being written: never read, removed at start
     path/spare/<number>                freed block files kept for reuse; they hold no block
     path/quarantine/<name>             files found with a bad header or in the wrong place,
                                        moved aside at start (never deleted by the tier)
 
-Keys appear on disk only as hex, so no key, however hostile, names another path.
+Keys appear on disk only as hex, so no key, however hostile, names another path. The
+4,096 block folders are made as blocks first land in them: a folder costs one ``mkdir``
+in the tier's life (an ext4 ``mkdir`` cost about 0.5 ms of CPU here, and earlier tiers'
+two levels, ``blocks/ab/cd/``, made up to 65,536 of them: a new tier paid one for almost
+every block). A folder in that earlier layout has its block files moved into this one
+when the tier opens (:mod:`tiers.nvme.recover`).
 
 Block file (format version 1), all integers little-endian::
 
@@ -281,10 +286,14 @@ class IndexEntry:
 # ---------------------------------------------------------------------- names
 
 
+FOLDER_DIGITS = 3
+"""A block's folder is named by the first this many hex digits of its key."""
+
+
 def block_path(blocks_dir: str, key: bytes) -> str:
-    """Path of a block's file under ``blocks_dir``."""
+    """Path of a block's file under ``blocks_dir``: ``blocks_dir/abc/<key hex>``."""
     h = key.hex()
-    return f"{blocks_dir}{os.sep}{h[:2]}{os.sep}{h[2:4]}{os.sep}{h}"
+    return f"{blocks_dir}{os.sep}{h[:FOLDER_DIGITS]}{os.sep}{h}"
 
 
 def key_of_name(name: str) -> bytes | None:
@@ -295,6 +304,6 @@ def key_of_name(name: str) -> bytes | None:
 
 
 __all__ = ["BlockHeader", "DEFAULT_CHUNK_BYTES", "FORMAT_KEY", "FORMAT_VALUE", "FORMAT_VERSION",
-           "HeaderError", "IndexEntry", "KEY_BYTES", "MAGIC", "PAGE", "block_path", "ceil_page",
+           "FOLDER_DIGITS", "HeaderError", "IndexEntry", "KEY_BYTES", "MAGIC", "PAGE", "block_path", "ceil_page",
            "check_chunk_bytes", "chunk_sums", "decode_header", "encode_header", "file_bytes",
            "floor_page", "header_bytes", "header_length", "key_of_name", "num_chunks", "read_header"]

@@ -21,6 +21,12 @@ index entry without a file                      dropped
 any other name                                  left alone, with a warning
 ==============================================  =========================================
 
+Before that, a folder of the earlier two-level layout (``blocks/ab/cd/<hex>``) has each
+block file whose name fits it moved to its place in today's layout (``blocks/abc/<hex>``,
+:func:`tiers.nvme.format.block_path`), unless a file is there already; what stays in it
+is handled as above (a block file there is in the wrong folder), and the folder is
+removed once empty.
+
 So a damaged or lost index costs no block: the tier rebuilds it from the headers.
 """
 
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
-from tiers.nvme.format import HeaderError, IndexEntry, key_of_name, read_header
+from tiers.nvme.format import HeaderError, IndexEntry, block_path, key_of_name, read_header
 from tiers.nvme.index import BlockIndex
 
 log = logging.getLogger("kvstore.tiers.nvme")
@@ -52,6 +58,7 @@ class RecoveryReport:
         unreadable: block files that could not be opened or read (EMFILE, EIO): left
             in place, neither quarantined nor deleted.
         temps_removed: temp files of unfinished writes deleted.
+        migrated: block files moved from the earlier two-level folder layout.
         trimmed: oldest blocks deleted because they exceeded the capacity.
         index_damage: why the old index could not be used (None when it could).
         index_moved_to: where the old index was moved (None when it was not).
@@ -68,6 +75,7 @@ class RecoveryReport:
     unreadable: int = 0
     temps_removed: int = 0
     trimmed: int = 0
+    migrated: int = 0
     index_damage: str | None = None
     index_moved_to: str | None = None
     index_rebuilt: bool = False
@@ -84,6 +92,7 @@ class RecoveryReport:
         for label, n in (("indexed from their headers", self.adopted), ("index entries corrected", self.corrected),
                          ("index entries without a file dropped", self.dropped),
                          ("temp files removed", self.temps_removed),
+                         ("block files moved from the earlier folder layout", self.migrated),
                          ("block files that could not be read, left in place", self.unreadable),
                          ("oldest blocks deleted to fit the capacity", self.trimmed)):
             if n:
@@ -127,17 +136,23 @@ def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: R
     quarantine = _Quarantine(quarantine_dir, report)
     kept: dict[bytes, IndexEntry] = {}
     updates: list[tuple[bytes, IndexEntry]] = []
+    _migrate_two_levels(blocks_dir, report)
     for top in os.scandir(blocks_dir):
         if not top.is_dir(follow_symlinks=False):
             log.warning("leaving alone an unknown file %s", top.path)
             continue
-        for sub in os.scandir(top.path):
+        if len(top.name) != 2:
+            for f in os.scandir(top.path):
+                _classify(f, top.name, index, kept, updates, quarantine, report)
+            continue
+        for sub in os.scandir(top.path):    # what the earlier layout's migration left
             if not sub.is_dir(follow_symlinks=False):
                 log.warning("leaving alone an unknown file %s", sub.path)
                 continue
-            prefix = top.name + sub.name
             for f in os.scandir(sub.path):
-                _classify(f, prefix, index, kept, updates, quarantine, report)
+                _classify(f, None, index, kept, updates, quarantine, report)
+            _remove_empty(sub.path)
+        _remove_empty(top.path)
     dropped = [k for k in index.entries if k not in kept]
     try:
         if dropped:
@@ -154,8 +169,44 @@ def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: R
     report.dropped += len(dropped)
 
 
-def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, updates: list,
+def _migrate_two_levels(blocks_dir: str, report: RecoveryReport) -> None:
+    """Move the block files of the earlier layout's folders (``ab/cd/<hex>``, ``abcd`` the
+    key's first four hex digits) to today's (``abc/<hex>``) when no file is there yet
+    (:func:`reconcile` then removes the folders once emptied). Fills ``report.migrated``."""
+    olds = [top for top in os.scandir(blocks_dir) if len(top.name) == 2 and top.is_dir(follow_symlinks=False)]
+    for top in olds:
+        for sub in os.scandir(top.path):
+            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
+                continue
+            for f in os.scandir(sub.path):
+                key = key_of_name(f.name)
+                if key is None or not f.name.startswith(top.name + sub.name) or not f.is_file(follow_symlinks=False):
+                    continue
+                target = block_path(blocks_dir, key)
+                try:
+                    os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+                    if os.path.lexists(target):
+                        continue            # left where it is: in the wrong folder then
+                    os.rename(f.path, target)
+                    report.migrated += 1
+                except OSError as e:
+                    log.warning("cannot move %s to %s: %s", f.path, target, e)
+    if report.migrated:
+        log.info("moved %d block files from the earlier two-level folder layout of %s",
+                 report.migrated, blocks_dir)
+
+
+def _remove_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:                         # not empty: something stays there
+        pass
+
+
+def _classify(f: os.DirEntry, prefix: str | None, index: BlockIndex, kept: dict, updates: list,
               quarantine: _Quarantine, report: RecoveryReport) -> None:
+    """``f`` in a block folder named ``prefix`` (None: a folder of the earlier layout, where
+    a block file is in the wrong folder)."""
     name = f.name
     if name.endswith(".tmp") and key_of_name(name[:-4]) is not None:
         try:
@@ -168,7 +219,7 @@ def _classify(f: os.DirEntry, prefix: str, index: BlockIndex, kept: dict, update
     if key is None:
         log.warning("leaving alone an unknown file %s", f.path)
         return
-    if not name.startswith(prefix):
+    if prefix is None or not name.startswith(prefix):
         quarantine.move(f.path, "a block file in the wrong folder")
         return
     if not f.is_file(follow_symlinks=False):

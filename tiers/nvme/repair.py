@@ -11,7 +11,7 @@ import lmdb
 import xxhash
 
 from tiers.errors import MediaUnavailable
-from tiers.nvme.format import FORMAT_KEY, HeaderError, IndexEntry, key_of_name, read_header
+from tiers.nvme.format import FOLDER_DIGITS, FORMAT_KEY, HeaderError, IndexEntry, key_of_name, read_header
 from tiers.nvme.index import check_data_file
 from tiers.nvme.recover import RecoveryReport
 from tiers.nvme.tier import NVMeTier
@@ -54,7 +54,7 @@ def audit_folder(path: str | os.PathLike, verify_payload: bool = True) -> dict:
                 out["other"] += 1
                 continue
             out["files"] += 1
-            if os.path.relpath(root, os.path.join(folder, "blocks")) != os.path.join(name[:2], name[2:4]):
+            if os.path.relpath(root, os.path.join(folder, "blocks")) != name[:FOLDER_DIGITS]:
                 out["misplaced"] += 1
             entry = index.get(key)
             if entry is None:

@@ -5,6 +5,14 @@ one 0.4-3 ms (the mount discards freed extents), renaming one ~30 us. So a freed
 file is renamed into ``spare/`` and a new block's temp file is a spare renamed into
 place, overwritten and cut to its new length before it gets a block's name. Spare
 files are outside the tier's capacity accounting and bounded (count and bytes).
+
+Reuse is also what makes writes fast: an O_DIRECT write into a file's existing extents
+is an overwrite, a write into a new file allocates its extents. On this team's ext4
+machine, 4 threads writing 1 MiB blocks moved 5.7-6.2 GB/s into reused files against
+2.0-2.9 GB/s into new ones. So by default the spare files may hold up to the tier's
+whole capacity. That never puts more than the capacity on disk: a free turns a block's
+bytes into spare bytes, a new block takes a spare file whenever there is one, and it
+makes a new file only when there is none, when the blocks alone are on disk.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Callable
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -21,15 +30,19 @@ class SpareFiles:
 
     :meth:`give` renames a freed block's file in; :meth:`take` hands out the most recently
     given one (LIFO: its extents are likely the right size already). At most ``max_files``
-    files and ``max_bytes`` bytes (as given to :meth:`give`) are held. Spare files contain no
+    files and ``max_bytes`` bytes (as given to :meth:`give`; a callable is read at each
+    :meth:`give`) are held, and a previous run's files are adopted up to ``adopt_bytes``
+    (default ``max_bytes``). Spare files contain no
     block: whatever stale bytes they hold are overwritten, and cut, before they carry a
     block's name again.
     """
 
-    def __init__(self, folder: str, max_files: int, max_bytes: int):
+    def __init__(self, folder: str, max_files: int, max_bytes: int | Callable[[], int],
+                 adopt_bytes: int | None = None):
         self.folder = folder
         self.max_files = max_files
-        self.max_bytes = max_bytes
+        self._max_bytes = max_bytes if callable(max_bytes) else (lambda: max_bytes)
+        self._adopt_bytes = self._max_bytes() if adopt_bytes is None else adopt_bytes
         self._files: list[tuple[str, int]] = []         # (path, bytes), most recent last
         self._count = 0                                 # files held or being moved in
         self._bytes = 0
@@ -42,6 +55,7 @@ class SpareFiles:
     def _adopt(self) -> None:
         """Register the files a previous run left, within the limits; delete the others."""
         found, removed = [], 0
+        limit = self._adopt_bytes
         for entry in os.scandir(self.folder):
             if entry.name.isdigit() and entry.is_file(follow_symlinks=False):
                 found.append((int(entry.name), entry.path, entry.stat(follow_symlinks=False).st_size))
@@ -49,7 +63,7 @@ class SpareFiles:
                 found.append((-1, entry.path, 0))
         for number, path, size in sorted(found):
             self._next = max(self._next, number + 1)
-            if number >= 0 and self._count < self.max_files and self._bytes + size <= self.max_bytes:
+            if number >= 0 and self._count < self.max_files and self._bytes + size <= limit:
                 self._files.append((path, size))
                 self._count += 1
                 self._bytes += size
@@ -83,8 +97,9 @@ class SpareFiles:
     def give(self, path: str, size: int) -> bool:
         """Move the file at ``path`` (at most ``size`` bytes) into the pool. False when the pool
         is full or the file cannot be moved (the caller then deletes it)."""
+        limit = self._max_bytes()
         with self._lock:
-            if self._closed or self._count >= self.max_files or self._bytes + size > self.max_bytes:
+            if self._closed or self._count >= self.max_files or self._bytes + size > limit:
                 return False
             spare = os.path.join(self.folder, str(self._next))
             self._next += 1

@@ -108,9 +108,12 @@ class NVMeTier(Tier):
             blocks (a read of a cached block skips its header).
         read_threads: threads issuing the separate reads of one ranged read together
             (a TP rank's KV heads); 1 reads them one by one.
-        spare_files: most freed files kept for reuse in ``path/spare`` (0: none).
-        spare_bytes: most bytes those files may hold (default: capacity / 16, at most
-            1 GiB); they are on disk in addition to :attr:`used_bytes`.
+        spare_files: most freed files kept for reuse in ``path/spare`` (0: none); a write
+            into a reused file overwrites its extents (2-3x faster than into a new file
+            on ext4: :mod:`tiers.nvme.spare`).
+        spare_bytes: most bytes those files may hold, on disk in addition to
+            :attr:`used_bytes`; default: the capacity (blocks and spare files together
+            still never take more than ``capacity_bytes``: :mod:`tiers.nvme.spare`).
         rebuild_index: move the index aside and rebuild it from the block files
             (what :func:`tiers.nvme.repair.repair_index` does).
 
@@ -131,7 +134,7 @@ class NVMeTier(Tier):
                  io: str = "auto", fsync: bool = False, direct: bool | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, map_size: int = 1 << 30,
                  max_buffer_bytes: int = 64 << 20, header_cache_bytes: int = 32 << 20, read_threads: int = 4,
-                 spare_files: int = 256, spare_bytes: int | None = None, rebuild_index: bool = False):
+                 spare_files: int = 16384, spare_bytes: int | None = None, rebuild_index: bool = False):
         if io not in IO_CHOICES:
             raise ValueError(f"io must be one of {', '.join(IO_CHOICES)}, got {io!r}")
         if io == "gds" and not gds_available():
