@@ -18,7 +18,6 @@ import threading
 import time
 
 import grpc
-import numpy as np
 
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
@@ -29,7 +28,7 @@ from kvstore.client.lease_releaser import LeaseReleaser
 from kvstore.client.raw import RawPath
 from kvstore.client.table_read import table_copy, table_lookup
 from kvstore.common.arena import ARENA_CHANGED
-from kvstore.common.arena_wire import MAX_FRAME_KEYS
+from kvstore.common.arena_wire import MAX_FRAME_BYTES, MAX_FRAME_KEYS
 from kvstore.common.host_copy import copy, copy_slots
 from kvstore.common.transport import parts
 from kvstore.common.types import LookupResult, PutResult
@@ -83,7 +82,7 @@ class ArenaPath:
         self._unavailable_seen = 0
         self._map_lock = threading.Lock()
         self.releaser = LeaseReleaser(connection, channel=lambda: self.channel(self._arena))
-        self._put = ArenaPut(self.call, connection.stub.Reserve, connection.stub.Commit, raw.put,
+        self._put = ArenaPut(self.put_call, connection.stub.Reserve, connection.stub.Commit, raw.put,
                              connection.per_request)
 
     @property
@@ -163,6 +162,27 @@ class ArenaPath:
             if isinstance(error, errors.FeatureDisabled) and ARENA_CHANGED in (e.details() or ""):
                 raise self._drop(arena, e.details()) from None
             raise error from None
+
+    def put_call(self, method, request, timeout: float | None, arena):
+        """A zero-copy put's Reserve or Commit: a control frame on ``arena``'s session when the
+        daemon takes them there (one unix-socket round trip; the channel busy or the frame
+        too large: gRPC), else :meth:`call`. Answers have the reply messages' attribute
+        names. Raises as :meth:`call`."""
+        ch = self.channel(arena)
+        if ch is not None and ch.puts and len(request.keys) <= MAX_FRAME_KEYS:
+            t = timeout or self._conn.timeout
+            if isinstance(request, pb.ReserveRequest):
+                metas = [m.SerializeToString() for m in request.meta] if request.meta else None
+                if 16 + 40 * len(request.keys) + sum(4 + len(m) for m in metas or ()) <= MAX_FRAME_BYTES:
+                    got = self.control(arena, ch.reserve, list(request.keys), list(request.sizes),
+                                       request.ttl_seconds, metas, t)
+                    if got is not None:
+                        return got
+            else:
+                got = self.control(arena, ch.commit, list(request.keys), request.abort, t)
+                if got is not None:
+                    return got
+        return self.call(method, request, timeout, arena)
 
     @staticmethod
     def channel(arena):

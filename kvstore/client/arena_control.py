@@ -1,9 +1,11 @@
-"""The client's side of the same-node control frames: Lookup, Lease and Release without gRPC.
+"""The client's side of the same-node control frames: Lookup, Lease, Release, Reserve and Commit without gRPC.
 
 A mapping made with hello version 3 (:class:`kvstore.client.arena_mapping.ArenaMapping`)
 whose daemon answered ``control`` 1 holds a :class:`ControlChannel` on its session
 connection; the arena path (:mod:`kvstore.client.arena`) and the client's ``lookup``,
-``lease`` and ``release`` use it instead of gRPC (the frames: :mod:`kvstore.common.arena_wire`).
+``lease``, ``release`` and zero-copy ``put_from`` use it instead of gRPC (the frames:
+:mod:`kvstore.common.arena_wire`; Reserve and Commit only when the daemon says it takes
+them, :attr:`ControlChannel.puts`).
 One request is on the connection at a time: a call that finds it busy for longer than
 :data:`BUSY_WAIT_S` (another thread of the client is waiting for its answer) is told so
 (None) and goes by gRPC, so threads never queue behind each other's slow calls. A call that waits past its deadline raises StoreUnavailable;
@@ -23,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 from kvstore.common import arena_wire as w
 from kvstore.common import errors
@@ -78,6 +81,22 @@ class LeaseAnswer:
         self.tier_codes = payload[fixed + 16 * count:]
 
 
+class ReserveAnswer(NamedTuple):
+    """A RESERVE answer, with the attribute names of ``ReserveReply``: per block its arena
+    ``offsets`` (bytes) and ``status`` (``ReserveStatus`` codes), and the first refusal's ``detail``."""
+
+    offsets: tuple[int, ...]
+    status: bytes
+    detail: str
+
+
+class CommitAnswer(NamedTuple):
+    """A COMMIT answer, with the attribute names of ``CommitReply``."""
+
+    committed: int
+    bytes_committed: int
+
+
 class ControlChannel:
     """Control frames on a session connection ``sock`` (a connected unix socket that the
     caller keeps open and closes)."""
@@ -91,6 +110,8 @@ class ControlChannel:
         self._buf = bytearray(64 << 10)
         self._have = 0
         self.lost = False
+        self.puts = False
+        """The daemon takes a zero-copy put's Reserve and Commit as frames (set by the mapping)."""
         self._notes: list[bytes] = []
         self._notes_bytes = 0
         self._notes_lock = threading.Lock()
@@ -146,6 +167,32 @@ class ControlChannel:
                 return None if start == 0 else total
             total += got[0]
         return total
+
+    def reserve(self, keys: list[bytes], sizes: list[int], ttl_s: float, metas: list[bytes] | None,
+                timeout: float) -> ReserveAnswer | None:
+        """Reserve arena room for ``keys`` (at most :data:`~kvstore.common.arena_wire.MAX_FRAME_KEYS`)
+        of ``sizes`` bytes for ``ttl_s`` seconds (``metas``: serialized ``BlockMeta`` per
+        key, or None); None when the channel is busy (nothing was sent). Raises as :meth:`lookup`."""
+        got = self._call(lambda seq: w.reserve_frame(seq, keys, sizes, ttl_s, metas), w.RESERVE, timeout)
+        if got is None:
+            return None
+        count, payload = got
+        if count != len(keys) or len(payload) < 9 * count:
+            raise self._broken(f"a RESERVE answer of {len(payload)} bytes for {count} of {len(keys)} blocks")
+        return ReserveAnswer(struct.unpack_from(f"<{count}Q", payload), payload[8 * count:9 * count],
+                             bytes(payload[9 * count:]).decode("utf-8", "replace"))
+
+    def commit(self, keys: list[bytes], abort: bool, timeout: float) -> CommitAnswer | None:
+        """Commit (``abort``: drop) the reservations of ``keys``; None when the channel is
+        busy (nothing was sent). Raises as :meth:`lookup` (BlockNotFound: a reservation
+        ended, none committed)."""
+        got = self._call(lambda seq: w.commit_frame(seq, keys, abort), w.COMMIT, timeout)
+        if got is None:
+            return None
+        count, payload = got
+        if len(payload) != w.COMMIT_ANSWER.size:
+            raise self._broken(f"a COMMIT answer of {len(payload)} bytes")
+        return CommitAnswer(count, w.COMMIT_ANSWER.unpack(payload)[0])
 
     def note(self, keys: list[bytes], *, lookup: bool = False) -> bool:
         """Queue a frame the daemon does not answer saying that ``keys`` (at most

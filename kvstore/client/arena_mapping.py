@@ -138,6 +138,9 @@ class ArenaMapping:
         if not self.session:
             self._conn.close()       # nothing to keep alive
         self.control = ControlChannel(self._conn) if served else None
+        if self.control is not None:    # the daemon takes Reserve and Commit frames (the last field)
+            at = 5 if hello is HELLO_TABLE else 4
+            self.control.puts = len(fields) > at and fields[at] == b"1"
         self.size = size
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         words_enabled()             # the copy loop is chosen with the mapping, not on the first get

@@ -19,7 +19,10 @@ client then uses gRPC for them). Version 4 (:data:`HELLO_TABLE`): as version 3, 
 field, ``1`` when two more descriptors follow the memfd: the arena's block table (read-only)
 and the session's reader page (:mod:`tiers.block_table`), which let the client find and copy
 host blocks with no round trip; ``0`` when the daemon keeps no table (or serves no control
-frames to this session). A daemon that does not know a version answers its hello
+frames to this session). Versions 3 and 4 end with one more field (the fifth, the sixth),
+``1`` when the session also takes a zero-copy put's Reserve and Commit as control frames
+(older daemons send no such field: the client then reserves and commits by gRPC). A
+daemon that does not know a version answers its hello
 ``ERR bad request``; the client says the version below instead.
 """
 

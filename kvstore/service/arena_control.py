@@ -1,11 +1,12 @@
-"""The daemon's side of the same-node control frames: Lookup, Lease and Release on the session.
+"""The daemon's side of the same-node control frames: Lookup, Lease, Release, Reserve and Commit on the session.
 
 A client that said hello version 3 (:mod:`kvstore.common.arena`) and was granted a served
 session sends control frames (:mod:`kvstore.common.arena_wire`) on its arena connection.
 :meth:`ArenaControl.serve` runs on that session's own thread
 (:meth:`kvstore.service.liveness.ClientSessions.open_served`): it reads a frame, calls the
-store directly (the same manager calls, checks and limits as the gRPC ``Lookup``, ``Lease``
-and ``Release`` handlers of :mod:`kvstore.service.server`), answers, and only then does the
+store directly (the same manager calls, checks and limits as the gRPC ``Lookup``, ``Lease``,
+``Release``, ``Reserve`` and ``Commit`` handlers of :mod:`kvstore.service.server`; the last
+two share :mod:`kvstore.service.arena_puts`), answers, and only then does the
 bookkeeping that the answer does not need, when no frame waits: the policies' touches of the
 leased blocks (they are pinned already), the reuse statistics of a lookup, the metrics. One thread per session
 blocked in ``recv``: an answer costs one wake-up, and a slow call (a lease that pages blocks
@@ -32,8 +33,9 @@ from typing import Callable
 
 from kvstore.common import arena_wire as w
 from kvstore.common.errors import KVStoreError
+from kvstore.service.arena_puts import commit_blocks, reserve_blocks
 from kvstore.service.auth import SHARED, KeySpace
-from kvstore.service.validate import check_ttl
+from kvstore.service.validate import check_meta, check_ttl, decode_meta
 from kvstore.store.manager import MAX_LEASE_TTL_S, TierManager
 
 log = logging.getLogger("kvstore.service.arena_control")
@@ -148,7 +150,8 @@ class ArenaControl:
         op, flags, key_bytes, _, seq, count = _BODY.unpack_from(frame)
         payload = memoryview(frame)[_BODY.size:]
         t0 = time.perf_counter()
-        name = {w.LOOKUP: "Lookup", w.LEASE: "Lease", w.RELEASE: "Release", w.TOUCH: "Touch"}.get(op, "")
+        name = {w.LOOKUP: "Lookup", w.LEASE: "Lease", w.RELEASE: "Release", w.TOUCH: "Touch",
+                w.RESERVE: "Reserve", w.COMMIT: "Commit"}.get(op, "")
         try:
             if op == w.LOOKUP:
                 reply = self._lookup(seq, payload, count, key_bytes, space, after)
@@ -162,6 +165,13 @@ class ArenaControl:
                 reply = self._lease(seq, flags, payload, count, key_bytes, session, space, after)
             elif op == w.RELEASE:
                 reply = self._release(seq, flags, payload, count, space)
+            elif op == w.RESERVE:
+                reply = self._reserve(seq, flags, payload, count, key_bytes, session, space)
+            elif op == w.COMMIT:
+                committed, nbytes = commit_blocks(self.manager, space, w.split_keys(payload, count, key_bytes),
+                                                  session, bool(flags & w.ABORT))
+                reply = w.header(w.COMMIT | w.REPLY, 0, seq, committed, w.COMMIT_ANSWER.size) + \
+                    w.COMMIT_ANSWER.pack(nbytes)
             else:
                 raise w.FrameError(f"unknown control op {op}")
         except Exception as exc:  # noqa: BLE001 - every failure is an answer, never a crash
@@ -206,6 +216,15 @@ class ArenaControl:
         arrays = struct.pack(f"<{2 * n}Q", *offsets, *sizes)
         codes = bytes([t or 0 for t in tiers])      # a miss has no tier
         return w.header(w.LEASE | w.REPLY, 0, seq, n, len(fixed) + len(arrays) + n) + fixed + arrays + codes
+
+    def _reserve(self, seq, flags, payload, count, key_bytes, session: str, space: KeySpace) -> bytes:
+        ttl, sizes, keys, raw_metas = w.split_reserve(payload, count, key_bytes, flags)
+        metas = [check_meta(decode_meta(m)) for m in raw_metas] if raw_metas is not None else None
+        ttl = min(check_ttl(ttl, "ttl_seconds", self.lease_ttl_s, MAX_LEASE_TTL_S), self.lease_ttl_s)
+        offsets, statuses, detail = reserve_blocks(self.manager, space, keys, sizes, metas, ttl, session)
+        n = len(offsets)
+        body = struct.pack(f"<{n}Q", *offsets) + bytes(statuses) + detail.encode("utf-8", "replace")[:4096]
+        return w.header(w.RESERVE | w.REPLY, 0, seq, n, len(body)) + body
 
     def _release(self, seq, flags, payload, count, space: KeySpace) -> bytes | None:
         if len(payload) != count * w.LEASE_ID_BYTES:

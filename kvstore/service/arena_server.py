@@ -12,7 +12,8 @@ client's session (:mod:`kvstore.service.liveness`), and what the session holds i
 reclaimed when it closes. Hello version 3 (``KVSTORE-ARENA 3``) gets
 ``OK <bytes> <session> <longest lease TTL> <control>``: with ``control`` 1 the session has a
 thread of its own that answers Lookup, Lease and Release frames on the connection
-(:mod:`kvstore.service.arena_control`), so a same-node read makes no gRPC call; ``0`` when
+(:mod:`kvstore.service.arena_control`), so a same-node read makes no gRPC call (version 4
+sessions also send Reserve and Commit there, so a zero-copy put makes none either); ``0`` when
 the daemon serves no control frames (none configured, or :data:`~kvstore.service.liveness.MAX_SERVED`
 sessions served already).
 
@@ -216,6 +217,8 @@ class ArenaServer:
                     if served and self.table is not None and space.shared:   # a tenant's keys are not the table's
                         extra = self._table_fds(served)
                     reply += b" %d" % bool(extra)
+                if controlled:                         # Reserve and Commit as frames too: the last field
+                    reply += b" %d" % bool(served)
                 reply += b"\n"
             socket.send_fds(conn, [reply], fds + extra)
         finally:

@@ -45,8 +45,9 @@ from kvstore.service.streams import StreamGuard, on_pool
 from kvstore.common.arena import ARENA_CHANGED, ARENA_HEADER, SESSION_HEADER
 from kvstore.common.transport import FRAMING_BYTES
 from kvstore.service.hints import HintHandlers
+from kvstore.service.arena_puts import commit_blocks, reserve_blocks
 from kvstore.common.byte_ranges import check_byte_ranges
-from kvstore.service.validate import (check_chunk_keys, check_keys, check_meta, check_number, check_size,
+from kvstore.service.validate import (check_chunk_keys, check_keys, check_meta, check_number,
                                       check_ttl, decode_meta)
 from kvstore.common.wire import META, FrameError, decode
 
@@ -329,59 +330,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveReply:
         space = self._space(context)
         self._check_arena(context)
-        m = self.manager
-        shared = m.shared_tier
-        if shared is None:
-            raise errors.FeatureDisabled("no shared host arena: zero-copy puts are off (use Put)")
         keys = check_keys(request.keys)
-        if len(request.sizes) != len(keys):
-            raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.sizes)} sizes")
         if request.meta and len(request.meta) != len(keys):
             raise errors.InvalidRequest(f"{len(keys)} keys but {len(request.meta)} block metas")
-        metas = [check_meta(m) for m in request.meta] if request.meta else [None] * len(keys)
-        sizes = [check_size(s, f"sizes[{i}]") for i, s in enumerate(request.sizes)]
-        ttl = self._ttl(request.ttl_seconds)
-        reply = pb.ReserveReply()
-        session = self._session(context)
-        if not session:
-            raise errors.FeatureDisabled(f"a zero-copy put names the client's same-node session "
-                                         f"({SESSION_HEADER}, handed out with the arena): map the arena "
-                                         f"first, or use Put")
-        for key, size, meta in zip(keys, sizes, metas):
-            offset, status, detail = m.reserve_shared(space.internal(key), size, space.tenant, ttl, meta, session)
-            reply.offsets.append(offset)
-            reply.status.append(status)
-            if detail and not reply.detail:
-                reply.detail = f"block {key.hex()[:16]}: {detail}"
-        return reply
+        metas = [check_meta(m) for m in request.meta] if request.meta else None
+        offsets, status, detail = reserve_blocks(self.manager, space, keys, request.sizes, metas,
+                                                 self._ttl(request.ttl_seconds), self._session(context))
+        return pb.ReserveReply(offsets=offsets, status=status, detail=detail)
 
     @_unary
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitReply:
         space = self._space(context)
         self._check_arena(context)
-        m = self.manager
-        committed = nbytes = 0
-        keys = check_keys(request.keys)
-        first: dict[bytes, int] = {}
-        for i, k in enumerate(keys):     # a reservation is committed once: refuse before committing any
-            j = first.setdefault(k, i)
-            if j != i:
-                raise errors.InvalidRequest(f"keys[{i}] repeats keys[{j}]: each reservation is committed once")
-        session = self._session(context)
-        claims, missing = [], None
-        for k in keys:
-            try:
-                claims.append(m.find_claim(space.internal(k), space.tenant, session))
-            except errors.BlockNotFound as e:
-                missing = missing or e
-        if request.abort or missing is not None:    # a Commit is all or none: the client puts
-            for claim in claims:                    # the batch again by gRPC
-                m.abort_put(claim)
-            if not request.abort:
-                raise missing
-        else:
-            m.commit_puts(claims, in_place=True)      # one put call: the cluster's write-through batched
-            committed, nbytes = len(claims), sum(c.size for c in claims)
+        committed, nbytes = commit_blocks(self.manager, space, check_keys(request.keys), self._session(context),
+                                          request.abort)
         return pb.CommitReply(committed=committed, bytes_committed=nbytes)
 
 
