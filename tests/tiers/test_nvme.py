@@ -15,6 +15,7 @@ import sys
 import threading
 
 import lmdb
+import numpy as np
 import pytest
 
 from nvme_support import ROOT, K, block_files, disk_bytes, file_of, payload, put, read
@@ -32,7 +33,7 @@ from tiers.errors import (
     MediaUnavailable,
 )
 from tiers.nvme.tier import NVMeTier
-from tiers.nvme.format import PAGE
+from tiers.nvme.format import PAGE, IndexEntry, read_header
 
 
 # ---------------------------------------------------------------- basics
@@ -194,6 +195,37 @@ def test_spare_files_are_bounded_and_kept_across_restarts(open_nvme):
     assert read(t2, K(7)) == b"new"
 
 
+def disk_of(t) -> int:
+    """Bytes the tier's files (blocks and spare files) take."""
+    return sum(p.stat().st_size for p in pathlib.Path(t.path).glob("*/**/*") if p.is_file()
+               and p.parts[-2] != "index" and "quarantine" not in p.parts)
+
+
+def test_blocks_and_spare_files_never_take_more_than_the_capacity(open_nvme):
+    capacity = 8 * disk_bytes(1 << 20)
+    t = open_nvme(capacity=capacity)
+    for i in range(8):                                  # full of 1 MiB blocks, then all freed: spares
+        put(t, K(i), payload(K(i), 1 << 20))
+    for i in range(8):
+        t.free(K(i))
+    assert t.spare_bytes == capacity and t.used_bytes == 0 and disk_of(t) <= capacity
+    big = t.max_block_bytes                             # one block as large as the tier takes
+    put(t, K(100), payload(K(100), big))
+    assert t.used_bytes + t.spare_bytes <= capacity and disk_of(t) <= capacity
+    assert read(t, K(100)) == payload(K(100), big)
+    t.free(K(100))
+    rng = np.random.default_rng(7)                      # a cache of mixed sizes, oldest evicted first
+    held: list[bytes] = []
+    for i in range(200):
+        k, n = K(1000 + i), int(rng.choice([256 << 10, 1 << 20, 3 << 20]))
+        while not t.fits(n):
+            t.free(held.pop(0))
+        put(t, k, payload(k, n))
+        held.append(k)
+        assert t.used_bytes + t.spare_bytes <= capacity and disk_of(t) <= capacity, i
+    assert all(read(t, k) == payload(k, t.size_of(k)) for k in held)
+
+
 def test_spare_limits_in_bytes_and_recycling_off(open_nvme, tmp_path):
     t = open_nvme(spare_bytes=2 * PAGE)
     put(t, K(1), b"x" * (PAGE + 1))                 # three pages with the header: over the limit
@@ -244,12 +276,17 @@ def test_unusable_folder_is_tier_unavailable(tmp_path):
         NVMeTier(tmp_path / "file", 1 << 20)
 
 
-def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open_nvme):
+def closed_tier_of_four_blocks(open_nvme):
+    """A tier holding K(1)..K(4) (5000 bytes each), closed; and its ``blocks`` folder."""
     t = open_nvme()
     for i in range(1, 5):
         put(t, K(i), payload(K(i), 5000))
     t.close()
-    blocks = pathlib.Path(t.path) / "blocks"
+    return t, pathlib.Path(t.path) / "blocks"
+
+
+def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open_nvme):
+    t, blocks = closed_tier_of_four_blocks(open_nvme)
     file_of(t, K(1)).unlink()                                       # index entry without file
     with open(file_of(t, K(2)), "r+b") as f:                        # cut inside its header
         f.truncate(100)
@@ -280,11 +317,7 @@ def test_recover_removes_temps_drops_lost_entries_and_quarantines_bad_files(open
 
 
 def test_blocks_of_the_earlier_two_level_layout_are_moved_in_place_at_start(open_nvme):
-    t = open_nvme()
-    for i in range(1, 5):
-        put(t, K(i), payload(K(i), 5000))
-    t.close()
-    blocks = pathlib.Path(t.path) / "blocks"
+    t, blocks = closed_tier_of_four_blocks(open_nvme)
     old = lambda k: blocks / k.hex()[:2] / k.hex()[2:4] / k.hex()     # noqa: E731 - blocks/ab/cd/<hex>
     for i in (1, 2, 3):                                             # as an earlier tier left them
         old(K(i)).parent.mkdir(parents=True, exist_ok=True)
@@ -303,6 +336,44 @@ def test_blocks_of_the_earlier_two_level_layout_are_moved_in_place_at_start(open
     assert not (blocks / K(1).hex()[:2]).exists()                   # the emptied folders removed
     for i in range(1, 5):
         assert read(t2, K(i)) == payload(K(i), 5000)
+
+
+def test_a_block_in_both_layouts_is_served_as_the_index_describes_it(open_nvme, tmp_path):
+    """An earlier build reopened the tier after this one (it wrote the key again in its own
+    layout and indexed that), then this build opens it: the indexed copy is served."""
+    t = open_nvme()
+    put(t, K(1), b"A" * 5000)
+    put(t, K(2), b"C" * 5000)
+    t.close()
+    other = NVMeTier(tmp_path / "other", 1 << 30, direct=False)     # the earlier build's writes
+    put(other, K(1), b"B" * 5000)
+    put(other, K(2), b"D" * 5000)
+    other.close()
+    blocks = pathlib.Path(t.path) / "blocks"
+    for k in (K(1), K(2)):
+        old = blocks / k.hex()[:2] / k.hex()[2:4] / k.hex()
+        old.parent.mkdir(parents=True, exist_ok=True)
+        file_of(tmp_path / "other", k).rename(old)
+    index = lmdb.open(str(pathlib.Path(t.path) / "index"), subdir=True)
+    with index.begin(write=True) as txn:                            # the earlier build indexed B, not A
+        txn.put(K(1), IndexEntry.of(read_header(str(blocks / K(1).hex()[:2] / K(1).hex()[2:4] / K(1).hex()),
+                                                K(1))).pack())
+        txn.delete(K(2))                                            # ... and lost D's entry: the later write wins
+    index.close()
+    t2 = open_nvme()
+    assert read(t2, K(1)) == b"B" * 5000 and read(t2, K(2)) == b"D" * 5000
+    assert t2.recovery.migrated == 2 and t2.recovery.quarantined == 2  # A and C kept aside, not deleted
+
+
+def test_block_files_in_folders_that_are_not_block_folders_are_quarantined(open_nvme):
+    t, blocks = closed_tier_of_four_blocks(open_nvme)
+    for name, k in (("0", K(1)), ("0000", K(2))):                   # not abc/ nor ab/cd/
+        (blocks / name).mkdir()
+        file_of(t, k).rename(blocks / name / k.hex())
+    t2 = open_nvme()
+    assert sorted(t2.recover()) == [(K(3), 5000), (K(4), 5000)]
+    assert t2.recovery.quarantined == 2 and t2.recovery.adopted == 0
+    assert sorted(p.name for p in (pathlib.Path(t2.path) / "quarantine").iterdir()) == sorted([K(1).hex(), K(2).hex()])
 
 
 def test_reopen_with_smaller_capacity_drops_oldest_blocks(open_nvme):

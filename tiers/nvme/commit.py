@@ -3,7 +3,7 @@
 ::
 
     reserve(key, n)      capacity counted (Space.take); nothing on disk yet
-    write(key, off, b)   first call opens blocks/ab/cd/<hex>.tmp (a spare file renamed
+    write(key, off, b)   first call opens blocks/abc/<hex>.tmp (a spare file renamed
                          into place, or a new file); bytes go through BlockWriter
     commit(key)          header written; spare leftovers cut; close;
                          rename .tmp -> <hex>; index put
@@ -32,10 +32,10 @@ from tiers.buffers import check_chunk
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
 from tiers.nvme.group import GroupCommit, fdatasync, fsync_folder
+from tiers.nvme.spare import SpareFiles, remove_files
 from tiers.nvme.index import BlockIndex
 from tiers.nvme.read import HeaderCache
 from tiers.nvme.space import DISK_FULL_ERRNOS, Space
-from tiers.nvme.spare import SpareFiles
 from tiers.nvme.write import BlockWriter, PendingBlock
 
 log = logging.getLogger("kvstore.tiers.nvme")
@@ -77,11 +77,17 @@ class Reservations:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidAccess(f"block size must be an integer >= 0 bytes, got {nbytes!r}")
         p = PendingBlock(key, nbytes, chunk, block_path(self.blocks_dir, key))
+        shed: list[str] = []
         with self._lock:
             if key in self._index.entries or key in self.pending:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
+            if self._spares is not None:      # blocks and spare files within the capacity
+                over = self._space.used + self._spares.nbytes - self._space.capacity
+                if over > 0:
+                    shed = self._spares.shed(over)
+        remove_files(shed)
 
     def get(self, key: bytes) -> PendingBlock:
         """The reservation of ``key`` (call under the lock). Raises BlockNotStored."""

@@ -38,8 +38,8 @@ class BlockFolder:
         fsync: flush the index to the device with every update.
         map_size: initial LMDB map size in bytes.
         spare_files: most freed files kept for reuse in ``path/spare`` (0: none).
-        spare_bytes: most bytes those files may hold (None: the capacity; blocks and spare
-            files together still never exceed it, :mod:`tiers.nvme.spare`).
+        spare_bytes: most bytes those files may hold (None: what the capacity leaves beside
+            the blocks; blocks and spare files together never exceed it, :mod:`tiers.nvme.spare`).
         rebuild_index: move the index aside and rebuild it from the block files' headers.
 
     Attributes:
@@ -95,7 +95,7 @@ class BlockFolder:
             report.trimmed = trim_to_capacity(self.index, self.space, self.remove_file, self.name)
         report.blocks, report.file_bytes = len(self.index.entries), self.space.used
         if spare_files > 0:               # adopts the spare files a previous run left, within the room
-            limit = spare_bytes if spare_bytes is not None else (lambda: self.space.capacity)
+            limit = spare_bytes if spare_bytes is not None else (lambda: self.space.capacity - self.space.used)
             self.spares = SpareFiles(os.path.join(self.path, "spare"), spare_files, limit,
                                      adopt_bytes=max(0, capacity - self.space.used) if spare_bytes is None else None)
         level = logging.WARNING if (report.quarantined or report.index_damage) else logging.INFO
@@ -107,7 +107,7 @@ class BlockFolder:
         return self.spares.nbytes if self.spares is not None else 0
 
     def file_of(self, key: bytes) -> str:
-        """Path of a block's file (``blocks/ab/cd/<key hex>``)."""
+        """Path of a block's file (``blocks/abc/<key hex>``)."""
         return block_path(self.blocks_dir, key)
 
     def remove_file(self, key: bytes, nbytes: int) -> None:
@@ -123,9 +123,11 @@ class BlockFolder:
             log.warning("%s: cannot remove %s: %s", self.name, path, e)
 
     def drop(self, key: bytes, entry: IndexEntry) -> None:
-        """Delete a committed block: its file first (so a freed block never comes back),
-        then its index entry, then its space. An index that cannot be written keeps the
-        entry on disk only; the next start drops it (the file is gone)."""
+        """Delete a committed block: its space (so its file may stay as a spare within the
+        capacity), its file (so a freed block never comes back), then its index entry. An
+        index that cannot be written keeps the entry on disk only; the next start drops it
+        (the file is gone)."""
+        self.space.give(entry.file_bytes)
         self.remove_file(key, entry.file_bytes)
         try:
             self.index.delete([key])
@@ -133,7 +135,6 @@ class BlockFolder:
             self.index.entries.pop(key, None)
             log.warning("%s: cannot delete block %s from the index (%s); the next start will",
                         self.name, key.hex()[:16], e)
-        self.space.give(entry.file_bytes)
 
     def close(self) -> None:
         """Close the spare files and the index and release the folder lock."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
-from tiers.nvme.format import HeaderError, IndexEntry, block_path, key_of_name, read_header
+from tiers.nvme.format import FOLDER_DIGITS, HeaderError, IndexEntry, block_path, key_of_name, read_header
 from tiers.nvme.index import BlockIndex
 
 log = logging.getLogger("kvstore.tiers.nvme")
@@ -136,23 +136,26 @@ def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: R
     quarantine = _Quarantine(quarantine_dir, report)
     kept: dict[bytes, IndexEntry] = {}
     updates: list[tuple[bytes, IndexEntry]] = []
-    _migrate_two_levels(blocks_dir, report)
+    _migrate_two_levels(blocks_dir, index, quarantine, report)
     for top in os.scandir(blocks_dir):
         if not top.is_dir(follow_symlinks=False):
             log.warning("leaving alone an unknown file %s", top.path)
             continue
-        if len(top.name) != 2:
+        if len(top.name) == FOLDER_DIGITS:
             for f in os.scandir(top.path):
                 _classify(f, top.name, index, kept, updates, quarantine, report)
             continue
-        for sub in os.scandir(top.path):    # what the earlier layout's migration left
-            if not sub.is_dir(follow_symlinks=False):
-                log.warning("leaving alone an unknown file %s", sub.path)
-                continue
-            for f in os.scandir(sub.path):
-                _classify(f, None, index, kept, updates, quarantine, report)
-            _remove_empty(sub.path)
-        _remove_empty(top.path)
+        for sub in os.scandir(top.path):    # what the earlier layout's migration left, or no block folder
+            if len(top.name) == 2 and sub.is_dir(follow_symlinks=False):
+                for f in os.scandir(sub.path):
+                    _classify(f, None, index, kept, updates, quarantine, report)
+                _remove_empty(sub.path)
+            elif sub.is_dir(follow_symlinks=False):
+                log.warning("leaving alone an unknown folder %s", sub.path)
+            else:
+                _classify(sub, None, index, kept, updates, quarantine, report)
+        if len(top.name) == 2:
+            _remove_empty(top.path)
     dropped = [k for k in index.entries if k not in kept]
     try:
         if dropped:
@@ -169,10 +172,13 @@ def reconcile(blocks_dir: str, quarantine_dir: str, index: BlockIndex, report: R
     report.dropped += len(dropped)
 
 
-def _migrate_two_levels(blocks_dir: str, report: RecoveryReport) -> None:
+def _migrate_two_levels(blocks_dir: str, index: BlockIndex, quarantine: _Quarantine,
+                        report: RecoveryReport) -> None:
     """Move the block files of the earlier layout's folders (``ab/cd/<hex>``, ``abcd`` the
-    key's first four hex digits) to today's (``abc/<hex>``) when no file is there yet
-    (:func:`reconcile` then removes the folders once emptied). Fills ``report.migrated``."""
+    key's first four hex digits) to today's (``abc/<hex>``) (:func:`reconcile` then removes
+    the folders once emptied). Where both layouts hold a file of the key (a tier opened by
+    an earlier build and then by this one), the file the index describes wins, else the
+    later written one (:func:`_earlier_file_wins`). Fills ``report.migrated``."""
     olds = [top for top in os.scandir(blocks_dir) if len(top.name) == 2 and top.is_dir(follow_symlinks=False)]
     for top in olds:
         for sub in os.scandir(top.path):
@@ -186,7 +192,11 @@ def _migrate_two_levels(blocks_dir: str, report: RecoveryReport) -> None:
                 try:
                     os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
                     if os.path.lexists(target):
-                        continue            # left where it is: in the wrong folder then
+                        if not _earlier_file_wins(f.path, target, key, index):
+                            continue        # left where it is: in the wrong folder then
+                        quarantine.move(target, "a block file the earlier layout's copy replaces")
+                        if os.path.lexists(target):
+                            continue
                     os.rename(f.path, target)
                     report.migrated += 1
                 except OSError as e:
@@ -194,6 +204,25 @@ def _migrate_two_levels(blocks_dir: str, report: RecoveryReport) -> None:
     if report.migrated:
         log.info("moved %d block files from the earlier two-level folder layout of %s",
                  report.migrated, blocks_dir)
+
+
+def _earlier_file_wins(old: str, new: str, key: bytes, index: BlockIndex) -> bool:
+    """Whether block file ``old`` (earlier layout) replaces ``new`` (today's) for ``key``: its
+    header is valid and it is the one the index describes, or the index describes neither
+    and it was written later (a valid header beats a bad one)."""
+    try:
+        old_header = read_header(old, key)
+    except (HeaderError, OSError):
+        return False
+    try:
+        new_header = read_header(new, key)
+    except (HeaderError, OSError):
+        return True
+    entry = index.entries.get(key)
+    old_matches, new_matches = IndexEntry.of(old_header) == entry, IndexEntry.of(new_header) == entry
+    if old_matches != new_matches:
+        return old_matches
+    return old_header.written_at > new_header.written_at
 
 
 def _remove_empty(folder: str) -> None:

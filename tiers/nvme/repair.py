@@ -25,7 +25,7 @@ def audit_folder(path: str | os.PathLike, verify_payload: bool = True) -> dict:
     (block files without an index entry; the next start indexes them from their header
     when it is valid), ``missing`` (entries without a file), ``bad_size`` (file length
     not the entry's), ``bad_header``, ``bad_checksum`` (a payload chunk fails, when
-    ``verify_payload``), ``misplaced`` (not under ``ab/cd/`` of their name), ``other``
+    ``verify_payload``), ``misplaced`` (not under ``abc/`` of their name), ``other``
     (any other file under ``blocks/``), and ``keys`` (the indexed keys, a set).
     Raises IndexDamaged for an index that fails the check.
     """

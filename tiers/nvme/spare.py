@@ -9,10 +9,11 @@ files are outside the tier's capacity accounting and bounded (count and bytes).
 Reuse is also what makes writes fast: an O_DIRECT write into a file's existing extents
 is an overwrite, a write into a new file allocates its extents. On this team's ext4
 machine, 4 threads writing 1 MiB blocks moved 5.7-6.2 GB/s into reused files against
-2.0-2.9 GB/s into new ones. So by default the spare files may hold up to the tier's
-whole capacity. That never puts more than the capacity on disk: a free turns a block's
-bytes into spare bytes, a new block takes a spare file whenever there is one, and it
-makes a new file only when there is none, when the blocks alone are on disk.
+2.0-2.9 GB/s into new ones. So by default the spare files may hold whatever the tier's
+capacity leaves beside its blocks: a free keeps the block's file when the blocks and the
+spare files then still fit the capacity, and a reservation that would make them exceed it
+removes spare files first (:meth:`SpareFiles.shed`; blocks of one size never need that). The
+tier's files together never take more disk than its capacity.
 """
 
 from __future__ import annotations
@@ -94,6 +95,20 @@ class SpareFiles:
             self._bytes -= size
             return path, size
 
+    def shed(self, nbytes: int) -> list[str]:
+        """Forget spare files of at least ``nbytes`` bytes in all (the oldest first, fewer
+        when fewer are held) and return their paths, which the caller deletes
+        (:func:`remove_files`, best outside its locks)."""
+        out: list[str] = []
+        with self._lock:
+            while nbytes > 0 and self._files:
+                path, size = self._files.pop(0)
+                self._count -= 1
+                self._bytes -= size
+                nbytes -= size
+                out.append(path)
+        return out
+
     def give(self, path: str, size: int) -> bool:
         """Move the file at ``path`` (at most ``size`` bytes) into the pool. False when the pool
         is full or the file cannot be moved (the caller then deletes it)."""
@@ -121,4 +136,16 @@ class SpareFiles:
             self._closed = True
 
 
-__all__ = ["SpareFiles"]
+def remove_files(paths: list[str]) -> None:
+    """Delete ``paths`` (spare files :meth:`SpareFiles.shed` let go); a failure is logged
+    (the next start's adoption deletes what it does not keep)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("cannot remove the spare file %s: %s", path, e)
+
+
+__all__ = ["SpareFiles", "remove_files"]

@@ -112,8 +112,9 @@ class NVMeTier(Tier):
             into a reused file overwrites its extents (2-3x faster than into a new file
             on ext4: :mod:`tiers.nvme.spare`).
         spare_bytes: most bytes those files may hold, on disk in addition to
-            :attr:`used_bytes`; default: the capacity (blocks and spare files together
-            still never take more than ``capacity_bytes``: :mod:`tiers.nvme.spare`).
+            :attr:`used_bytes`; default: what the capacity leaves beside the blocks (a
+            reservation that needs more removes spare files first), so blocks and spare
+            files together never take more than ``capacity_bytes``: :mod:`tiers.nvme.spare`.
         rebuild_index: move the index aside and rebuild it from the block files
             (what :func:`tiers.nvme.repair.repair_index` does).
 
