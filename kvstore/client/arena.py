@@ -28,7 +28,7 @@ from kvstore.client.lease_releaser import LeaseReleaser
 from kvstore.client.raw import RawPath
 from kvstore.client.table_read import table_copy, table_lookup
 from kvstore.common.arena import ARENA_CHANGED
-from kvstore.common.arena_wire import MAX_FRAME_BYTES, MAX_FRAME_KEYS
+from kvstore.common.arena_wire import MAX_FRAME_BYTES, MAX_FRAME_KEYS, reserve_frame_length
 from kvstore.common.host_copy import copy, copy_slots
 from kvstore.common.transport import parts
 from kvstore.common.types import LookupResult, PutResult
@@ -173,7 +173,7 @@ class ArenaPath:
             t = timeout or self._conn.timeout
             if isinstance(request, pb.ReserveRequest):
                 metas = [m.SerializeToString() for m in request.meta] if request.meta else None
-                if 16 + 40 * len(request.keys) + sum(4 + len(m) for m in metas or ()) <= MAX_FRAME_BYTES:
+                if reserve_frame_length(len(request.keys), metas) <= MAX_FRAME_BYTES:
                     got = self.control(arena, ch.reserve, list(request.keys), list(request.sizes),
                                        request.ttl_seconds, metas, t)
                     if got is not None:

@@ -225,12 +225,22 @@ def frames(items: Iterable[tuple[bytes, int, int, int, memoryview | bytes | None
 
     ``items`` yields ``(key, flags, tier, total, payload)``: a whole block's payload
     (``None`` or empty for a miss). A payload larger than ``chunk`` bytes, or than the
-    room left in a frame, is split into records at increasing offsets.
-    Raises ValueError when ``limit`` cannot hold one record with one byte of payload.
+    room left in a frame, is split into records at increasing offsets; a ``META`` record
+    never is (its reader decodes it whole): it starts a new frame when the current one has
+    no room for it.
+    Raises ValueError when ``limit`` cannot hold one record with one byte of payload, or
+    a ``META`` payload whole.
     """
     builder = FrameBuilder(limit)
     for key, flags, tier, total, payload in items:
         data = memoryview(payload).cast("B") if payload is not None and len(payload) else memoryview(b"")
+        if flags & META:
+            if len(data) > builder.room() and builder:
+                yield builder.flush()
+            if len(data) > builder.room():
+                raise ValueError(f"a META record of {len(data)} bytes does not fit a frame of {limit} bytes")
+            builder.add(key, flags, tier, total, 0, data)
+            continue
         pos = 0
         while True:
             remaining = len(data) - pos

@@ -12,8 +12,9 @@ client's session (:mod:`kvstore.service.liveness`), and what the session holds i
 reclaimed when it closes. Hello version 3 (``KVSTORE-ARENA 3``) gets
 ``OK <bytes> <session> <longest lease TTL> <control>``: with ``control`` 1 the session has a
 thread of its own that answers Lookup, Lease and Release frames on the connection
-(:mod:`kvstore.service.arena_control`), so a same-node read makes no gRPC call (version 4
-sessions also send Reserve and Commit there, so a zero-copy put makes none either); ``0`` when
+(:mod:`kvstore.service.arena_control`), so a same-node read makes no gRPC call (a last
+field, ``1``, says Reserve and Commit are taken there too, so a zero-copy put makes none
+either); ``0`` when
 the daemon serves no control frames (none configured, or :data:`~kvstore.service.liveness.MAX_SERVED`
 sessions served already).
 

@@ -151,3 +151,10 @@ def test_a_daemon_that_takes_no_put_frames_is_put_through_grpc(d):
         assert c.put_from(keys, data).stored == 6
         out = np.zeros((6, BLOCK), np.uint8)
         assert c.get_into(keys, out).found == 6 and np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("metas", [None, [b""], [b"m" * 5, b"", b"x" * 300]])
+def test_the_reserve_frame_length_the_client_checks_is_the_frames(metas):
+    n = len(metas) if metas else 3
+    frame = w.reserve_frame(7, [key(i) for i in range(n)], [BLOCK] * n, 5.0, metas)
+    assert w.reserve_frame_length(n, metas) == w.LENGTH.unpack_from(frame)[0] == len(frame) - w.LENGTH.size
