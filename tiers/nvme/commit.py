@@ -83,7 +83,8 @@ class Reservations:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
-            if self._spares is not None:      # blocks and spare files within the capacity
+            if self._spares is not None:      # its file set aside; blocks and spare files within the capacity
+                p.spare = self._spares.take()
                 over = self._space.used + self._spares.nbytes - self._space.capacity
                 if over > 0:
                     shed = self._spares.shed(over)
@@ -104,7 +105,8 @@ class Reservations:
             self._make_folder(folder)
             self._dirs.add(folder)
         temp = path + ".tmp"
-        spare = self._spares.take() if self._spares is not None else None
+        with self._lock:
+            spare, p.spare = p.spare, None
         if spare is not None:
             try:
                 os.rename(spare[0], temp)
@@ -217,11 +219,16 @@ class Reservations:
             self.discard(p)
 
     def discard(self, p: PendingBlock, final: str | None = None) -> None:
-        """Drop a reservation: its capacity, its temp file (and ``final`` if given)."""
+        """Drop a reservation: its capacity, the spare file set aside for it (back to the
+        spare files, or deleted), its temp file (and ``final`` if given)."""
+        spare = None
         with self._lock:
             if self.pending.get(p.key) is p:
                 del self.pending[p.key]
                 self._space.give(p.disk)
+            spare, p.spare = p.spare, None
+        if spare is not None and not self._spares.give(*spare):
+            remove_files([spare[0]])
         if p.fd >= 0:
             fd, p.fd = p.fd, -1
             try:

@@ -49,11 +49,12 @@ class PendingBlock:
     bytes: ``disk`` bytes of capacity, ``written`` bytes received, the temp file ``fd``
     (-1 until opened), the chunk checksums so far, and under O_DIRECT the staging buffer
     holding ``tail`` bytes not yet written at ``file_off``. ``reused`` is the size of
-    the spare file taken (-1: a new file); ``done``: payload and header are on disk;
-    ``path``: the block's final file name."""
+    the spare file taken (-1: a new file); ``spare``: the spare file ``(path, bytes)``
+    set aside for it at reservation, not yet renamed into place (None: none);
+    ``done``: payload and header are on disk; ``path``: the block's final file name."""
 
     __slots__ = ("key", "path", "size", "chunk", "header_len", "disk", "written", "fd", "reused", "sums",
-                 "hasher", "fill", "stage", "tail", "file_off", "done", "written_at")
+                 "hasher", "fill", "stage", "tail", "file_off", "done", "written_at", "spare")
 
     def __init__(self, key: bytes, size: int, chunk: int, path: str = ""):
         self.key = key
@@ -73,6 +74,7 @@ class PendingBlock:
         self.file_off = self.header_len
         self.done = False
         self.written_at = 0.0
+        self.spare: tuple[str, int] | None = None
 
 
 class BlockWriter:
