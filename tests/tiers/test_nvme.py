@@ -226,6 +226,31 @@ def test_blocks_and_spare_files_never_take_more_than_the_capacity(open_nvme):
     assert all(read(t, k) == payload(k, t.size_of(k)) for k in held)
 
 
+def test_a_full_tier_writes_each_new_block_into_the_file_it_freed(open_nvme, monkeypatch):
+    t = open_nvme(capacity=4 * disk_bytes(1 << 20))
+    held = [K(i) for i in range(4)]
+    for k in held:
+        put(t, k, payload(k, 1 << 20))
+    created, real_open = [], os.open
+
+    def spy_open(path, flags, *a, **kw):
+        if flags & os.O_CREAT:
+            created.append(path)
+        return real_open(path, flags, *a, **kw)
+    monkeypatch.setattr(os, "open", spy_open)
+    for i in range(4, 24):                              # a cache in service: evict, then put
+        freed = held.pop(0)
+        inode = file_of(t, freed).stat().st_ino
+        t.free(freed)
+        put(t, K(i), payload(K(i), 1 << 20))
+        held.append(K(i))
+        assert file_of(t, K(i)).stat().st_ino == inode, i   # an overwrite, not a new file
+        assert t.used_bytes + t.spare_bytes <= t.capacity_bytes
+    monkeypatch.undo()
+    assert created == []                                # no block file was made anew
+    assert all(read(t, k) == payload(k, 1 << 20) for k in held)
+
+
 def test_spare_limits_in_bytes_and_recycling_off(open_nvme, tmp_path):
     t = open_nvme(spare_bytes=2 * PAGE)
     put(t, K(1), b"x" * (PAGE + 1))                 # three pages with the header: over the limit
