@@ -22,6 +22,9 @@ from kvstore.common import errors
 from kvstore.client.client import KVStoreClient
 from kvstore.service.startup import start_server
 from rel_support import key, payload
+from tiers.base import read_bytes
+from tiers.errors import DiskFull
+from tiers.nvme.tier import NVMeTier
 
 BLOCK = 256 << 10
 FS_BYTES = 8 << 20
@@ -124,6 +127,43 @@ def fake_full_disk(monkeypatch) -> dict:
     monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "statvfs", statvfs)
     return full
+
+
+def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs):
+    """Spare files left by many small blocks hold the little disk there is; once the disk
+    has filled up, a larger block's reservation removes spare files for its file instead
+    of failing every put."""
+    t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
+    try:
+        keys = [key(i, "small") for i in range(90)]
+        for k in keys:
+            put_block(t, k, payload(k, 60 << 10))
+        for k in keys:
+            t.free(k)
+        held, failed = [], 0
+        for i in range(40):
+            k = key(i, "large")
+            while held and not t.fits(1 << 20):
+                t.free(held.pop(0))
+            try:
+                put_block(t, k, payload(k, 1 << 20))
+                held.append(k)
+            except DiskFull:
+                failed += 1
+        assert failed <= 2 and len(held) >= 4        # the first ENOSPC teaches the tier the disk's size
+        assert all(read_bytes(t, k) == payload(k, 1 << 20) for k in held)
+    finally:
+        t.close()
+
+
+def put_block(t: NVMeTier, k: bytes, data: bytes) -> None:
+    t.reserve(k, len(data))
+    try:
+        t.write(k, 0, data)
+        t.commit(k)
+    except BaseException:
+        t.abort(k)
+        raise
 
 
 def test_injected_enospc_is_resource_exhausted_and_the_tier_adapts(tmp_path, monkeypatch):

@@ -163,17 +163,21 @@ def test_capacity_counts_whole_files_and_is_never_exceeded(open_nvme):
     assert t.used_bytes == 0 and len(t) == 0 and block_files(t.path) == []
 
 
-def test_freed_files_are_recycled_and_cut_to_the_new_size(open_nvme):
+def test_freed_files_are_recycled_no_larger_than_the_new_block(open_nvme):
     t = open_nvme()
-    put(t, K(1), payload(K(1), 300_000))
+    put(t, K(1), payload(K(1), 5000))
     inode = file_of(t, K(1)).stat().st_ino
     t.free(K(1))
-    assert not file_of(t, K(1)).exists() and t.spare_bytes == disk_bytes(300_000)
-    put(t, K(2), payload(K(2), 5000))
+    assert not file_of(t, K(1)).exists() and t.spare_bytes == disk_bytes(5000) == 12_288
+    put(t, K(2), payload(K(2), 300_000))
     st = file_of(t, K(2)).stat()
-    assert st.st_ino == inode                       # the same file, renamed into place
-    assert st.st_size == disk_bytes(5000) == 12_288
-    assert read(t, K(2)) == payload(K(2), 5000) and t.spare_bytes == 0
+    assert st.st_ino == inode                       # the same file, renamed into place and extended
+    assert st.st_size == disk_bytes(300_000)
+    assert read(t, K(2)) == payload(K(2), 300_000) and t.spare_bytes == 0
+    t.free(K(2))                                    # a larger spare is not a smaller block's file:
+    put(t, K(3), payload(K(3), 5000))               # it would take more disk than the block counts
+    assert file_of(t, K(3)).stat().st_ino != inode and t.spare_bytes == disk_bytes(300_000)
+    assert read(t, K(3)) == payload(K(3), 5000)
 
 
 def test_spare_files_are_bounded_and_kept_across_restarts(open_nvme):
@@ -224,6 +228,30 @@ def test_blocks_and_spare_files_never_take_more_than_the_capacity(open_nvme):
         held.append(k)
         assert t.used_bytes + t.spare_bytes <= capacity and disk_of(t) <= capacity, i
     assert all(read(t, k) == payload(k, t.size_of(k)) for k in held)
+
+
+def test_a_small_reservation_never_holds_a_large_spare_file(open_nvme):
+    big = 3 << 20
+    capacity = 4 * disk_bytes(big)
+    t = open_nvme(capacity=capacity)
+    for i in range(4):
+        put(t, K(i), payload(K(i), big))
+    t.free(K(0))
+    t.free(K(1))                                        # two large spare files
+    for k in (K(10), K(11)):                            # small blocks reserved, not written yet
+        t.reserve(k, 100)
+    for k in (K(20), K(21)):
+        while not t.fits(big):
+            t.free(next(x for x in (K(2), K(3)) if x in t))
+        put(t, k, payload(k, big))
+        assert disk_of(t) <= capacity
+    for k in (K(10), K(11)):
+        t.write(k, 0, payload(k, 100))
+        t.commit(k)
+        assert disk_of(t) <= capacity and read(t, k) == payload(k, 100)
+    t.reserve(K(30), 100)
+    t.abort(K(30))                                      # an abort puts its spare back within the capacity
+    assert t.used_bytes + t.spare_bytes <= capacity and disk_of(t) <= capacity
 
 
 def test_a_full_tier_writes_each_new_block_into_the_file_it_freed(open_nvme, monkeypatch):

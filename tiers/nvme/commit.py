@@ -83,12 +83,18 @@ class Reservations:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
-            if self._spares is not None:      # its file set aside; blocks and spare files within the capacity
-                p.spare = self._spares.take()
-                over = self._space.used + self._spares.nbytes - self._space.capacity
-                if over > 0:
-                    shed = self._spares.shed(over)
+            if self._spares is not None:
+                p.spare = self._spares.take(p.disk)      # its file, set aside now: counted as p.disk
+                shed = self._shed_locked(p.disk - (p.spare[1] if p.spare else 0))
         remove_files(shed)
+
+    def _shed_locked(self, growth: int) -> list[str]:
+        """Spare files to delete (under the lock) so that blocks and spare files stay within
+        the configured capacity, and, after the disk filled up, the filesystem has the
+        ``growth`` bytes a new reservation's file still needs."""
+        over = self._space.used + self._spares.nbytes - self._space.configured
+        over = max(over, self._space.disk_short(growth))
+        return self._spares.shed(over) if over > 0 else []
 
     def get(self, key: bytes) -> PendingBlock:
         """The reservation of ``key`` (call under the lock). Raises BlockNotStored."""
@@ -221,14 +227,16 @@ class Reservations:
     def discard(self, p: PendingBlock, final: str | None = None) -> None:
         """Drop a reservation: its capacity, the spare file set aside for it (back to the
         spare files, or deleted), its temp file (and ``final`` if given)."""
-        spare = None
+        shed: list[str] = []
         with self._lock:
             if self.pending.get(p.key) is p:
                 del self.pending[p.key]
                 self._space.give(p.disk)
             spare, p.spare = p.spare, None
-        if spare is not None and not self._spares.give(*spare):
-            remove_files([spare[0]])
+            if spare is not None:               # never moved: back among the spare files
+                self._spares.put_back(*spare)
+                shed = self._shed_locked(0)
+        remove_files(shed)
         if p.fd >= 0:
             fd, p.fd = p.fd, -1
             try:

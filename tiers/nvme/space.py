@@ -72,12 +72,20 @@ class Space:
                     "until it has room again", self.name, what, room, self.configured)
         return DiskFull(f"{self.name}: {what} (capacity now {room} bytes)")
 
-    def _disk_room(self) -> int:
+    def disk_short(self, nbytes: int) -> int:
+        """After :meth:`disk_full`: how many bytes the filesystem lacks for ``nbytes`` more
+        (0 when they fit, or when the disk has not filled up)."""
+        return max(0, nbytes - self._free()) if self._disk_limited else 0
+
+    def _free(self) -> int:
         try:
             st = os.statvfs(self.folder)
-            free = st.f_bavail * st.f_frsize
+            return st.f_bavail * st.f_frsize
         except OSError:
-            free = 0
+            return 0
+
+    def _disk_room(self) -> int:
+        free = self._free()
         room = self.used + self._spare_bytes() + free
         if room >= self.configured:
             if self._disk_limited:

@@ -12,7 +12,9 @@ machine, 4 threads writing 1 MiB blocks moved 5.7-6.2 GB/s into reused files aga
 2.0-2.9 GB/s into new ones. So by default the spare files may hold whatever the tier's
 capacity leaves beside its blocks: a free keeps the block's file when the blocks and the
 spare files then still fit the capacity, and a reservation that would make them exceed it
-removes spare files first (:meth:`SpareFiles.shed`; blocks of one size never need that). The
+removes spare files first (:meth:`SpareFiles.shed`; blocks of one size never need that); a
+reservation takes a spare file no larger than itself. After the disk filled up (DiskFull),
+a reservation also removes spare files until the filesystem has room for its file. The
 tier's files together never take more disk than its capacity.
 """
 
@@ -85,15 +87,27 @@ class SpareFiles:
     def nbytes(self) -> int:
         return self._bytes
 
-    def take(self) -> tuple[str, int] | None:
-        """A spare file as ``(path, bytes)`` (its size on disk at most), or None if none is ready."""
+    def take(self, max_bytes: int | None = None) -> tuple[str, int] | None:
+        """A spare file as ``(path, bytes)`` (its size on disk at most): the most recently
+        given one of at most ``max_bytes`` (None: any), or None if none is ready. A block's
+        file is never larger than what the block is counted as."""
         with self._lock:
-            if not self._files:
-                return None
-            path, size = self._files.pop()
-            self._count -= 1
-            self._bytes -= size
-            return path, size
+            for i in range(len(self._files) - 1, -1, -1):
+                path, size = self._files[i]
+                if max_bytes is None or size <= max_bytes:
+                    del self._files[i]
+                    self._count -= 1
+                    self._bytes -= size
+                    return path, size
+            return None
+
+    def put_back(self, path: str, size: int) -> None:
+        """Return a file :meth:`take` handed out and that was never moved (a reservation
+        dropped before its write): bookkeeping only, whatever the limits (the caller sheds)."""
+        with self._lock:
+            self._files.append((path, size))
+            self._count += 1
+            self._bytes += size
 
     def shed(self, nbytes: int) -> list[str]:
         """Forget spare files of at least ``nbytes`` bytes in all (the oldest first, fewer
