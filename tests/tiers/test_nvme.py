@@ -279,6 +279,26 @@ def test_a_full_tier_writes_each_new_block_into_the_file_it_freed(open_nvme, mon
     assert all(read(t, k) == payload(k, 1 << 20) for k in held)
 
 
+def test_a_reservation_dropped_while_its_file_is_opened_leaves_no_file(open_nvme, monkeypatch):
+    t = open_nvme()
+    put(t, K(1), b"s" * 5000)
+    t.free(K(1))                                        # a spare file its reservation sets aside
+    opening = t._writes.open_temp
+
+    def dropped_meanwhile(p):                           # another thread aborts before the file exists
+        t.abort(p.key)
+        return opening(p)
+    monkeypatch.setattr(t._writes, "open_temp", dropped_meanwhile)
+    t.reserve(K(2), 5000)
+    with pytest.raises(BlockNotStored, match="dropped"):
+        t.write(K(2), 0, b"x" * 5000)
+    monkeypatch.undo()
+    assert [f for f in block_files(t.path) if f.endswith(".tmp")] == [] and t.used_bytes == 0
+    assert t.spare_bytes == disk_bytes(5000)            # the spare went back, not lost
+    put(t, K(2), b"y" * 5000)
+    assert read(t, K(2)) == b"y" * 5000
+
+
 def test_spare_limits_in_bytes_and_recycling_off(open_nvme, tmp_path):
     t = open_nvme(spare_bytes=2 * PAGE)
     put(t, K(1), b"x" * (PAGE + 1))                 # three pages with the header: over the limit

@@ -128,6 +128,20 @@ class Reservations:
                         pass
         return os.open(temp, self._new_flags, 0o600)
 
+    def _open(self, p: PendingBlock) -> None:
+        """Open the reservation's temp file (:meth:`open_temp`) as ``p.fd``, unless the
+        reservation was dropped meanwhile (an abort or the tier's close on another thread):
+        then the file is removed, not left behind, and BlockNotStored raised."""
+        fd = self.open_temp(p)
+        with self._lock:
+            if self.pending.get(p.key) is p:
+                p.fd = fd
+                return
+        os.close(fd)
+        remove_files([p.path + ".tmp"])
+        raise BlockNotStored(f"block {p.key.hex()[:16]}: its reservation in {self.name} was dropped "
+                             f"while its file was opened")
+
     def _make_folder(self, folder: str) -> None:
         """Create a block's folder ``blocks/abc`` unless it exists: one ``mkdir`` when it does
         not, none of ``os.makedirs``' checks. With fsync the new folder's name is flushed."""
@@ -147,7 +161,7 @@ class Reservations:
             p.written = offset + src.nbytes
         try:
             if p.fd < 0:
-                p.fd = self.open_temp(p)
+                self._open(p)
             self._writer.write(p, offset, src)
         except OSError as e:
             self.discard(p)
@@ -164,7 +178,7 @@ class Reservations:
                 raise InvalidAccess(f"the device buffer has {available} bytes, the block {p.size}")
             p.written = p.size
         try:
-            p.fd = self.open_temp(p)
+            self._open(p)
             p.sums = device.write(p.path + ".tmp", p.fd, device_buf, p.size, p.chunk, p.header_len)
             p.file_off = p.disk
         except (OSError, RuntimeError) as e:
@@ -181,7 +195,7 @@ class Reservations:
         err: BaseException | None = None
         try:
             if p.fd < 0:                       # a zero-byte block: no write call came
-                p.fd = self.open_temp(p)
+                self._open(p)
             self._writer.finish(p)
             if p.reused > p.disk:              # a spare file: cut stale bytes past the block
                 os.ftruncate(p.fd, p.disk)
