@@ -96,8 +96,7 @@ class BlockFolder:
         report.blocks, report.file_bytes = len(self.index.entries), self.space.used
         if spare_files > 0:               # adopts the spare files a previous run left, within the room
             limit = spare_bytes if spare_bytes is not None else (lambda: self.space.configured - self.space.used)
-            self.spares = SpareFiles(os.path.join(self.path, "spare"), spare_files, limit,
-                                     adopt_bytes=max(0, capacity - self.space.used) if spare_bytes is None else None)
+            self.spares = SpareFiles(os.path.join(self.path, "spare"), spare_files, limit)
         level = logging.WARNING if (report.quarantined or report.index_damage) else logging.INFO
         log.log(level, "%s: opened %s: %s", self.name, self.path, report.summary())
 

@@ -34,18 +34,15 @@ class SpareFiles:
     :meth:`give` renames a freed block's file in; :meth:`take` hands out the most recently
     given one (LIFO: its extents are likely the right size already). At most ``max_files``
     files and ``max_bytes`` bytes (as given to :meth:`give`; a callable is read at each
-    :meth:`give`) are held, and a previous run's files are adopted up to ``adopt_bytes``
-    (default ``max_bytes``). Spare files contain no
+    :meth:`give`, and once when a previous run's files are adopted) are held. Spare files contain no
     block: whatever stale bytes they hold are overwritten, and cut, before they carry a
     block's name again.
     """
 
-    def __init__(self, folder: str, max_files: int, max_bytes: int | Callable[[], int],
-                 adopt_bytes: int | None = None):
+    def __init__(self, folder: str, max_files: int, max_bytes: int | Callable[[], int]):
         self.folder = folder
         self.max_files = max_files
         self._max_bytes = max_bytes if callable(max_bytes) else (lambda: max_bytes)
-        self._adopt_bytes = self._max_bytes() if adopt_bytes is None else adopt_bytes
         self._files: list[tuple[str, int]] = []         # (path, bytes), most recent last
         self._count = 0                                 # files held or being moved in
         self._bytes = 0
@@ -58,7 +55,7 @@ class SpareFiles:
     def _adopt(self) -> None:
         """Register the files a previous run left, within the limits; delete the others."""
         found, removed = [], 0
-        limit = self._adopt_bytes
+        limit = self._max_bytes()
         for entry in os.scandir(self.folder):
             if entry.name.isdigit() and entry.is_file(follow_symlinks=False):
                 found.append((int(entry.name), entry.path, entry.stat(follow_symlinks=False).st_size))
