@@ -20,6 +20,7 @@ from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.common.status import error_for
+from kvstore.client.streams import StreamReaders
 from kvstore.common.transport import (FRAMING_BYTES, KEY_FIELD_BYTES, MAX_KEYS_PER_REQUEST, client_channel_options,
                                       keys_per_request)
 
@@ -58,7 +59,9 @@ class Connection:
     failed with StoreUnavailable so far); ``metadata`` (sent with every call), ``channel``,
     ``stub`` (:class:`~kvstore._proto.kvstore_pb2_grpc.KVStoreStub`), and ``get_raw`` /
     ``put_raw``, the raw-frame methods of ``KVStoreData`` (serialized ``GetRequest`` in,
-    frames out; frames in, a ``PutReply`` out).
+    frames out; frames in, a ``PutReply`` out); ``readers``
+    (:class:`~kvstore.client.streams.StreamReaders`: read a response stream within the
+    call's deadline even where grpcio's deadline does not end it).
     """
 
     def __init__(self, target: str, *, timeout: float, auth_token: str, chunk_bytes: int,
@@ -82,6 +85,7 @@ class Connection:
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.get_raw = self.channel.unary_stream(_DATA + "GetRaw", request_serializer=pb.GetRequest.SerializeToString)
         self.put_raw = self.channel.stream_unary(_DATA + "PutRaw", response_deserializer=pb.PutReply.FromString)
+        self.readers = StreamReaders()
         self._info: NodeInfo | None = None
         self.closed = False
 
@@ -143,3 +147,4 @@ class Connection:
         """Close the channel (calls in flight fail; later calls raise StoreUnavailable)."""
         self.closed = True
         self.channel.close()
+        self.readers.close()

@@ -19,6 +19,7 @@ import numpy as np
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.connection import Connection
+from kvstore.client.streams import StreamEnded
 from kvstore.common.transport import FRAMING_BYTES, parts
 from kvstore.common.types import BlockMeta, GetResult, PutResult, TierKind
 from kvstore.common.wire import FOUND, META, decode, frames
@@ -107,13 +108,17 @@ class RawPath:
             req = pb.GetRequest(keys=part, stop_at_miss=stop_at_miss, max_chunk_bytes=c.chunk_bytes,
                                 ranges=byte_ranges)
             missed = False
+            deadline = timeout or c.timeout
             try:
-                for frame in c.get_raw(req, timeout=timeout or c.timeout, metadata=c.metadata):
+                for frame in c.readers.read(c.get_raw(req, timeout=deadline, metadata=c.metadata), deadline):
                     for rec in decode(frame):
                         missed = missed or rec.failed or not rec.found
                         yield rec
             except grpc.RpcError as e:
                 raise c.error(e) from None
+            except StreamEnded as e:
+                c.unavailable += 1
+                raise errors.StoreUnavailable(f"DEADLINE_EXCEEDED: {e}") from None
             except ValueError:                  # grpc's "closed channel"
                 if c.closed:
                     raise c.closed_error() from None
