@@ -170,6 +170,9 @@ class StreamGuard:
             time.sleep(min(1.0, self.first_message_s / 4))
             now = self.clock()
             with self._lock:
+                if not self._active:        # ends with the last stream (the next one starts another)
+                    self._thread = None
+                    return
                 stale = [w for w in self._active.values() if w.waiting_since is not None
                          and now - w.waiting_since > (self.first_message_s if w.first else self.idle_s)]
             for w in stale:

@@ -213,3 +213,16 @@ def test_a_slow_hello_does_not_delay_another_clients_arena_hand_out(tmp_path):
         t.join(DEADLINE)
         slow.close()
         d.stop(0)
+
+
+def test_the_stream_watchdog_ends_with_the_last_stream(daemon):
+    """The watchdog thread holds the service; it must not outlive the streams (an
+    in-process daemon stopped and started again kept one such thread per daemon)."""
+    guard = daemon.service.streams
+    with KVStoreClient(daemon.address, timeout=30, shared_memory=False) as c:
+        c.put([(K(900), b"w" * 4096)])                          # a Put stream: the watchdog starts
+        assert [r.found for r in c.get([K(900)])] == [True]      # a Get stream
+    wait_for(lambda: guard._thread is None, "the stream watchdog to end with its last stream")
+    with KVStoreClient(daemon.address, timeout=30, shared_memory=False) as c:
+        assert [r.found for r in c.get([K(900)])] == [True]      # a new stream starts another
+    wait_for(lambda: guard._thread is None, "the second stream watchdog to end")
