@@ -141,7 +141,8 @@ def run_arm(name: str, workload, model: pathlib.Path, scratch: pathlib.Path, arg
         cpu0 = procs.cpu_seconds(daemon.pid) if daemon is not None else None
         t0 = time.monotonic()
         out["load_at_start"] = round(os.getloadavg()[0], 2)
-        out["records"] = loop.run_agents(workload, port, store=store, engine=engine, hints=hints, progress=progress)
+        out["records"] = loop.run_agents(workload, port, store=store, engine=engine, hints=hints, progress=progress,
+                                         serial=args.one_turn_at_a_time)
         out["seconds"] = round(time.monotonic() - t0, 1)
         out["load_at_end"] = round(os.getloadavg()[0], 2)
         out["engine"] = {"event_gaps": engine.gaps, "event_batches": engine.batches, **procs.vllm_metrics(port)}
@@ -352,6 +353,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=1.0, help="times the tools' durations")
     p.add_argument("--max-pause-s", type=float, default=60.0, help="longest tool pause (the tail is cut here)")
     p.add_argument("--stagger-s", type=float, default=3.0, help="agents start uniformly within this many seconds")
+    p.add_argument("--one-turn-at-a-time", action="store_true",
+                   help="one turn in vLLM at a time (a turn whose tool returned waits for the one in flight): "
+                        "TTFT without the wait behind other agents' prefills")
     p.add_argument("--host-share", type=float, default=0.3, help="host tier as a share of the agents' working set")
     p.add_argument("--engine-blocks", type=int, default=0,
                    help="vLLM's own KV cache, in blocks (0: its longest sequence's blocks + 8)")

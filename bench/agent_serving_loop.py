@@ -23,6 +23,7 @@ import http.client
 import json
 import math
 import random
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -288,8 +289,11 @@ def kvstore_hints(agent: AgentPlan, turn: int, ttl_s: float = 300.0) -> dict:
 
 
 def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine: Holdings | None,
-               hints: bool, progress: Callable[[str], None]) -> list[dict]:
-    """Run every agent to its end (one thread each); returns one record per turn:
+               hints: bool, progress: Callable[[str], None], serial: bool = False) -> list[dict]:
+    """Run every agent to its end (one thread each; with ``serial``, one turn in the engine
+    at a time: a turn whose tool returned waits for the turn in flight to finish before its
+    blocks are looked at and it is sent, so its TTFT holds no wait behind another agent's
+    prefill, and ``queued_s`` records that wait); returns one record per turn:
     ``agent``, ``turn``, ``prompt_tokens``, ``ttft_ms``, ``tokens``, ``cached_tokens``, the
     pause before it and, for a resumed turn (``turn`` >= 1), the blocks at send time:
     ``blocks`` (the full blocks of what the previous turn computed, which this prompt
@@ -300,9 +304,10 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
     ``nvme_left_host_during_wait`` (on NVMe only, having left host during the wait) and
     ``nvme_left_host_s`` (when each block on NVMe only left host, seconds after the previous
     turn finished; negative: before). An agent that fails records ``error``."""
-    hasher = PrefixHashes()
+    hasher = PrefixHashes() if store is not None or engine is not None else None    # vLLM's hash: needs vllm
     records: list[dict] = []
     lock = threading.Lock()
+    engine_turn = threading.Lock() if serial else contextlib.nullcontext()
     t0 = time.monotonic()
     done = [0]
     total = sum(len(a.gaps) + 1 for a in workload.agents)
@@ -312,44 +317,12 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
         transcript = list(workload.system) + list(agent.task)
         pause, computed, finished = 0.0, 0, 0.0
         for turn in range(len(agent.gaps) + 1):
-            rec = {"agent": agent.name, "turn": turn, "prompt_tokens": len(transcript), "pause_s": pause}
-            if turn:
-                # the blocks computed before (the last prompt and all but the last generated token)
-                # that this prompt reuses; vLLM computes at least the prompt's last token itself
-                usable = hasher.of(transcript[:min(len(transcript) - 1, computed)])
-                local = leading(engine.media(usable)) if engine is not None else 0
-                where = store.media(usable) if store is not None else [frozenset()] * len(usable)
-                stored = leading(where)
-                loaded = range(local, max(local, stored))
-                rec.update(blocks=len(usable), local=local, stored=stored, loaded=len(loaded),
-                           loaded_fast=sum(1 for i in loaded if where[i] & FAST_MEDIA),
-                           lost=len(usable) - max(local, stored))
-                if store is not None and loaded:
-                    # how the loaded blocks fared while the agent waited: left host during the
-                    # wait and back by now (paged back), or still on NVMe only (and since when)
-                    left = store.left_fast([usable[i] for i in loaded])
-                    fast = [bool(where[i] & FAST_MEDIA) for i in loaded]
-                    rec["paged_back"] = sum(1 for f, t in zip(fast, left) if f and t is not None and t > finished)
-                    gone = [t - finished for f, t in zip(fast, left) if not f and t is not None]
-                    rec["nvme_left_host_during_wait"] = sum(1 for g in gone if g > 0)
-                    rec["nvme_left_host_s"] = sorted(round(g, 3) for g in gone)
-                    if engine is not None:
-                        # of the loaded blocks on NVMe only: held by vLLM now (after the first
-                        # block it lacks, so loaded all the same), and how long before the send
-                        # vLLM dropped each one it had held
-                        slow = [usable[i] for i in loaded if not where[i] & FAST_MEDIA]
-                        now = time.monotonic()
-                        rec["nvme_held_by_vllm"] = sum(1 for m in engine.media(slow) if m)
-                        rec["nvme_vllm_dropped_s"] = sorted(round(now - t, 3) for t in engine.left_fast(slow)
-                                                            if t is not None)
-            params = kvstore_hints(agent, turn) if hints else None
-            try:
-                out = complete(port, transcript, workload.output_tokens, params)
-            except Exception as e:  # reported, never hidden: the arm's figures say it
-                rec["error"] = str(e)
-                with lock:
-                    records.append(rec)
-                progress(f"{agent.name} turn {turn}: {e}")
+            asked = time.monotonic()
+            with engine_turn:
+                rec = {"agent": agent.name, "turn": turn, "prompt_tokens": len(transcript), "pause_s": pause,
+                       "queued_s": round(time.monotonic() - asked, 3)}
+                out = turn_once(agent, turn, transcript, computed, finished, rec)
+            if out is None:
                 return
             finished = time.monotonic()
             rec.update(ttft_ms=out["ttft_s"] * 1e3 if out["ttft_s"] is not None else None, tokens=out["tokens"],
@@ -368,6 +341,48 @@ def run_agents(workload: Workload, port: int, *, store: Holdings | None, engine:
                 transcript += out["tokens"] + list(gap.observation)
                 pause = gap.pause_s
                 time.sleep(pause)
+
+    def turn_once(agent: AgentPlan, turn: int, transcript: list[int], computed: int, finished: float,
+                  rec: dict) -> dict | None:
+        """Look at where the turn's blocks are, send it; its completion, or None when it failed."""
+        if turn:
+            # the blocks computed before (the last prompt and all but the last generated token)
+            # that this prompt reuses; vLLM computes at least the prompt's last token itself
+            usable = hasher.of(transcript[:min(len(transcript) - 1, computed)]) if hasher is not None else []
+            local = leading(engine.media(usable)) if engine is not None else 0
+            where = store.media(usable) if store is not None else [frozenset()] * len(usable)
+            stored = leading(where)
+            loaded = range(local, max(local, stored))
+            rec.update(blocks=len(usable), local=local, stored=stored, loaded=len(loaded),
+                       loaded_fast=sum(1 for i in loaded if where[i] & FAST_MEDIA),
+                       lost=len(usable) - max(local, stored))
+            if store is not None and loaded:
+                # how the loaded blocks fared while the agent waited: left host during the
+                # wait and back by now (paged back), or still on NVMe only (and since when)
+                left = store.left_fast([usable[i] for i in loaded])
+                fast = [bool(where[i] & FAST_MEDIA) for i in loaded]
+                rec["paged_back"] = sum(1 for f, t in zip(fast, left) if f and t is not None and t > finished)
+                gone = [t - finished for f, t in zip(fast, left) if not f and t is not None]
+                rec["nvme_left_host_during_wait"] = sum(1 for g in gone if g > 0)
+                rec["nvme_left_host_s"] = sorted(round(g, 3) for g in gone)
+                if engine is not None:
+                    # of the loaded blocks on NVMe only: held by vLLM now (after the first
+                    # block it lacks, so loaded all the same), and how long before the send
+                    # vLLM dropped each one it had held
+                    slow = [usable[i] for i in loaded if not where[i] & FAST_MEDIA]
+                    now = time.monotonic()
+                    rec["nvme_held_by_vllm"] = sum(1 for m in engine.media(slow) if m)
+                    rec["nvme_vllm_dropped_s"] = sorted(round(now - t, 3) for t in engine.left_fast(slow)
+                                                        if t is not None)
+        params = kvstore_hints(agent, turn) if hints else None
+        try:
+            return complete(port, transcript, workload.output_tokens, params)
+        except Exception as e:  # reported, never hidden: the arm's figures say it
+            rec["error"] = str(e)
+            with lock:
+                records.append(rec)
+            progress(f"{agent.name} turn {turn}: {e}")
+            return None
 
     threads = [threading.Thread(target=agent_loop, args=(a,), name=a.name) for a in workload.agents]
     for t in threads:

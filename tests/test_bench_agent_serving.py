@@ -148,3 +148,66 @@ def test_block_bytes_of_each_model_shape():
     """A block's KV bytes (fp32, 32 tokens): what the host tier is sized from."""
     assert agent_serving.block_bytes("tiny") == 2 * 2 * 2 * 32 * 64 * 4 == 64 << 10
     assert agent_serving.block_bytes("kv-heavy") == 8 * 2 * 8 * 32 * 128 * 4 == 2 << 20
+
+
+class _FakeCompletions:
+    """A ``/v1/completions`` stand-in that streams ``output`` tokens slowly and records the
+    most requests it ever had in flight at once."""
+
+    def __init__(self, output_s: float = 0.05):
+        import http.server
+        import threading
+
+        fake = self
+        self.in_flight = self.most = 0
+        self.lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                import json
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.in_flight += 1
+                    fake.most = max(fake.most, fake.in_flight)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for t in range(body["max_tokens"]):
+                        time.sleep(output_s / body["max_tokens"])
+                        chunk = {"choices": [{"token_ids": [7 + t]}]}
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                    self.wfile.write(b"data: [DONE]\n\n")
+                finally:
+                    with fake.lock:
+                        fake.in_flight -= 1
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_one_turn_at_a_time_keeps_a_single_request_in_the_engine(serial):
+    fake = _FakeCompletions()
+    try:
+        w = _plan(agents=6, turns=3, time_scale=0.0, stagger_s=0.0)      # every agent wants in at once
+        records = loop.run_agents(w, fake.port, store=None, engine=None, hints=False, progress=lambda m: None,
+                                  serial=serial)
+    finally:
+        fake.close()
+    assert len(records) == 18 and not any("error" in r for r in records)
+    assert all(r["tokens"] == [7 + t for t in range(w.output_tokens)] for r in records)
+    if serial:
+        assert fake.most == 1
+        assert max(r["queued_s"] for r in records) > 0       # the others waited for the one in flight
+    else:
+        assert fake.most > 1                                  # six agents at once share the engine
