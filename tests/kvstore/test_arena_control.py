@@ -187,11 +187,9 @@ def test_a_busy_channel_sends_the_other_threads_call_by_grpc(d):
     wait_for(lambda: d.manager.catalogue.num_leases == 0, "every lease to end with the client")
 
 
-def test_an_answer_after_the_deadline_is_skipped_and_its_lease_released(d):
-    c = KVStoreClient(d.address, timeout=DEADLINE_S)
-    keys = [key(i) for i in range(8)]
-    c.put_from(keys, payloads(8))
-    c.arena()
+def answer_next_frame_late(d) -> threading.Event:
+    """Make the daemon answer its next control frame only once the returned event is set
+    (the frames after it as usual)."""
     control = arena_server_of(d).control
     gave_up = threading.Event()
     answer = control.answer
@@ -201,6 +199,15 @@ def test_an_answer_after_the_deadline_is_skipped_and_its_lease_released(d):
         assert gave_up.wait(DEADLINE_S)
         return answer(frame, *a)
     control.answer = late_answer
+    return gave_up
+
+
+def test_an_answer_after_the_deadline_is_skipped_and_its_lease_released(d):
+    c = KVStoreClient(d.address, timeout=DEADLINE_S)
+    keys = [key(i) for i in range(8)]
+    c.put_from(keys, payloads(8))
+    c.arena()
+    gave_up = answer_next_frame_late(d)
     c.timeout = 0.5
     with pytest.raises(StoreUnavailable, match="did not answer"):
         c.get_into(keys, np.zeros((8, BLOCK), np.uint8))

@@ -10,7 +10,6 @@ does not take them is put through gRPC.
 from __future__ import annotations
 
 import struct
-import threading
 import time
 
 import numpy as np
@@ -22,7 +21,7 @@ from kvstore.common.errors import BlockNotFound, InvalidRequest, StoreUnavailabl
 from kvstore.common.types import BlockMeta, ReserveStatus
 from kvstore.service.startup import start_server
 from support.daemon import daemon_config
-from test_arena_control import BLOCK, DEADLINE_S, arena_server_of, key, payloads, wait_for
+from test_arena_control import BLOCK, DEADLINE_S, answer_next_frame_late, key, payloads, wait_for
 
 
 def forbid_grpc_puts(c: KVStoreClient) -> None:
@@ -172,15 +171,7 @@ def test_a_reserve_answer_after_the_deadline_aborts_its_reservations(d):
         c.arena()
         ch = c.arena().control
         assert ch is not None and ch.puts
-        control = arena_server_of(d).control
-        gave_up = threading.Event()
-        answer = control.answer
-
-        def late_answer(frame, *a):
-            control.answer = answer                               # only the first frame is late
-            assert gave_up.wait(DEADLINE_S)
-            return answer(frame, *a)
-        control.answer = late_answer
+        gave_up = answer_next_frame_late(d)
         c.timeout = 0.5
         try:
             c.put_from(keys, data)               # gives up on the frame (and may put by gRPC)
