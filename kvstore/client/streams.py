@@ -21,6 +21,7 @@ for a reader within their deadline).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -52,7 +53,9 @@ class StreamReaders:
     """
 
     def __init__(self, name: str = "kvstore-stream"):
+        self._name = name
         self._pool = ThreadPoolExecutor(max_workers=MAX_READERS, thread_name_prefix=name)
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -85,6 +88,9 @@ class StreamReaders:
             with self._lock:
                 if self._closed:
                     raise ValueError("the client is closed")
+                if self._pid != os.getpid():     # a forked child: the pool's threads stayed behind
+                    self._pool = ThreadPoolExecutor(max_workers=MAX_READERS, thread_name_prefix=self._name)
+                    self._pid = os.getpid()
                 self._pool.submit(pump)
             call.add_done_callback(ended)
         except RuntimeError:            # the pool shut down meanwhile

@@ -179,3 +179,20 @@ def test_a_get_whose_stream_never_ends_is_a_bounded_store_unavailable(daemon):
             conn.get_raw = real
         assert [r.found for r in c.get(keys)] == [True] * 4     # the client goes on
         print(f"\na get on a stream that never ended raised after {took:.2f} s (deadline 0.3 s + {GRACE_S:g} s)")
+
+
+def test_a_forked_child_reads_streams_with_readers_of_its_own():
+    """The pool's idle threads stay behind in the parent: a child that took them for its
+    own would wait for a reader until its deadline."""
+    import os
+    readers = StreamReaders()
+    assert list(readers.read(StuckCall([b"p"], stuck=False), 5.0)) == [b"p"]     # a reader, idle now
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = list(readers.read(StuckCall([b"c1", b"c2"], stuck=False), 2.0)) == [b"c1", b"c2"]
+        except BaseException:  # noqa: BLE001 - the exit status says it
+            ok = False
+        os._exit(0 if ok else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    readers.close()
