@@ -10,7 +10,7 @@ One request is on the connection at a time: a call that finds it busy for longer
 :data:`BUSY_WAIT_S` (another thread of the client is waiting for its answer) is told so
 (None) and goes by gRPC, so threads never queue behind each other's slow calls. A call that waits past its deadline raises StoreUnavailable;
 its answer, when it comes, is skipped by the next call (a late lease answer's lease is
-released at once, a late RESERVE answer's reservations aborted); one whose frame could not be sent in time leaves the channel
+released at once); one whose frame could not be sent in time leaves the channel
 unusable (:meth:`ControlChannel.usable`: the calls go by gRPC). A connection that ended (the daemon stopped or restarted, and
 with it the session and every lease it held) raises :class:`ControlLost`: the mapping must be
 dropped. A channel is used only by the process that made it (not after a fork).
@@ -29,7 +29,6 @@ from typing import NamedTuple
 
 from kvstore.common import arena_wire as w
 from kvstore.common import errors
-from kvstore.common.types import ReserveStatus
 
 _BODY = struct.Struct("<BBBBII")        # the header after its length field
 _NO_LEASE = bytes(w.LEASE_ID_BYTES)
@@ -108,7 +107,6 @@ class ControlChannel:
         self._pid = os.getpid()
         self._seq = 0
         self._owed: collections.deque[int] = collections.deque()    # requests whose answer is to come
-        self._reserving: dict[int, list[bytes]] = {}    # RESERVE requests still owed an answer: their keys
         self._buf = bytearray(64 << 10)
         self._have = 0
         self.lost = False
@@ -121,8 +119,6 @@ class ControlChannel:
         self._flush_asked = False           # the release thread asked to send the queue, not done yet
         self.notes_dropped = 0
         """Notes dropped because :data:`MAX_NOTE_BYTES` were waiting (the daemon was slow)."""
-        self.late_reservations_aborted = 0
-        """Reservations made by RESERVE answers that came after their call gave up, aborted."""
 
     def usable(self) -> bool:
         """Whether calls may be made (the connection is up, and this is the process that made it)."""
@@ -177,17 +173,7 @@ class ControlChannel:
         """Reserve arena room for ``keys`` (at most :data:`~kvstore.common.arena_wire.MAX_FRAME_KEYS`)
         of ``sizes`` bytes for ``ttl_s`` seconds (``metas``: serialized ``BlockMeta`` per
         key, or None); None when the channel is busy (nothing was sent). Raises as :meth:`lookup`."""
-        sent: list[int] = []
-
-        def frame(seq: int) -> bytes:
-            sent.append(seq)
-            self._reserving[seq] = keys          # a late answer's reservations are aborted (_late)
-            return w.reserve_frame(seq, keys, sizes, ttl_s, metas)
-        try:
-            got = self._call(frame, w.RESERVE, timeout)
-        finally:
-            if sent and sent[0] not in self._owed:     # answered (or never sent): nothing to abort later
-                self._reserving.pop(sent[0], None)
+        got = self._call(lambda seq: w.reserve_frame(seq, keys, sizes, ttl_s, metas), w.RESERVE, timeout)
         if got is None:
             return None
         count, payload = got
@@ -302,7 +288,7 @@ class ControlChannel:
                     self._owed.popleft()
                     if got_seq == seq:
                         break
-                    self._late(got_op, got_seq, count, payload)    # an answer its call no longer waits for
+                    self._late(got_op, count, payload)    # an answer its call no longer waits for
             except socket.timeout:
                 raise errors.StoreUnavailable(f"the daemon did not answer a same-node control call in "
                                               f"{timeout:g} s") from None
@@ -320,25 +306,13 @@ class ControlChannel:
             raise self._broken(f"answer op {got_op:#x} to request op {op}")
         return count, payload
 
-    def _late(self, op: int, seq: int, count: int, payload: bytes) -> None:
+    def _late(self, op: int, count: int, payload: bytes) -> None:
         """An answer whose call gave up: a lease it granted is released at once (a frame that
-        waits for no answer, so the answers stay in step); the reservations a RESERVE made
-        are aborted (a COMMIT with ABORT, whose own answer a later call skips here), so
-        their arena room is not held until their TTL runs out (3 TTLs more while the
-        session is open)."""
-        keys = self._reserving.pop(seq, None)
+        waits for no answer, so the answers stay in step)."""
         if op == w.LEASE | w.REPLY and len(payload) >= w.LEASE_ANSWER.size:
             lease_id = payload[:w.LEASE_ID_BYTES]
             if lease_id != _NO_LEASE:
                 self._sock.sendall(w.release_frame(0, [lease_id], reply=False))
-        elif op == w.RESERVE | w.REPLY and keys is not None and count == len(keys) and len(payload) >= 9 * count:
-            statuses = payload[8 * count:9 * count]
-            reserved = [k for k, status in zip(keys, statuses) if status == ReserveStatus.RESERVED]
-            if reserved:
-                self._seq = (self._seq + 1) & 0xFFFFFFFF
-                self._sock.sendall(w.commit_frame(self._seq, reserved, abort=True))
-                self._owed.append(self._seq)
-                self.late_reservations_aborted += len(reserved)
 
     def _read(self, deadline: float) -> tuple[int, int, int, bytes]:
         while True:

@@ -10,18 +10,17 @@ does not take them is put through gRPC.
 from __future__ import annotations
 
 import struct
-import time
 
 import numpy as np
 import pytest
 
 from kvstore.client.client import KVStoreClient
 from kvstore.common import arena_wire as w
-from kvstore.common.errors import BlockNotFound, InvalidRequest, StoreUnavailable
+from kvstore.common.errors import BlockNotFound, InvalidRequest
 from kvstore.common.types import BlockMeta, ReserveStatus
 from kvstore.service.startup import start_server
 from support.daemon import daemon_config
-from test_arena_control import BLOCK, DEADLINE_S, answer_next_frame_late, key, payloads, wait_for
+from test_arena_control import BLOCK, DEADLINE_S, key, payloads
 
 
 def forbid_grpc_puts(c: KVStoreClient) -> None:
@@ -159,34 +158,3 @@ def test_the_reserve_frame_length_the_client_checks_is_the_frames(metas):
     n = len(metas) if metas else 3
     frame = w.reserve_frame(7, [key(i) for i in range(n)], [BLOCK] * n, 5.0, metas)
     assert w.reserve_frame_length(n, metas) == w.LENGTH.unpack_from(frame)[0] == len(frame) - w.LENGTH.size
-
-
-def test_a_reserve_answer_after_the_deadline_aborts_its_reservations(d):
-    """A RESERVE answered after its call gave up (the daemon slow) made reservations nobody
-    will write: the next call that reads the answer aborts them, instead of leaving their
-    arena room held for 3 TTLs more while the session is open."""
-    data = payloads(6, seed=21)
-    keys = [key(i, "late") for i in range(6)]
-    with KVStoreClient(d.address, timeout=DEADLINE_S) as c:
-        c.arena()
-        ch = c.arena().control
-        assert ch is not None and ch.puts
-        gave_up = answer_next_frame_late(d)
-        c.timeout = 0.5
-        try:
-            c.put_from(keys, data)               # gives up on the frame (and may put by gRPC)
-        except StoreUnavailable:
-            pass
-        gave_up.set()
-        cat = d.manager.catalogue
-        wait_for(lambda: cat.reservations(time.monotonic())[0] > 0 or getattr(ch, "late_reservations_aborted", 0),
-                 "the late RESERVE to reserve")
-        c.timeout = DEADLINE_S
-        assert c.lookup(keys).hit_blocks in (0, 6)                # a call that reads the late answer
-        assert getattr(ch, "late_reservations_aborted", 0) > 0          # the reading call aborted them
-        wait_for(lambda: cat.reservations(time.monotonic())[0] == 0, "the late reservations to be aborted")
-        assert ch.usable()                                        # the answers stay in step
-        c.put_from(keys, data)
-        out = np.zeros((6, BLOCK), np.uint8)
-        assert c.get_into(keys, out).found == 6 and np.array_equal(out, data)
-        assert c.lookup(keys).hit_blocks == 6 and ch.usable()
