@@ -14,9 +14,10 @@ deadline passes the caller cancels the call and raises
 :class:`~kvstore.common.errors.StoreUnavailable`: a daemon that is gone or stuck costs a
 bounded miss, never a stall. A call that ends with an error status raises it as soon as
 the status comes (what the stream still had to give would be dropped with the error
-anyway): the stuck stream above ends at once. A reader left waiting on such a call is lost; the pool
-starts another for the next call (at most :data:`MAX_READERS`; past that, calls wait
-for a reader within their deadline).
+anyway): the stuck stream above ends at once. A reader left waiting on such a call is lost (a daemon thread: it
+never holds up the process's exit); the next call gets another. A reader reads at most
+:data:`READ_AHEAD` messages ahead of its caller, so a slow caller still slows the
+daemon's sending as gRPC's flow control did.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import grpc
@@ -34,9 +34,11 @@ GRACE_S = 1.0
 """Seconds past a stream's deadline that the client waits for gRPC to end it before it
 cancels the call itself and gives up on it."""
 
-MAX_READERS = 32
-"""Reader threads of one client at most (readers are reused; one stays behind for each
-call whose stream never ended)."""
+READ_AHEAD = 4
+"""Messages a reader takes from gRPC ahead of its caller."""
+
+IDLE_S = 30.0
+"""Seconds an idle reader thread waits for another stream before it ends."""
 
 _END = object()
 
@@ -46,55 +48,59 @@ class StreamEnded(Exception):
 
 
 class StreamReaders:
-    """Reader threads for response streams (see the module docstring).
+    """Reader threads for response streams (see the module docstring): daemon threads,
+    reused while they are idle, one more started whenever none is idle.
 
     Args:
-        name: the threads' name prefix.
+        name: the threads' name prefix; grace_s: :data:`GRACE_S`.
     """
 
-    def __init__(self, name: str = "kvstore-stream"):
+    def __init__(self, name: str = "kvstore-stream", grace_s: float = GRACE_S):
         self._name = name
-        self._pool = ThreadPoolExecutor(max_workers=MAX_READERS, thread_name_prefix=name)
-        self._pid = os.getpid()
+        self.grace_s = grace_s
         self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0                  # readers waiting for a job that no job is promised to
+        self._started = 0
+        self._pid = os.getpid()
         self._closed = False
 
     def read(self, call, timeout: float | None) -> Iterator:
         """The messages of ``call`` (a gRPC response stream, already started with deadline
         ``timeout`` seconds), in order. Raises what the call raises
         (:class:`grpc.RpcError`; an error status as soon as it comes, even while a message
-        is still awaited), and :class:`StreamEnded` when no message or end came
-        within ``timeout`` + :data:`GRACE_S` seconds of this call (the call is then
-        cancelled). Stopping the iteration early cancels the call."""
-        due = None if timeout is None else time.monotonic() + timeout + GRACE_S
+        is still awaited), ValueError once :meth:`close` was called, and
+        :class:`StreamEnded` when no message or end came within ``timeout`` +
+        ``grace_s`` seconds of this call (the call is then cancelled). Stopping the
+        iteration early cancels the call."""
+        due = None if timeout is None else time.monotonic() + timeout + self.grace_s
         inbox: queue.SimpleQueue = queue.SimpleQueue()
+        slots = threading.Semaphore(READ_AHEAD)
         given_up = threading.Event()
 
         def pump() -> None:
-            if given_up.is_set():
-                return
-            try:
-                for message in call:
-                    inbox.put(message)
+            messages = iter(call)
+            while True:
+                while not slots.acquire(timeout=0.5):   # the caller is READ_AHEAD behind
                     if given_up.is_set():
                         return
-                inbox.put(_END)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, raised there
-                inbox.put(e)
+                if given_up.is_set():
+                    return
+                try:
+                    message = next(messages)
+                except StopIteration:
+                    inbox.put(_END)
+                    return
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, raised there
+                    inbox.put(e)
+                    return
+                inbox.put(message)
+
         def ended(c) -> None:           # on gRPC's thread when the call has its status
             if c.code() is not grpc.StatusCode.OK:
                 inbox.put(c)            # failed: nothing after it matters; raise it now
-        try:
-            with self._lock:
-                if self._closed:
-                    raise ValueError("the client is closed")
-                if self._pid != os.getpid():     # a forked child: the pool's threads stayed behind
-                    self._pool = ThreadPoolExecutor(max_workers=MAX_READERS, thread_name_prefix=self._name)
-                    self._pid = os.getpid()
-                self._pool.submit(pump)
-            call.add_done_callback(ended)
-        except RuntimeError:            # the pool shut down meanwhile
-            raise ValueError("the client is closed") from None
+        self._submit(pump)
+        call.add_done_callback(ended)
         finished = False
         try:
             while True:
@@ -102,24 +108,62 @@ class StreamReaders:
                     item = inbox.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
                 except queue.Empty:
                     raise StreamEnded(f"the stream did not end within its deadline ({timeout:g} s) "
-                                      f"and {GRACE_S:g} s more") from None
+                                      f"and {self.grace_s:g} s more") from None
                 if item is _END:
                     finished = True
                     return
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                slots.release()
                 yield item
         finally:
+            given_up.set()                      # the reader stops taking messages for nobody
             if not finished:
-                given_up.set()
                 call.cancel()
 
+    def _submit(self, job) -> None:
+        with self._lock:
+            if self._closed:
+                raise ValueError("the client is closed")
+            if self._pid != os.getpid():        # a forked child: the readers stayed behind
+                self._jobs, self._idle, self._pid = queue.SimpleQueue(), 0, os.getpid()
+            self._jobs.put(job)
+            if self._idle:
+                self._idle -= 1                 # an idle reader takes it
+                return
+            self._started += 1
+            jobs, n = self._jobs, self._started
+        threading.Thread(target=self._work, args=(jobs,), name=f"{self._name}-{n}", daemon=True).start()
+
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                job = jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if jobs is not self._jobs or (self._idle and jobs.empty()):
+                        if jobs is self._jobs:
+                            self._idle -= 1     # this reader, idle and promised nothing: it ends
+                        return
+                continue                        # a job promised to an idle reader waits: take it
+            if job is None:                     # closed
+                return
+            try:
+                job()
+            finally:
+                with self._lock:
+                    if jobs is not self._jobs or self._closed:
+                        return
+                    self._idle += 1
+
     def close(self) -> None:
-        """Stop taking calls; readers still waiting on a call are left to it."""
+        """Take no more streams; idle readers end (one left waiting on a call stays with it)."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            for _ in range(self._idle):
+                self._jobs.put(None)
+            self._idle = 0
 
 
-__all__ = ["GRACE_S", "MAX_READERS", "StreamEnded", "StreamReaders"]
+__all__ = ["GRACE_S", "READ_AHEAD", "StreamEnded", "StreamReaders"]

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from kvstore.client.client import KVStoreClient
-from kvstore.client.streams import GRACE_S, StreamEnded, StreamReaders
+from kvstore.client.streams import GRACE_S, READ_AHEAD, StreamEnded, StreamReaders
 from kvstore.common.errors import StoreUnavailable
 
 WAIT_S = 60.0        # generous: the verdict never depends on speed
@@ -110,18 +110,72 @@ def test_a_stream_whose_error_status_came_raises_it_without_waiting_for_the_mess
         readers.close()
 
 
-def test_a_lost_reader_does_not_stop_the_next_stream():
-    readers = StreamReaders()
-    stuck = [StuckCall() for _ in range(3)]
+def test_lost_readers_do_not_stop_the_next_stream():
+    readers = StreamReaders(grace_s=0.01)
+    stuck = [StuckCall() for _ in range(40)]
     try:
-        for call in stuck:                                    # three readers left waiting
-            done, out = read_in_thread(readers, call, 0.05)
-            assert done.wait(WAIT_S) and isinstance(out["error"], StreamEnded)
+        for call in stuck:                                    # forty readers left waiting
+            with pytest.raises(StreamEnded):
+                list(readers.read(call, 0.01))
         assert list(readers.read(StuckCall([b"x", b"y"], stuck=False), 5.0)) == [b"x", b"y"]
     finally:
         for call in stuck:
             call.released.set()
         readers.close()
+
+
+def test_a_process_with_a_reader_left_on_a_stream_still_exits():
+    """Readers are daemon threads: a pool that joined its threads at exit waited for ever."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.path[:0] = ['tests', 'tests/kvstore']\n"
+            "from test_stream_deadline import StuckCall\n"
+            "from kvstore.client.streams import StreamEnded, StreamReaders\n"
+            "r = StreamReaders(grace_s=0.01)\n"
+            "try:\n    list(r.read(StuckCall(), 0.01))\nexcept StreamEnded:\n    print('ended')\n")
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=WAIT_S * 2,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert (out.returncode, out.stdout.strip()) == (0, "ended"), out.stderr[-2000:]
+
+
+def test_a_reader_takes_at_most_read_ahead_messages_before_its_caller():
+    pulled = []
+    more = threading.Event()
+
+    def messages():
+        for i in range(100):
+            pulled.append(i)
+            yield bytes([i])
+
+    class Call(StuckCall):
+        def __iter__(self):
+            return messages()
+    readers = StreamReaders()
+    it = readers.read(Call(), 30.0)
+    assert next(it) == b"\x00"
+    deadline = time.monotonic() + WAIT_S
+    while len(pulled) < READ_AHEAD + 1 and time.monotonic() < deadline:
+        more.wait(0.01)
+    more.wait(0.2)                                          # room to overrun, were there any
+    assert len(pulled) == READ_AHEAD + 1                    # one handed on, READ_AHEAD waiting
+    assert list(it) == [bytes([i]) for i in range(1, 100)]
+    readers.close()
+
+
+def test_idle_readers_end_when_the_client_closes():
+    def readers_alive():
+        return sum(1 for t in threading.enumerate() if t.name.startswith("kvstore-stream-test"))
+    readers = StreamReaders(name="kvstore-stream-test")
+    for _ in range(3):
+        assert list(readers.read(StuckCall([b"a"], stuck=False), 5.0)) == [b"a"]
+    assert readers_alive() >= 1
+    readers.close()
+    deadline = time.monotonic() + WAIT_S
+    while readers_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert readers_alive() == 0
 
 
 def test_a_failed_stream_raises_its_own_error_and_is_not_cancelled():
