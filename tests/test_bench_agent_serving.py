@@ -172,6 +172,7 @@ class _FakeCompletions:
                 with fake.lock:
                     fake.in_flight += 1
                     fake.most = max(fake.most, fake.in_flight)
+                counted = True
                 try:
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -181,10 +182,14 @@ class _FakeCompletions:
                         chunk = {"choices": [{"token_ids": [7 + t]}]}
                         self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                         self.wfile.flush()
+                    with fake.lock:                 # before [DONE]: the client may send the next at once
+                        fake.in_flight -= 1
+                    counted = False
                     self.wfile.write(b"data: [DONE]\n\n")
                 finally:
-                    with fake.lock:
-                        fake.in_flight -= 1
+                    if counted:
+                        with fake.lock:
+                            fake.in_flight -= 1
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
