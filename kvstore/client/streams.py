@@ -17,18 +17,24 @@ the status comes (what the stream still had to give would be dropped with the er
 anyway): the stuck stream above ends at once. A reader left waiting on such a call is lost (a daemon thread: it
 never holds up the process's exit); the next call gets another. A reader reads at most
 :data:`READ_AHEAD` messages ahead of its caller, so a slow caller still slows the
-daemon's sending as gRPC's flow control did.
+daemon's sending as gRPC's flow control did. A new reader gets its first stream handed to
+it, so one that cannot start (out of threads) fails that read alone; a forked child starts
+with no readers.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Iterator
 
 import grpc
+
+log = logging.getLogger("kvstore.client")
 
 GRACE_S = 1.0
 """Seconds past a stream's deadline that the client waits for gRPC to end it before it
@@ -41,6 +47,18 @@ IDLE_S = 30.0
 """Seconds an idle reader thread waits for another stream before it ends."""
 
 _END = object()
+
+_ALL: "weakref.WeakSet[StreamReaders]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts every client's readers afresh: the parent's threads (and any
+    lock one of them held at the fork) stayed behind."""
+    for readers in list(_ALL):
+        readers._fresh()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class StreamEnded(Exception):
@@ -58,12 +76,16 @@ class StreamReaders:
     def __init__(self, name: str = "kvstore-stream", grace_s: float = GRACE_S):
         self._name = name
         self.grace_s = grace_s
+        self._started = 0
+        self._closed = False
+        self._fresh()
+        _ALL.add(self)
+
+    def _fresh(self) -> None:
+        """No reader (at start, and in a forked child: the readers and any lock holder stayed behind)."""
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = 0                  # readers waiting for a job that no job is promised to
-        self._started = 0
-        self._pid = os.getpid()
-        self._closed = False
 
     def read(self, call, timeout: float | None) -> Iterator:
         """The messages of ``call`` (a gRPC response stream, already started with deadline
@@ -79,7 +101,7 @@ class StreamReaders:
         given_up = threading.Event()
 
         def pump() -> None:
-            messages = iter(call)
+            messages = None
             while True:
                 while not slots.acquire(timeout=0.5):   # the caller is READ_AHEAD behind
                     if given_up.is_set():
@@ -87,6 +109,8 @@ class StreamReaders:
                 if given_up.is_set():
                     return
                 try:
+                    if messages is None:
+                        messages = iter(call)
                     message = next(messages)
                 except StopIteration:
                     inbox.put(_END)
@@ -99,10 +123,10 @@ class StreamReaders:
         def ended(c) -> None:           # on gRPC's thread when the call has its status
             if c.code() is not grpc.StatusCode.OK:
                 inbox.put(c)            # failed: nothing after it matters; raise it now
-        self._submit(pump)
-        call.add_done_callback(ended)
         finished = False
         try:
+            self._submit(pump)
+            call.add_done_callback(ended)
             while True:
                 try:
                     item = inbox.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
@@ -123,39 +147,42 @@ class StreamReaders:
                 call.cancel()
 
     def _submit(self, job) -> None:
+        """Hand ``job`` to an idle reader, or to a new one (which takes nothing else first:
+        a reader that fails to start leaves no job behind)."""
         with self._lock:
             if self._closed:
                 raise ValueError("the client is closed")
-            if self._pid != os.getpid():        # a forked child: the readers stayed behind
-                self._jobs, self._idle, self._pid = queue.SimpleQueue(), 0, os.getpid()
-            self._jobs.put(job)
             if self._idle:
                 self._idle -= 1                 # an idle reader takes it
+                self._jobs.put(job)
                 return
             self._started += 1
             jobs, n = self._jobs, self._started
-        threading.Thread(target=self._work, args=(jobs,), name=f"{self._name}-{n}", daemon=True).start()
+        threading.Thread(target=self._work, args=(jobs, job), name=f"{self._name}-{n}", daemon=True).start()
 
-    def _work(self, jobs: queue.SimpleQueue) -> None:
+    def _work(self, jobs: queue.SimpleQueue, job) -> None:
         while True:
             try:
-                job = jobs.get(timeout=IDLE_S)
-            except queue.Empty:
-                with self._lock:
-                    if jobs is not self._jobs or (self._idle and jobs.empty()):
-                        if jobs is self._jobs:
-                            self._idle -= 1     # this reader, idle and promised nothing: it ends
-                        return
-                continue                        # a job promised to an idle reader waits: take it
+                job()
+            except BaseException:  # noqa: BLE001 - a reader outlives a job that failed
+                log.exception("a stream reader's job failed")
+            with self._lock:
+                if jobs is not self._jobs or self._closed:
+                    return
+                self._idle += 1
+            while True:
+                try:
+                    job = jobs.get(timeout=IDLE_S)
+                    break
+                except queue.Empty:
+                    with self._lock:
+                        if jobs is not self._jobs or jobs.empty():
+                            if jobs is self._jobs:
+                                self._idle -= 1     # idle and promised nothing: this reader ends
+                            return
+                    # a job promised to an idle reader is on its way: take it
             if job is None:                     # closed
                 return
-            try:
-                job()
-            finally:
-                with self._lock:
-                    if jobs is not self._jobs or self._closed:
-                        return
-                    self._idle += 1
 
     def close(self) -> None:
         """Take no more streams; idle readers end (one left waiting on a call stays with it)."""

@@ -249,4 +249,47 @@ def test_a_forked_child_reads_streams_with_readers_of_its_own():
             ok = False
         os._exit(0 if ok else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    with readers._lock:                             # a fork while another thread holds the lock
+        pid = os.fork()
+        if pid == 0:
+            import signal
+            signal.alarm(60)                        # a child that waits for the lock ends, nonzero
+            try:
+                ok = list(readers.read(StuckCall([b"c3"], stuck=False), 2.0)) == [b"c3"]
+            except BaseException:  # noqa: BLE001 - the exit status says it
+                ok = False
+            os._exit(0 if ok else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    readers.close()
+
+
+def test_a_call_that_cannot_be_iterated_raises_its_error_and_the_reader_goes_on():
+    class Broken(StuckCall):
+        def __iter__(self):
+            raise TypeError("not iterable")
+    readers = StreamReaders(grace_s=30.0)
+    with pytest.raises(TypeError, match="not iterable"):      # its own error, not the deadline's
+        list(readers.read(Broken(), 30.0))
+    assert list(readers.read(StuckCall([b"ok"], stuck=False), 30.0)) == [b"ok"]
+    readers.close()
+
+
+def test_a_reader_that_cannot_start_leaves_no_job_behind(monkeypatch):
+    """Out of threads: the read fails at once with the call cancelled, and the next read
+    (a thread now starts) is served; no job was left queued for a reader that never came."""
+    start, failed = threading.Thread.start, []
+
+    def start_once_failing(self):
+        if self.name.startswith("kvstore-stream-nothread") and not failed:
+            failed.append(self.name)
+            raise RuntimeError("can't start new thread")
+        return start(self)
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    readers = StreamReaders(name="kvstore-stream-nothread", grace_s=30.0)
+    call = StuckCall([b"x"], stuck=False)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        list(readers.read(call, 30.0))
+    assert failed and call.cancelled.is_set()
+    for _ in range(3):
+        assert list(readers.read(StuckCall([b"a", b"b"], stuck=False), 30.0)) == [b"a", b"b"]
     readers.close()
