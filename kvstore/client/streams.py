@@ -51,16 +51,6 @@ _END = object()
 _ALL: "weakref.WeakSet[StreamReaders]" = weakref.WeakSet()
 
 
-def _after_fork_in_child() -> None:
-    """A forked child starts every client's readers afresh: the parent's threads (and any
-    lock one of them held at the fork) stayed behind."""
-    for readers in list(_ALL):
-        readers._fresh()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 class StreamEnded(Exception):
     """The caller's deadline passed before the stream ended (the call was cancelled)."""
 
@@ -80,6 +70,13 @@ class StreamReaders:
         self._closed = False
         self._fresh()
         _ALL.add(self)
+
+    @staticmethod
+    def after_fork_in_child() -> None:
+        """A forked child starts every client's readers afresh: the parent's threads (and
+        any lock one of them held at the fork) stayed behind (an ``os.register_at_fork`` hook)."""
+        for readers in list(_ALL):
+            readers._fresh()
 
     def _fresh(self) -> None:
         """No reader (at start, and in a forked child: the readers and any lock holder stayed behind)."""
@@ -192,5 +189,7 @@ class StreamReaders:
                 self._jobs.put(None)
             self._idle = 0
 
+
+os.register_at_fork(after_in_child=StreamReaders.after_fork_in_child)
 
 __all__ = ["GRACE_S", "READ_AHEAD", "StreamEnded", "StreamReaders"]
