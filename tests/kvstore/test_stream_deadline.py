@@ -10,6 +10,11 @@ call that had its error status raises it at once.
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -21,6 +26,13 @@ from kvstore.client.streams import GRACE_S, READ_AHEAD, StreamEnded, StreamReade
 from kvstore.common.errors import StoreUnavailable
 
 WAIT_S = 60.0        # generous: the verdict never depends on speed
+
+
+def wait_until(predicate) -> None:
+    """Wait (at most :data:`WAIT_S`) until ``predicate()``; the caller asserts it after."""
+    deadline = time.monotonic() + WAIT_S
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class StuckCall:
@@ -126,23 +138,19 @@ def test_lost_readers_do_not_stop_the_next_stream():
 
 def test_a_process_with_a_reader_left_on_a_stream_still_exits():
     """Readers are daemon threads: a pool that joined its threads at exit waited for ever."""
-    import subprocess
-    import sys
     code = ("import sys; sys.path[:0] = ['tests', 'tests/kvstore']\n"
             "from test_stream_deadline import StuckCall\n"
             "from kvstore.client.streams import StreamEnded, StreamReaders\n"
             "r = StreamReaders(grace_s=0.01)\n"
             "try:\n    list(r.read(StuckCall(), 0.01))\nexcept StreamEnded:\n    print('ended')\n")
-    import pathlib
     root = pathlib.Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=WAIT_S * 2,
-                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+                         env={**os.environ, "PYTHONPATH": str(root)})
     assert (out.returncode, out.stdout.strip()) == (0, "ended"), out.stderr[-2000:]
 
 
 def test_a_reader_takes_at_most_read_ahead_messages_before_its_caller():
     pulled = []
-    more = threading.Event()
 
     def messages():
         for i in range(100):
@@ -155,10 +163,8 @@ def test_a_reader_takes_at_most_read_ahead_messages_before_its_caller():
     readers = StreamReaders()
     it = readers.read(Call(), 30.0)
     assert next(it) == b"\x00"
-    deadline = time.monotonic() + WAIT_S
-    while len(pulled) < READ_AHEAD + 1 and time.monotonic() < deadline:
-        more.wait(0.01)
-    more.wait(0.2)                                          # room to overrun, were there any
+    wait_until(lambda: len(pulled) >= READ_AHEAD + 1)
+    time.sleep(0.2)                                         # room to overrun, were there any
     assert len(pulled) == READ_AHEAD + 1                    # one handed on, READ_AHEAD waiting
     assert list(it) == [bytes([i]) for i in range(1, 100)]
     readers.close()
@@ -172,9 +178,7 @@ def test_idle_readers_end_when_the_client_closes():
         assert list(readers.read(StuckCall([b"a"], stuck=False), 5.0)) == [b"a"]
     assert readers_alive() >= 1
     readers.close()
-    deadline = time.monotonic() + WAIT_S
-    while readers_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: readers_alive() == 0)
     assert readers_alive() == 0
 
 
@@ -238,29 +242,26 @@ def test_a_get_whose_stream_never_ends_is_a_bounded_store_unavailable(daemon):
 def test_a_forked_child_reads_streams_with_readers_of_its_own():
     """The pool's idle threads stay behind in the parent: a child that took them for its
     own would wait for a reader until its deadline."""
-    import os
     readers = StreamReaders()
     assert list(readers.read(StuckCall([b"p"], stuck=False), 5.0)) == [b"p"]     # a reader, idle now
+    assert child_reads(readers, [b"c1", b"c2"]) == 0
+    with readers._lock:                             # a fork while another thread holds the lock
+        assert child_reads(readers, [b"c3"]) == 0
+    readers.close()
+
+
+def child_reads(readers: StreamReaders, messages: list[bytes]) -> int:
+    """Fork a child that reads a stream of ``messages`` with ``readers``; its exit code
+    (0: read right; a child that waits for ever ends by its alarm, nonzero)."""
     pid = os.fork()
     if pid == 0:
+        signal.alarm(60)
         try:
-            ok = list(readers.read(StuckCall([b"c1", b"c2"], stuck=False), 2.0)) == [b"c1", b"c2"]
+            ok = list(readers.read(StuckCall(messages, stuck=False), 2.0)) == messages
         except BaseException:  # noqa: BLE001 - the exit status says it
             ok = False
         os._exit(0 if ok else 1)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    with readers._lock:                             # a fork while another thread holds the lock
-        pid = os.fork()
-        if pid == 0:
-            import signal
-            signal.alarm(60)                        # a child that waits for the lock ends, nonzero
-            try:
-                ok = list(readers.read(StuckCall([b"c3"], stuck=False), 2.0)) == [b"c3"]
-            except BaseException:  # noqa: BLE001 - the exit status says it
-                ok = False
-            os._exit(0 if ok else 1)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    readers.close()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def test_a_call_that_cannot_be_iterated_raises_its_error_and_the_reader_goes_on():

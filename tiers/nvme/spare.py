@@ -84,14 +84,14 @@ class SpareFiles:
     def nbytes(self) -> int:
         return self._bytes
 
-    def take(self, max_bytes: int | None = None) -> tuple[str, int] | None:
+    def take(self, max_bytes: int) -> tuple[str, int] | None:
         """A spare file as ``(path, bytes)`` (its size on disk at most): the most recently
-        given one of at most ``max_bytes`` (None: any), or None if none is ready. A block's
-        file is never larger than what the block is counted as."""
+        given one of at most ``max_bytes``, or None if none is ready. A block's file is
+        never larger than what the block is counted as."""
         with self._lock:
             for i in range(len(self._files) - 1, -1, -1):
                 path, size = self._files[i]
-                if max_bytes is None or size <= max_bytes:
+                if size <= max_bytes:
                     del self._files[i]
                     self._count -= 1
                     self._bytes -= size
