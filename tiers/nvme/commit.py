@@ -3,18 +3,22 @@
 ::
 
     reserve(key, n)      capacity counted (Space.take); nothing on disk yet
-    write(key, off, b)   first call opens blocks/abc/<hex>.tmp (a spare file renamed
-                         into place, or a new file); bytes go through BlockWriter
+    write(key, off, b)   first call opens the block's temp file: a spare file where it
+                         lies (spare/<n>), or a new blocks/abc/<hex>.tmp; bytes go
+                         through BlockWriter
     commit(key)          header written; spare leftovers cut; close;
-                         rename .tmp -> <hex>; index put
+                         rename temp -> blocks/abc/<hex>; index put
                          (with fsync: fdatasync; close; rename; fsync folder; one
                          synchronous index transaction for the commits in flight
                          together: :mod:`tiers.nvme.group`)
     abort(key)           temp file removed, capacity returned
 
+A spare file is written where it lies and renamed once, at commit, straight to the block's
+name: it carries no block's name until it holds a whole block, as a ``.tmp`` file does.
+
 A failure anywhere drops the reservation and its files (a renamed file too, when the
 index update failed), so a failed commit leaves nothing. A crash leaves a temp file
-(removed at the next start) or a complete, renamed file (indexed from its header at the
+(removed at the next start, or kept as a spare file) or a complete, renamed file (indexed from its header at the
 next start if the index update was lost). With fsync a block is indexed only once its
 bytes and its name are on the device, and a commit returns only once its index entry is.
 """
@@ -104,29 +108,24 @@ class Reservations:
         return p
 
     def open_temp(self, p: PendingBlock) -> int:
-        """Open the block's temp file: a spare file renamed into place, or a new file."""
-        path = p.path
-        folder = os.path.dirname(path)
+        """Open the block's temp file (:attr:`PendingBlock.temp`): the spare file set aside
+        for it, where it lies (one rename, at commit), or a new ``<path>.tmp``."""
+        folder = os.path.dirname(p.path)
         if folder not in self._dirs:
             self._make_folder(folder)
             self._dirs.add(folder)
-        temp = path + ".tmp"
         with self._lock:
             spare, p.spare = p.spare, None
         if spare is not None:
             try:
-                os.rename(spare[0], temp)
-                fd = os.open(temp, self._reuse_flags)
-                p.reused = spare[1]
+                fd = os.open(spare[0], self._reuse_flags)
+                p.temp, p.reused = spare
                 return fd
             except OSError as e:               # not a usable file: make a new one
                 log.debug("%s: spare file %s not reused: %s", self.name, spare[0], e)
-                for stale in (spare[0], temp):
-                    try:
-                        os.unlink(stale)
-                    except OSError:
-                        pass
-        return os.open(temp, self._new_flags, 0o600)
+                remove_files([spare[0]])
+        p.temp = p.path + ".tmp"
+        return os.open(p.temp, self._new_flags, 0o600)
 
     def _open(self, p: PendingBlock) -> None:
         """Open the reservation's temp file (:meth:`open_temp`) as ``p.fd``, unless the
@@ -138,7 +137,7 @@ class Reservations:
                 p.fd = fd
                 return
         os.close(fd)
-        remove_files([p.path + ".tmp"])
+        remove_files([p.temp])
         raise BlockNotStored(f"block {p.key.hex()[:16]}: its reservation in {self.name} was dropped "
                              f"while its file was opened")
 
@@ -179,7 +178,7 @@ class Reservations:
             p.written = p.size
         try:
             self._open(p)
-            p.sums = device.write(p.path + ".tmp", p.fd, device_buf, p.size, p.chunk, p.header_len)
+            p.sums = device.write(p.temp, p.fd, device_buf, p.size, p.chunk, p.header_len)
             p.file_off = p.disk
         except (OSError, RuntimeError) as e:
             self.discard(p)
@@ -203,7 +202,7 @@ class Reservations:
                 fdatasync(p.fd)                # the bytes, then the name, then the index entry
             fd, p.fd = p.fd, -1
             os.close(fd)
-            os.rename(final + ".tmp", final)
+            os.rename(p.temp, final)
             renamed = True
             if self.group is not None:
                 fsync_folder(os.path.dirname(final))
@@ -257,8 +256,8 @@ class Reservations:
                 os.close(fd)
             except OSError:
                 pass
-        for path in (p.path + ".tmp", final):
-            if path is not None:
+        for path in (p.temp, final):
+            if path:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:

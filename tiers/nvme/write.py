@@ -50,11 +50,13 @@ class PendingBlock:
     (-1 until opened), the chunk checksums so far, and under O_DIRECT the staging buffer
     holding ``tail`` bytes not yet written at ``file_off``. ``reused`` is the size of
     the spare file taken (-1: a new file); ``spare``: the spare file ``(path, bytes)``
-    set aside for it at reservation, not yet renamed into place (None: none);
-    ``done``: payload and header are on disk; ``path``: the block's final file name."""
+    set aside for it at reservation, not yet opened (None: none); ``temp``: the file
+    written until the commit renames it to ``path`` (the spare file itself, or
+    ``<path>.tmp``; "" until opened); ``done``: payload and header are on disk;
+    ``path``: the block's final file name."""
 
     __slots__ = ("key", "path", "size", "chunk", "header_len", "disk", "written", "fd", "reused", "sums",
-                 "hasher", "fill", "stage", "tail", "file_off", "done", "written_at", "spare")
+                 "hasher", "fill", "stage", "tail", "file_off", "done", "written_at", "spare", "temp")
 
     def __init__(self, key: bytes, size: int, chunk: int, path: str = ""):
         self.key = key
@@ -75,6 +77,7 @@ class PendingBlock:
         self.done = False
         self.written_at = 0.0
         self.spare: tuple[str, int] | None = None
+        self.temp = ""
 
 
 class BlockWriter:
