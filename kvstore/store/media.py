@@ -239,6 +239,14 @@ class TierAdapter:
         except terr.MediaError as e:
             raise store_error(e) from None
 
+    def evict(self, key: bytes) -> None:
+        """Free the stored block the store evicts (:meth:`tiers.base.Tier.evict`: no disk
+        work under the store's lock). Raises BlockNotFound, TierIOError."""
+        try:
+            self.tier.evict(key)
+        except terr.MediaError as e:
+            raise store_error(e) from None
+
     def recover(self) -> Iterable[tuple[bytes, int]]:
         """``(key, payload bytes)`` of the blocks a persistent tier holds at start."""
         try:

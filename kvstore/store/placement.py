@@ -95,9 +95,13 @@ class Placement:
 
     def drop_copy(self, entry: Entry, i: int, reason: str, policy: str = "") -> bool:
         """Free ``entry``'s copy in tier ``i`` and forget it (lock held). True when it was
-        the last copy (the block left the store)."""
+        the last copy (the block left the store). An eviction lets the tier finish the
+        removal later (:meth:`tiers.base.Tier.evict`); a delete or a bad copy is freed now."""
         try:
-            self.tiers[i].free(entry.key)
+            if reason == "evicted":
+                self.tiers[i].evict(entry.key)
+            else:
+                self.tiers[i].free(entry.key)
         except BlockNotFound:
             pass
         except KVStoreError as e:

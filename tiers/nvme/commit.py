@@ -36,7 +36,7 @@ from tiers.buffers import check_chunk
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
 from tiers.nvme.group import GroupCommit, fdatasync, fsync_folder
-from tiers.nvme.spare import SpareFiles, remove_files
+from tiers.nvme.spare import RetiredFiles, SpareFiles, remove_files
 from tiers.nvme.index import BlockIndex
 from tiers.nvme.read import HeaderCache
 from tiers.nvme.space import DISK_FULL_ERRNOS, Space
@@ -55,8 +55,8 @@ class Reservations:
     """
 
     def __init__(self, *, folder: str, name: str, lock: threading.Lock, index: BlockIndex, space: Space,
-                 writer: BlockWriter, spares: SpareFiles | None, direct: bool, fsync: bool,
-                 headers: HeaderCache):
+                 writer: BlockWriter, spares: SpareFiles | None, retired: RetiredFiles, direct: bool,
+                 fsync: bool, headers: HeaderCache):
         self.folder = folder
         self.blocks_dir = os.path.join(folder, "blocks")
         self.name = name
@@ -66,6 +66,7 @@ class Reservations:
         self._space = space
         self._writer = writer
         self._spares = spares
+        self._retired = retired
         self._fsync = fsync
         self._headers = headers
         self._dirs: set[str] = set()
@@ -88,7 +89,11 @@ class Reservations:
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
             if self._spares is not None:
-                p.spare = self._spares.take(p.disk)      # its file, set aside now: counted as p.disk
+                # its file, set aside now (counted as p.disk): the block's own retired file,
+                # else a spare file unless retired files wait (one is taken when it opens)
+                p.spare = self._retired.reclaim(key)
+                if p.spare is None and not len(self._retired):
+                    p.spare = self._spares.take(p.disk)
                 shed = self._shed_locked(p.disk - (p.spare[1] if p.spare else 0))
         remove_files(shed)
 
@@ -96,7 +101,7 @@ class Reservations:
         """Spare files to delete (under the lock) so that blocks and spare files stay within
         the configured capacity, and, after the disk filled up, the filesystem has the
         ``growth`` bytes a new reservation's file still needs."""
-        over = self._space.used + self._spares.nbytes - self._space.configured
+        over = self._space.used + self._spares.nbytes + self._retired.nbytes - self._space.configured
         over = max(over, self._space.disk_short(growth))
         return self._spares.shed(over) if over > 0 else []
 
@@ -108,24 +113,48 @@ class Reservations:
         return p
 
     def open_temp(self, p: PendingBlock) -> int:
-        """Open the block's temp file (:attr:`PendingBlock.temp`): the spare file set aside
-        for it, where it lies (one rename, at commit), or a new ``<path>.tmp``."""
+        """Open the block's temp file (:attr:`PendingBlock.temp`): a spare file where it lies
+        (one rename, at commit); a retired file, its own (set aside at reservation) or any
+        (taken now), renamed to ``<path>.tmp`` under the lock
+        (:class:`~tiers.nvme.spare.RetiredFiles`); or a new ``<path>.tmp``."""
         folder = os.path.dirname(p.path)
         if folder not in self._dirs:
             self._make_folder(folder)
             self._dirs.add(folder)
+        temp = p.path + ".tmp"
         with self._lock:
             spare, p.spare = p.spare, None
+            if spare is None and self._spares is not None and self.pending.get(p.key) is p:
+                taken = self._retired.take(p.disk)
+                if taken is None:
+                    spare = self._spares.take(p.disk)
+                elif self._move_retired(taken[0], temp):
+                    spare = (temp, taken[1])
         if spare is not None:
             try:
+                if spare[0] == p.path:         # its own retired file: no one else renames it
+                    os.rename(p.path, temp)
+                    spare = (temp, spare[1])
                 fd = os.open(spare[0], self._reuse_flags)
                 p.temp, p.reused = spare
                 return fd
             except OSError as e:               # not a usable file: make a new one
-                log.debug("%s: spare file %s not reused: %s", self.name, spare[0], e)
+                log.debug("%s: file %s not reused: %s", self.name, spare[0], e)
                 remove_files([spare[0]])
         p.temp = p.path + ".tmp"
         return os.open(p.temp, self._new_flags, 0o600)
+
+    def _move_retired(self, path: str, temp: str) -> bool:
+        """Rename a retired file taken by :meth:`open_temp` to ``temp`` (under the lock, so
+        that no block stored again under its old key is renamed into place first); one that
+        cannot be moved is deleted (False)."""
+        try:
+            os.rename(path, temp)
+            return True
+        except OSError as e:
+            log.debug("%s: retired file %s not reused: %s", self.name, path, e)
+            remove_files([path])
+            return False
 
     def _open(self, p: PendingBlock) -> None:
         """Open the reservation's temp file (:meth:`open_temp`) as ``p.fd``, unless the
@@ -211,6 +240,7 @@ class Reservations:
                 with self._lock:
                     self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
                     del self.pending[key]
+                    self._settle_locked()
         except (OSError, lmdb.Error) as e:
             err = e
         finally:
@@ -230,7 +260,14 @@ class Reservations:
         with self._lock:
             for p in batch:
                 del self.pending[p.key]
+            self._settle_locked()
         return [None] * len(batch)
+
+    def _settle_locked(self) -> None:
+        """Settle the retired files no open reservation will take (under the lock)."""
+        if len(self._retired):
+            waiting = sum(1 for p in self.pending.values() if p.fd < 0 and p.spare is None)
+            self._retired.settle(waiting, self._spares)
 
     def abort(self, key: bytes) -> None:
         p = self.pending.get(key)
@@ -246,7 +283,9 @@ class Reservations:
                 del self.pending[p.key]
                 self._space.give(p.disk)
             spare, p.spare = p.spare, None
-            if spare is not None:               # never moved: back among the spare files
+            if spare is not None and spare[0] == p.path:     # its own retired file, never moved
+                self._retired.add(p.key, spare[1])
+            elif spare is not None:             # never moved: back among the spare files
                 self._spares.put_back(*spare)
                 shed = self._shed_locked(0)
         remove_files(shed)
