@@ -129,22 +129,24 @@ def fake_full_disk(monkeypatch) -> dict:
     return full
 
 
-def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs):
-    """Spare files left by many small blocks hold the little disk there is; once the disk
-    has filled up, a larger block's reservation removes spare files for its file instead
-    of failing every put."""
+@pytest.mark.parametrize("drop", ["free", "evict"])
+def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs, drop):
+    """Spare files (or retired files: blocks evicted, their files left in place) left by
+    many small blocks hold the little disk there is; once the disk has filled up, a larger
+    block's reservation removes them for its file instead of failing every put."""
     t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
+    drop_block = getattr(t, drop)
     try:
         keys = [key(i, "small") for i in range(90)]
         for k in keys:
             put_block(t, k, payload(k, 60 << 10))
         for k in keys:
-            t.free(k)
+            drop_block(k)
         held, failed = [], 0
         for i in range(40):
             k = key(i, "large")
             while held and not t.fits(1 << 20):
-                t.free(held.pop(0))
+                drop_block(held.pop(0))
             try:
                 put_block(t, k, payload(k, 1 << 20))
                 held.append(k)
@@ -152,6 +154,43 @@ def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs):
                 failed += 1
         assert failed <= 2 and len(held) >= 4        # the first ENOSPC teaches the tier the disk's size
         assert all(read_bytes(t, k) == payload(k, 1 << 20) for k in held)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("drop", ["free", "evict"])
+def test_after_the_disk_fills_the_files_of_large_blocks_dropped_make_room_for_small_ones(small_fs, drop):
+    """Large blocks dropped on a full disk leave files no small block takes (a spare or
+    retired file is taken only by a block at least as large): a small block's reservation
+    removes them for its file instead of failing every put."""
+    t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
+    drop_block = getattr(t, drop)
+    try:
+        large = [key(i, "large") for i in range(7)]
+        for k in large:
+            put_block(t, k, payload(k, 1 << 20))
+        small = []
+        for i in range(100):                                # the rest of the disk
+            k = key(i, "small")
+            try:
+                put_block(t, k, payload(k, 60 << 10))
+            except DiskFull:
+                break
+            small.append(k)
+        for k in large:
+            drop_block(k)
+        held, failed = [], 0
+        for i in range(30):
+            k = key(i, "more")
+            while small and not t.fits(60 << 10):
+                drop_block(small.pop(0))
+            try:
+                put_block(t, k, payload(k, 60 << 10))
+                held.append(k)
+            except DiskFull:
+                failed += 1
+        assert failed <= 2 and len(held) >= 28
+        assert all(read_bytes(t, k) == payload(k, 60 << 10) for k in held + small)
     finally:
         t.close()
 

@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -149,6 +150,71 @@ def test_retired_files_count_within_the_capacity(open_nvme):
                       if p.is_file() and p.parts[-2] != "index")
         assert t.used_bytes + t.spare_bytes <= capacity and on_disk <= capacity, i
     assert all(read(t, k) == payload(k, t.size_of(k)) for k in held)
+
+
+def disk_of(t) -> int:
+    """Bytes allocated to the tier's files (blocks, spare and retired files)."""
+    return sum(q.stat().st_blocks * 512 for q in pathlib.Path(t.path).glob("*/**/*")
+               if q.is_file() and q.parts[-2] != "index")
+
+
+def test_retired_files_larger_than_the_blocks_that_follow_never_take_the_disk_past_the_capacity(open_nvme):
+    mib = 1 << 20
+    capacity = 2 * disk_bytes(mib)
+    t = open_nvme(capacity=capacity)
+    put(t, K(1), payload(K(1), mib))
+    put(t, K(2), payload(K(2), mib))
+    t.evict(K(1))
+    t.reserve(K(3), 100_000)                # a small block waits: the large retired file is no use to it
+    put(t, K(4), payload(K(4), 100_000))
+    assert t.used_bytes + t.spare_bytes <= capacity and disk_of(t) <= capacity
+    t.write(K(3), 0, payload(K(3), 100_000))
+    t.commit(K(3))
+    t.evict(K(2))
+    t.reserve(K(2), 4096)                   # stored again smaller: its large old file is not its file
+    n = (capacity - t.used_bytes - disk_bytes(0) - 8192) // 4096 * 4096
+    put(t, K(5), payload(K(5), n))
+    t.write(K(2), 0, payload(K(2), 4096))
+    t.commit(K(2))
+    assert t.used_bytes + t.spare_bytes <= capacity and disk_of(t) <= capacity
+    assert all(read(t, k) == payload(k, t.size_of(k)) for k in (K(2), K(3), K(4), K(5)))
+
+
+def test_a_reservation_renames_its_own_retired_file_under_the_tiers_lock(open_nvme, monkeypatch):
+    """Were the rename of a key's own retired file outside the lock, an abort and a new put
+    of that key in between would be renamed away by it: a committed block lost."""
+    t = open_nvme()
+    put(t, K(9), payload(K(9), 50_000))
+    t.free(K(9))                                        # a spare file for the second put
+    put(t, K(1), payload(K(1), 50_000))
+    t.evict(K(1))
+    own = str(file_of(t, K(1)))
+    other = {}
+    real_rename = os.rename
+
+    def rename(a, b):
+        if a == own and not other:                      # the reservation's own file moves: now
+            def abort_and_put_again():                  # another thread aborts it and stores K(1)
+                t.abort(K(1))
+                put(t, K(1), payload(K(1), 50_000))
+            other["thread"] = threading.Thread(target=abort_and_put_again)
+            other["thread"].start()
+            other["thread"].join(0.5)
+            other["blocked"] = other["thread"].is_alive()
+        return real_rename(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    t.reserve(K(1), 50_000)
+    try:
+        t.write(K(1), 0, payload(K(1), 50_000))
+    except BlockNotStored:
+        pass                                            # aborted by the other thread meanwhile
+    other["thread"].join(30)
+    monkeypatch.undo()
+    assert other["blocked"]                             # it waited for the rename to end
+    assert read(t, K(1)) == payload(K(1), 50_000)
+    t.close()
+    t2 = open_nvme()
+    assert dict(t2.recover()) == {K(1): 50_000}
 
 
 def test_any_interleaving_of_evictions_frees_and_puts_serves_each_block_its_own_bytes(open_nvme):

@@ -92,6 +92,10 @@ class Reservations:
                 # its file, set aside now (counted as p.disk): the block's own retired file,
                 # else a spare file unless retired files wait (one is taken when it opens)
                 p.spare = self._retired.reclaim(key)
+                if p.spare is not None and p.spare[1] > p.disk:     # its old file was larger: it goes
+                    if not self._spares.give(*p.spare):
+                        remove_files([p.spare[0]])
+                    p.spare = None
                 if p.spare is None and not len(self._retired):
                     p.spare = self._spares.take(p.disk)
                 shed = self._shed_locked(p.disk - (p.spare[1] if p.spare else 0))
@@ -103,6 +107,8 @@ class Reservations:
         ``growth`` bytes a new reservation's file still needs."""
         over = self._space.used + self._spares.nbytes + self._retired.nbytes - self._space.configured
         over = max(over, self._space.disk_short(growth))
+        if over > self._spares.nbytes and len(self._retired):
+            self._retired.settle(0, self._spares)       # into the spare files (renamed), to be shed
         return self._spares.shed(over) if over > 0 else []
 
     def get(self, key: bytes) -> PendingBlock:
@@ -122,9 +128,11 @@ class Reservations:
             self._make_folder(folder)
             self._dirs.add(folder)
         temp = p.path + ".tmp"
-        with self._lock:
+        with self._lock:                       # a retired file is renamed under it (see RetiredFiles)
             spare, p.spare = p.spare, None
-            if spare is None and self._spares is not None and self.pending.get(p.key) is p:
+            if spare is not None and spare[0] == p.path:      # its own retired file
+                spare = (temp, spare[1]) if self._move_retired(p.path, temp) else None
+            elif spare is None and self._spares is not None and self.pending.get(p.key) is p:
                 taken = self._retired.take(p.disk)
                 if taken is None:
                     spare = self._spares.take(p.disk)
@@ -132,9 +140,6 @@ class Reservations:
                     spare = (temp, taken[1])
         if spare is not None:
             try:
-                if spare[0] == p.path:         # its own retired file: no one else renames it
-                    os.rename(p.path, temp)
-                    spare = (temp, spare[1])
                 fd = os.open(spare[0], self._reuse_flags)
                 p.temp, p.reused = spare
                 return fd
