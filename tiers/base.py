@@ -159,6 +159,11 @@ class Tier(abc.ABC):
     def free(self, key: bytes) -> None:
         """Delete a committed block and return its space. Raises BlockNotStored."""
 
+    def purge(self, key: bytes) -> None:
+        """Make sure ``key``, if this tier no longer stores it, cannot come back after a
+        restart (the store deletes it): a medium that leaves an evicted block's file in place
+        (:meth:`evict`) removes it now. Default: nothing to do."""
+
     def evict(self, key: bytes) -> None:
         """Free a committed block the store evicts (a cache's choice, not a delete): gone
         from the tier at once, its space returned, but a medium may finish the removal

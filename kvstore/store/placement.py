@@ -130,6 +130,8 @@ class Placement:
         deleted = 0
         with self.cat.lock:
             for key in keys:
+                for tier in self.tiers:         # a copy evicted earlier must not come back either
+                    tier.purge(key)
                 e = self.cat.get(key)
                 if e is None:
                     continue

@@ -358,3 +358,35 @@ def test_the_store_retires_the_files_it_evicts_and_removes_the_ones_it_deletes(t
     finally:
         m.close()
         nvme.close()
+
+
+def test_a_block_whose_nvme_copy_was_evicted_is_gone_from_disk_once_deleted(tmp_path):
+    """A copy evicted from NVMe (its file retired in place) while the block stays in host
+    memory: the store's delete of the block moves that file too, so no crash brings back a
+    deleted block."""
+    from kvstore.policy import make_policy
+    from kvstore.store.manager import TierManager
+    from support.fake_tiers import MemTier
+    from tiers.base import TierKind
+    from tiers.nvme.tier import NVMeTier
+
+    n = 20_000
+    host = MemTier(TierKind.HOST, 8 * n)
+    nvme = NVMeTier(tmp_path / "nvme", 1 << 26)
+    m = TierManager([host, nvme], [make_policy("lru", t.capacity_bytes) for t in (host, nvme)])
+    k = K(7)
+    try:
+        m.put(k, payload(k, n))
+        assert m.demote(k, 0) and m.promote(k, 0) and k in host and k in nvme    # copies in both
+        assert m.demote(k, 1) and k not in nvme and file_of(nvme, k).exists()      # NVMe's retired
+        assert m.delete([k]) == 1
+        assert not file_of(nvme, k).exists() and block_files(nvme.path) == []
+        assert m.delete([K(8)]) == 0                                               # unknown: nothing
+    finally:
+        m.close()
+        nvme.close()
+    again = NVMeTier(tmp_path / "nvme", 1 << 26)
+    try:
+        assert dict(again.recover()) == {}
+    finally:
+        again.close()

@@ -93,8 +93,8 @@ class Reservations:
                 # else a spare file unless retired files wait (one is taken when it opens)
                 p.spare = self._retired.reclaim(key)
                 if p.spare is not None and p.spare[1] > p.disk:     # its old file was larger: it goes
-                    if not self._spares.give(*p.spare):
-                        remove_files([p.spare[0]])
+                    self._retired.add(key, p.spare[1])
+                    self._retired.settle_key(key, self._spares)
                     p.spare = None
                 if p.spare is None and not len(self._retired):
                     p.spare = self._spares.take(p.disk)

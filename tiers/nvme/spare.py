@@ -199,16 +199,18 @@ class RetiredFiles:
                 return self._path_of(key), nbytes
         return None
 
+    def settle_key(self, key: bytes, spares: SpareFiles | None) -> None:
+        """Move ``key``'s retired file, if any, as :meth:`settle` does."""
+        found = self.reclaim(key)
+        if found is not None and not (spares is not None and spares.give(*found)):
+            remove_files([found[0]])
+
     def settle(self, keep: int, spares: SpareFiles | None) -> None:
         """Move all but the ``keep`` most recent files out of their block paths: into
         ``spares`` when they take them, else deleted (a failure is logged; the next start
         adopts or removes what is left)."""
         while len(self._files) > keep:
-            key = next(iter(self._files))
-            path, nbytes = self.reclaim(key)
-            if spares is not None and spares.give(path, nbytes):
-                continue
-            remove_files([path])
+            self.settle_key(next(iter(self._files)), spares)
 
 
 def remove_files(paths: list[str]) -> None:

@@ -352,6 +352,12 @@ class NVMeTier(Tier):
             self._headers.drop(key)
             self._folder.drop(key, entry)
 
+    def purge(self, key: bytes) -> None:
+        """Move ``key``'s retired file, if any, out of its block path (into the spare files,
+        or deleted): a block evicted, then deleted, never comes back after a crash."""
+        with self._lock:
+            self._folder.retired.settle_key(key, self._folder.spares)
+
     def evict(self, key: bytes) -> None:
         """:meth:`free` with no disk work under the caller's locks: the block is gone now
         (not stored, its space returned), its file is retired in place and becomes the file of
