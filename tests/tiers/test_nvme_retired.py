@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -196,7 +197,14 @@ def test_a_reservation_renames_its_own_retired_file_under_the_tiers_lock(open_nv
         if a == own and not other:                      # the reservation's own file moves: now
             def abort_and_put_again():                  # another thread aborts it and stores K(1)
                 t.abort(K(1))
-                put(t, K(1), payload(K(1), 50_000))
+                deadline = time.monotonic() + 30
+                while True:                             # busy while the aborted write still runs
+                    try:
+                        put(t, K(1), payload(K(1), 50_000))
+                        return
+                    except BlockExists:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
             other["thread"] = threading.Thread(target=abort_and_put_again)
             other["thread"].start()
             other["thread"].join(0.5)

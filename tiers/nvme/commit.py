@@ -11,7 +11,9 @@
                          (with fsync: fdatasync; close; rename; fsync folder; one
                          synchronous index transaction for the commits in flight
                          together: :mod:`tiers.nvme.group`)
-    abort(key)           temp file removed, capacity returned
+    abort(key)           temp file removed, capacity returned (while another thread writes
+                         or commits it: capacity now, the file when that I/O ends; the
+                         key stays busy, BlockExists, until then)
 
 A spare file is written where it lies and renamed once, at commit, straight to the block's
 name: it carries no block's name until it holds a whole block, as a ``.tmp`` file does.
@@ -114,7 +116,7 @@ class Reservations:
     def get(self, key: bytes) -> PendingBlock:
         """The reservation of ``key`` (call under the lock). Raises BlockNotStored."""
         p = self.pending.get(key)
-        if p is None:
+        if p is None or p.dropped:
             raise BlockNotStored(f"block {bytes(key).hex()[:16]} is not reserved in {self.name}")
         return p
 
@@ -132,7 +134,7 @@ class Reservations:
             spare, p.spare = p.spare, None
             if spare is not None and spare[0] == p.path:      # its own retired file
                 spare = (temp, spare[1]) if self._move_retired(p.path, temp) else None
-            elif spare is None and self._spares is not None and self.pending.get(p.key) is p:
+            elif spare is None and self._spares is not None and not p.dropped:
                 taken = self._retired.take(p.disk)
                 if taken is None:
                     spare = self._spares.take(p.disk)
@@ -164,14 +166,12 @@ class Reservations:
     def _open(self, p: PendingBlock) -> None:
         """Open the reservation's temp file (:meth:`open_temp`) as ``p.fd``, unless the
         reservation was dropped meanwhile (an abort or the tier's close on another thread):
-        then the file is removed, not left behind, and BlockNotStored raised."""
+        then BlockNotStored is raised and the file removed when the I/O ends."""
         fd = self.open_temp(p)
         with self._lock:
-            if self.pending.get(p.key) is p:
-                p.fd = fd
+            p.fd = fd                          # a dropped one's: closed when its I/O ends (_end_io)
+            if not p.dropped:
                 return
-        os.close(fd)
-        remove_files([p.temp])
         raise BlockNotStored(f"block {p.key.hex()[:16]}: its reservation in {self.name} was dropped "
                              f"while its file was opened")
 
@@ -192,13 +192,19 @@ class Reservations:
             p = self.get(key)
             check_chunk(offset, src.nbytes, p.written, p.size)
             p.written = offset + src.nbytes
+            p.io += 1
+        failed = None
         try:
             if p.fd < 0:
                 self._open(p)
             self._writer.write(p, offset, src)
         except OSError as e:
+            failed = e
+        finally:
+            self._end_io(p)
+        if failed is not None:
             self.discard(p)
-            raise self.io_error("writing", key, e) from e
+            raise self.io_error("writing", key, failed) from failed
 
     def write_from_device(self, key: bytes, device: Any, device_buf: Any, available: int) -> None:
         """Fill a whole reservation from device memory through ``device``
@@ -210,19 +216,26 @@ class Reservations:
             if available < p.size:
                 raise InvalidAccess(f"the device buffer has {available} bytes, the block {p.size}")
             p.written = p.size
+            p.io += 1
+        failed = None
         try:
             self._open(p)
             p.sums = device.write(p.temp, p.fd, device_buf, p.size, p.chunk, p.header_len)
             p.file_off = p.disk
         except (OSError, RuntimeError) as e:
+            failed = e
+        finally:
+            self._end_io(p)
+        if failed is not None:
             self.discard(p)
-            raise self.io_error("writing", key, e) from e
+            raise self.io_error("writing", key, failed) from failed
 
     def commit(self, key: bytes) -> None:
         with self._lock:
             p = self.get(key)
             if p.written != p.size:
                 raise InvalidAccess(f"block {key.hex()[:16]}: {p.written} of {p.size} bytes written")
+            p.io += 1
         final = p.path
         renamed = False
         err: BaseException | None = None
@@ -237,22 +250,28 @@ class Reservations:
             fd, p.fd = p.fd, -1
             os.close(fd)
             os.rename(p.temp, final)
-            renamed = True
+            p.temp, renamed = "", True
             if self.group is not None:
                 fsync_folder(os.path.dirname(final))
                 err = self.group.commit(p)     # one index transaction for the commits in flight
             else:
                 with self._lock:
+                    if p.dropped:
+                        raise BlockNotStored(f"block {key.hex()[:16]}: its reservation in {self.name} "
+                                             f"was dropped while it was committed")
                     self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
                     del self.pending[key]
                     self._settle_locked()
-        except (OSError, lmdb.Error) as e:
+        except (OSError, lmdb.Error, BlockNotStored) as e:
             err = e
         finally:
             self._writer.release(p)
+        if err is not None and renamed:        # while it is pending, the name is no one else's
+            remove_files([final])
+        self._end_io(p)
         if err is not None:
-            self.discard(p, final if renamed else None)
-            raise self.io_error("committing", key, err) from err
+            self.discard(p)
+            raise err if isinstance(err, BlockNotStored) else self.io_error("committing", key, err) from err
         self._headers.put(key, p.size, p.chunk, tuple(p.sums))
 
     def _index_batch(self, batch: list[PendingBlock]) -> list[BaseException | None]:
@@ -262,11 +281,17 @@ class Reservations:
             self._index.put_many([(p.key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len)) for p in batch])
         except lmdb.Error as e:
             return [e] * len(batch)
+        errors: list[BaseException | None] = []
         with self._lock:
             for p in batch:
+                if p.dropped:                  # aborted meanwhile: its entry goes again
+                    self._index.forget(p.key)
+                    errors.append(BlockNotStored(f"block {p.key.hex()[:16]}: its reservation was dropped"))
+                    continue
                 del self.pending[p.key]
+                errors.append(None)
             self._settle_locked()
-        return [None] * len(batch)
+        return errors
 
     def _settle_locked(self) -> None:
         """Settle the retired files no open reservation will take (under the lock)."""
@@ -279,36 +304,65 @@ class Reservations:
         if p is not None:
             self.discard(p)
 
-    def discard(self, p: PendingBlock, final: str | None = None) -> None:
-        """Drop a reservation: its capacity, the spare file set aside for it (back to the
-        spare files, or deleted), its temp file (and ``final`` if given)."""
+    def discard(self, p: PendingBlock) -> None:
+        """Drop a reservation: its capacity and the spare file set aside for it (back to the
+        spare files, or deleted) now; its temp file now, or, while a thread writes or commits
+        it, when that thread's I/O ends (:meth:`_end_io`): the reservation stays pending
+        until then, so its file descriptor and its temp file's name are never reused under it."""
         shed: list[str] = []
         with self._lock:
-            if self.pending.get(p.key) is p:
-                del self.pending[p.key]
+            if self.pending.get(p.key) is p and not p.dropped:
                 self._space.give(p.disk)
+            p.dropped = True
             spare, p.spare = p.spare, None
             if spare is not None and spare[0] == p.path:     # its own retired file, never moved
                 self._retired.add(p.key, spare[1])
             elif spare is not None:             # never moved: back among the spare files
                 self._spares.put_back(*spare)
                 shed = self._shed_locked(0)
+            files = self._claim_locked(p)
         remove_files(shed)
-        if p.fd >= 0:
-            fd, p.fd = p.fd, -1
+        if files is not None:
+            self._remove(p, *files)
+
+    def _end_io(self, p: PendingBlock) -> None:
+        """A write or commit of ``p`` ended: the last one of a dropped reservation removes
+        its files."""
+        with self._lock:
+            p.io -= 1
+            files = self._claim_locked(p)
+        if files is not None:
+            self._remove(p, *files)
+
+    def _claim_locked(self, p: PendingBlock) -> tuple[int, str] | None:
+        """A dropped reservation's file descriptor and temp file name, once, for the thread
+        that removes them, when no other thread writes or commits it (None otherwise). The
+        removal counts as I/O: the reservation stays pending, its key busy, until it ends."""
+        if not p.dropped or p.io:
+            return None
+        p.io += 1
+        taken = (p.fd, p.temp)
+        p.fd, p.temp = -1, ""
+        return taken
+
+    def _remove(self, p: PendingBlock, fd: int, temp: str) -> None:
+        if fd >= 0:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        for path in (p.temp, final):
-            if path:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    log.warning("%s: cannot remove %s: %s (the next start will)", self.name, path, e)
+        if temp:
+            try:
+                os.unlink(temp)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("%s: cannot remove %s: %s (the next start will)", self.name, temp, e)
         self._writer.release(p)
+        with self._lock:
+            p.io -= 1
+            if p.io == 0 and self.pending.get(p.key) is p:
+                del self.pending[p.key]
 
     def discard_all(self) -> None:
         with self._lock:

@@ -56,7 +56,8 @@ class PendingBlock:
     ``path``: the block's final file name."""
 
     __slots__ = ("key", "path", "size", "chunk", "header_len", "disk", "written", "fd", "reused", "sums",
-                 "hasher", "fill", "stage", "tail", "file_off", "done", "written_at", "spare", "temp")
+                 "hasher", "fill", "stage", "tail", "file_off", "done", "written_at", "spare", "temp", "io",
+                 "dropped")
 
     def __init__(self, key: bytes, size: int, chunk: int, path: str = ""):
         self.key = key
@@ -78,6 +79,8 @@ class PendingBlock:
         self.written_at = 0.0
         self.spare: tuple[str, int] | None = None
         self.temp = ""
+        self.io = 0                     # threads writing or committing it now
+        self.dropped = False            # aborted: its files go when ``io`` is back to 0
 
 
 class BlockWriter:

@@ -1,0 +1,116 @@
+"""NVMe tier: a reservation aborted on another thread while its writer is inside a write.
+
+The abort returns its capacity at once; the writer's file descriptor and temp file stay
+its own until its I/O ends (then they are removed), and the key stays busy until then, so
+a late write never lands in another block's file and a late open never truncates the temp
+file of the key's next reservation. Both I/O modes, as test_nvme.py.
+"""
+
+import os
+import threading
+
+import pytest
+
+from nvme_support import K, block_files, file_of, payload, put, read
+from tiers.errors import BlockExists, BlockNotStored
+
+DEADLINE = 30.0
+
+
+def paused_in(monkeypatch, name: str, path: str | None = None):
+    """Pause thread "A" at its first call of ``os.<name>`` (on ``path``, if given) until
+    ``go`` is set; ``inside`` is set once it is there."""
+    inside, go = threading.Event(), threading.Event()
+    real = getattr(os, name)
+
+    def hooked(first, *args, **kw):
+        if threading.current_thread().name == "A" and not inside.is_set() and path in (None, first):
+            inside.set()
+            go.wait(DEADLINE)
+        return real(first, *args, **kw)
+    monkeypatch.setattr(os, name, hooked)
+    return inside, go
+
+
+def run_a(target) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def body():
+        try:
+            target()
+            out["result"] = "done"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["result"] = e
+    th = threading.Thread(target=body, name="A")
+    th.start()
+    return th, out
+
+
+def test_an_abort_during_a_write_never_lets_the_write_land_in_another_blocks_file(open_nvme, monkeypatch):
+    t = open_nvme()
+    n = 64 << 10
+    data = payload(K(1), n)
+    inside, go = paused_in(monkeypatch, "pwritev")
+
+    def write_a():
+        t.reserve(K(1), n)
+        t.write(K(1), 0, data[:n // 2])            # streamed: paused inside its first write
+        t.write(K(1), n // 2, data[n // 2:])
+    th, out = run_a(write_a)
+    assert inside.wait(DEADLINE)
+    t.abort(K(1))                                   # returns at once; its capacity is back
+    assert t.used_bytes == 0
+    put(t, K(2), payload(K(2), n))                  # a new block's file while A is still writing
+    go.set()
+    th.join(DEADLINE)
+    monkeypatch.undo()
+    assert out["result"] == "done" or isinstance(out["result"], BlockNotStored)   # into its own file
+    assert read(t, K(2)) == payload(K(2), n)
+    assert block_files(t.path) == [str(file_of(t, K(2)).relative_to(os.path.join(t.path, "blocks")))]
+    put(t, K(1), data)                              # the key is free again once A's write ended
+    assert read(t, K(1)) == data
+
+
+def test_a_key_aborted_while_its_file_is_opened_stays_busy_until_the_open_ends(open_nvme, monkeypatch):
+    t = open_nvme(spare_files=0)                    # a new <key>.tmp for each reservation
+    n = 50_000
+    inside, go = paused_in(monkeypatch, "open", str(file_of(t, K(1))) + ".tmp")
+
+    def write_a():
+        t.reserve(K(1), n)
+        t.write(K(1), 0, payload(K(1), n))
+    th, out = run_a(write_a)
+    assert inside.wait(DEADLINE)
+    t.abort(K(1))
+    with pytest.raises(BlockExists):                # its temp file's name is still A's
+        t.reserve(K(1), n)
+    go.set()
+    th.join(DEADLINE)
+    monkeypatch.undo()
+    assert isinstance(out["result"], BlockNotStored)
+    put(t, K(1), payload(K(1), n))
+    assert read(t, K(1)) == payload(K(1), n) and t.used_bytes > 0
+    assert not any(f.endswith(".tmp") for f in block_files(t.path))
+
+
+def test_an_abort_during_a_commit_leaves_neither_the_block_nor_its_file(open_nvme, monkeypatch):
+    t = open_nvme()
+    n = 40_000
+    put(t, K(9), payload(K(9), n))
+    inside, go = paused_in(monkeypatch, "rename")     # the commit's rename to the block's name
+
+    def commit_a():
+        t.reserve(K(1), n)
+        t.write(K(1), 0, payload(K(1), n))
+        t.commit(K(1))
+    th, out = run_a(commit_a)
+    assert inside.wait(DEADLINE)
+    t.abort(K(1))
+    go.set()
+    th.join(DEADLINE)
+    monkeypatch.undo()
+    assert isinstance(out["result"], BlockNotStored)
+    assert K(1) not in t and not file_of(t, K(1)).exists()
+    assert read(t, K(9)) == payload(K(9), n)
+    put(t, K(1), payload(K(1), n))
+    assert read(t, K(1)) == payload(K(1), n)
