@@ -142,16 +142,8 @@ def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs, dro
             put_block(t, k, payload(k, 60 << 10))
         for k in keys:
             drop_block(k)
-        held, failed = [], 0
-        for i in range(40):
-            k = key(i, "large")
-            while held and not t.fits(1 << 20):
-                drop_block(held.pop(0))
-            try:
-                put_block(t, k, payload(k, 1 << 20))
-                held.append(k)
-            except DiskFull:
-                failed += 1
+        held: list[bytes] = []
+        failed = put_dropping(t, drop_block, [key(i, "large") for i in range(40)], 1 << 20, held, held)
         assert failed <= 2 and len(held) >= 4        # the first ENOSPC teaches the tier the disk's size
         assert all(read_bytes(t, k) == payload(k, 1 << 20) for k in held)
     finally:
@@ -179,20 +171,28 @@ def test_after_the_disk_fills_the_files_of_large_blocks_dropped_make_room_for_sm
             small.append(k)
         for k in large:
             drop_block(k)
-        held, failed = [], 0
-        for i in range(30):
-            k = key(i, "more")
-            while small and not t.fits(60 << 10):
-                drop_block(small.pop(0))
-            try:
-                put_block(t, k, payload(k, 60 << 10))
-                held.append(k)
-            except DiskFull:
-                failed += 1
+        held: list[bytes] = []
+        failed = put_dropping(t, drop_block, [key(i, "more") for i in range(30)], 60 << 10, small, held)
         assert failed <= 2 and len(held) >= 28
         assert all(read_bytes(t, k) == payload(k, 60 << 10) for k in held + small)
     finally:
         t.close()
+
+
+def put_dropping(t: NVMeTier, drop_block, keys: list[bytes], size: int, victims: list[bytes],
+                 stored: list[bytes]) -> int:
+    """Put a block of ``size`` bytes under each of ``keys`` (appended to ``stored``), dropping
+    the oldest of ``victims`` while one does not fit; returns the puts that hit DiskFull."""
+    failed = 0
+    for k in keys:
+        while victims and not t.fits(size):
+            drop_block(victims.pop(0))
+        try:
+            put_block(t, k, payload(k, size))
+            stored.append(k)
+        except DiskFull:
+            failed += 1
+    return failed
 
 
 def put_block(t: NVMeTier, k: bytes, data: bytes) -> None:

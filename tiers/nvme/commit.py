@@ -352,12 +352,7 @@ class Reservations:
             except OSError:
                 pass
         if temp:
-            try:
-                os.unlink(temp)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("%s: cannot remove %s: %s (the next start will)", self.name, temp, e)
+            remove_files([temp])
         self._writer.release(p)
         with self._lock:
             p.io -= 1

@@ -21,7 +21,7 @@ from tiers.nvme.format import IndexEntry, block_path
 from tiers.nvme.index import BlockIndex
 from tiers.nvme.recover import RecoveryReport, reconcile, trim_to_capacity
 from tiers.nvme.space import Space
-from tiers.nvme.spare import RetiredFiles, SpareFiles
+from tiers.nvme.spare import RetiredFiles, SpareFiles, remove_files
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -114,14 +114,8 @@ class BlockFolder:
     def remove_file(self, key: bytes, nbytes: int) -> None:
         """Move a block's file (``nbytes`` on disk) to the spare files, or delete it."""
         path = self.file_of(key)
-        if self.spares is not None and self.spares.give(path, nbytes):
-            return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("%s: cannot remove %s: %s", self.name, path, e)
+        if self.spares is None or not self.spares.give(path, nbytes):
+            remove_files([path])
 
     def drop(self, key: bytes, entry: IndexEntry) -> None:
         """Delete a committed block: its space (so its file may stay as a spare within the

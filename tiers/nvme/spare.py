@@ -214,15 +214,16 @@ class RetiredFiles:
 
 
 def remove_files(paths: list[str]) -> None:
-    """Delete ``paths`` (spare files :meth:`SpareFiles.shed` let go); a failure is logged
-    (the next start's adoption deletes what it does not keep)."""
+    """Delete ``paths`` (files the tier let go: spare files :meth:`SpareFiles.shed` chose,
+    temp files, retired files); a failure is logged (the next start removes or adopts what
+    is left)."""
     for path in paths:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as e:
-            log.warning("cannot remove the spare file %s: %s", path, e)
+            log.warning("cannot remove %s: %s (the next start will)", path, e)
 
 
 __all__ = ["RetiredFiles", "SpareFiles", "remove_files"]
