@@ -159,19 +159,6 @@ class Tier(abc.ABC):
     def free(self, key: bytes) -> None:
         """Delete a committed block and return its space. Raises BlockNotStored."""
 
-    def purge(self, key: bytes) -> None:
-        """Make sure ``key``, if this tier no longer stores it, cannot come back after a
-        restart (the store deletes it): a medium that leaves an evicted block's file in place
-        (:meth:`evict`) removes it now. Default: nothing to do."""
-
-    def evict(self, key: bytes) -> None:
-        """Free a committed block the store evicts (a cache's choice, not a delete): gone
-        from the tier at once, its space returned, but a medium may finish the removal
-        later, off the caller's locks, so that a crash meanwhile may bring the block back
-        (whole and verified: a cache may hold it again). Default: :meth:`free`. Raises
-        BlockNotStored."""
-        self.free(key)
-
     def problem(self) -> str | None:
         """What keeps this tier from storing blocks now (e.g. its folder is gone), or None.
         Cheap: the daemon's health check calls it every second."""

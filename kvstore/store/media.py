@@ -27,7 +27,6 @@ client sees it (a put that found no room, a failed write).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Iterable, Sequence
 
 from tiers import errors as terr
@@ -43,8 +42,6 @@ from kvstore.common.errors import (
     TierIOError,
     WriteConflict,
 )
-
-log = logging.getLogger("kvstore.store")
 
 _TABLE: tuple[tuple[type[terr.MediaError], type[KVStoreError]], ...] = (
     (terr.NoRoom, TierFull),                 # first: DiskFull is a NoRoom and a MediaIOError
@@ -239,22 +236,6 @@ class TierAdapter:
         """Free the stored block. Raises BlockNotFound (not stored here), TierIOError."""
         try:
             self.tier.free(key)
-        except terr.MediaError as e:
-            raise store_error(e) from None
-
-    def purge(self, key: bytes) -> None:
-        """:meth:`tiers.base.Tier.purge`: no trace of ``key`` it no longer stores survives a
-        restart (a delete). Never raises: a failure is logged."""
-        try:
-            self.tier.purge(key)
-        except (terr.MediaError, OSError) as e:
-            log.warning("%s: cannot remove what is left of block %s: %s", self.name, key.hex()[:16], e)
-
-    def evict(self, key: bytes) -> None:
-        """Free the stored block the store evicts (:meth:`tiers.base.Tier.evict`: no disk
-        work under the store's lock). Raises BlockNotFound, TierIOError."""
-        try:
-            self.tier.evict(key)
         except terr.MediaError as e:
             raise store_error(e) from None
 

@@ -95,13 +95,9 @@ class Placement:
 
     def drop_copy(self, entry: Entry, i: int, reason: str, policy: str = "") -> bool:
         """Free ``entry``'s copy in tier ``i`` and forget it (lock held). True when it was
-        the last copy (the block left the store). An eviction lets the tier finish the
-        removal later (:meth:`tiers.base.Tier.evict`); a delete or a bad copy is freed now."""
+        the last copy (the block left the store)."""
         try:
-            if reason == "evicted":
-                self.tiers[i].evict(entry.key)
-            else:
-                self.tiers[i].free(entry.key)
+            self.tiers[i].free(entry.key)
         except BlockNotFound:
             pass
         except KVStoreError as e:
@@ -130,8 +126,6 @@ class Placement:
         deleted = 0
         with self.cat.lock:
             for key in keys:
-                for tier in self.tiers:         # a copy evicted earlier must not come back either
-                    tier.purge(key)
                 e = self.cat.get(key)
                 if e is None:
                     continue

@@ -129,13 +129,12 @@ def fake_full_disk(monkeypatch) -> dict:
     return full
 
 
-@pytest.mark.parametrize("drop", ["free", "evict"])
-def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs, drop):
-    """Spare files (or retired files: blocks evicted, their files left in place) left by
-    many small blocks hold the little disk there is; once the disk has filled up, a larger
-    block's reservation removes them for its file instead of failing every put."""
+def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs):
+    """Spare files left by many small blocks hold the little disk there is; once the disk
+    has filled up, a larger block's reservation removes spare files for its file instead
+    of failing every put."""
     t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
-    drop_block = getattr(t, drop)
+    drop_block = t.free
     try:
         keys = [key(i, "small") for i in range(90)]
         for k in keys:
@@ -150,13 +149,12 @@ def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs, dro
         t.close()
 
 
-@pytest.mark.parametrize("drop", ["free", "evict"])
-def test_after_the_disk_fills_the_files_of_large_blocks_dropped_make_room_for_small_ones(small_fs, drop):
-    """Large blocks dropped on a full disk leave files no small block takes (a spare or
-    retired file is taken only by a block at least as large): a small block's reservation
-    removes them for its file instead of failing every put."""
+def test_after_the_disk_fills_the_files_of_large_blocks_freed_make_room_for_small_ones(small_fs):
+    """Large blocks freed on a full disk leave spare files no small block takes (a spare
+    file is taken only by a block at least as large): a small block's reservation removes
+    them for its file instead of failing every put."""
     t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
-    drop_block = getattr(t, drop)
+    drop_block = t.free
     try:
         large = [key(i, "large") for i in range(7)]
         for k in large:

@@ -38,7 +38,7 @@ from tiers.buffers import check_chunk
 from tiers.errors import BlockExists, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
 from tiers.nvme.group import GroupCommit, fdatasync, fsync_folder
-from tiers.nvme.spare import RetiredFiles, SpareFiles, remove_files
+from tiers.nvme.spare import SpareFiles, remove_files
 from tiers.nvme.index import BlockIndex
 from tiers.nvme.read import HeaderCache
 from tiers.nvme.space import DISK_FULL_ERRNOS, Space
@@ -57,8 +57,8 @@ class Reservations:
     """
 
     def __init__(self, *, folder: str, name: str, lock: threading.Lock, index: BlockIndex, space: Space,
-                 writer: BlockWriter, spares: SpareFiles | None, retired: RetiredFiles, direct: bool,
-                 fsync: bool, headers: HeaderCache):
+                 writer: BlockWriter, spares: SpareFiles | None, direct: bool, fsync: bool,
+                 headers: HeaderCache):
         self.folder = folder
         self.blocks_dir = os.path.join(folder, "blocks")
         self.name = name
@@ -68,7 +68,6 @@ class Reservations:
         self._space = space
         self._writer = writer
         self._spares = spares
-        self._retired = retired
         self._fsync = fsync
         self._headers = headers
         self._dirs: set[str] = set()
@@ -91,15 +90,7 @@ class Reservations:
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
             if self._spares is not None:
-                # its file, set aside now (counted as p.disk): the block's own retired file,
-                # else a spare file unless retired files wait (one is taken when it opens)
-                p.spare = self._retired.reclaim(key)
-                if p.spare is not None and p.spare[1] > p.disk:     # its old file was larger: it goes
-                    self._retired.add(key, p.spare[1])
-                    self._retired.settle_key(key, self._spares)
-                    p.spare = None
-                if p.spare is None and not len(self._retired):
-                    p.spare = self._spares.take(p.disk)
+                p.spare = self._spares.take(p.disk)      # its file, set aside now: counted as p.disk
                 shed = self._shed_locked(p.disk - (p.spare[1] if p.spare else 0))
         remove_files(shed)
 
@@ -107,10 +98,8 @@ class Reservations:
         """Spare files to delete (under the lock) so that blocks and spare files stay within
         the configured capacity, and, after the disk filled up, the filesystem has the
         ``growth`` bytes a new reservation's file still needs."""
-        over = self._space.used + self._spares.nbytes + self._retired.nbytes - self._space.configured
+        over = self._space.used + self._spares.nbytes - self._space.configured
         over = max(over, self._space.disk_short(growth))
-        if over > self._spares.nbytes and len(self._retired):
-            self._retired.settle(0, self._spares)       # into the spare files (renamed), to be shed
         return self._spares.shed(over) if over > 0 else []
 
     def get(self, key: bytes) -> PendingBlock:
@@ -121,47 +110,24 @@ class Reservations:
         return p
 
     def open_temp(self, p: PendingBlock) -> int:
-        """Open the block's temp file (:attr:`PendingBlock.temp`): a spare file where it lies
-        (one rename, at commit); a retired file, its own (set aside at reservation) or any
-        (taken now), renamed to ``<path>.tmp`` under the lock
-        (:class:`~tiers.nvme.spare.RetiredFiles`); or a new ``<path>.tmp``."""
+        """Open the block's temp file (:attr:`PendingBlock.temp`): the spare file set aside
+        for it, where it lies (one rename, at commit), or a new ``<path>.tmp``."""
         folder = os.path.dirname(p.path)
         if folder not in self._dirs:
             self._make_folder(folder)
             self._dirs.add(folder)
-        temp = p.path + ".tmp"
-        with self._lock:                       # a retired file is renamed under it (see RetiredFiles)
+        with self._lock:
             spare, p.spare = p.spare, None
-            if spare is not None and spare[0] == p.path:      # its own retired file
-                spare = (temp, spare[1]) if self._move_retired(p.path, temp) else None
-            elif spare is None and self._spares is not None and not p.dropped:
-                taken = self._retired.take(p.disk)
-                if taken is None:
-                    spare = self._spares.take(p.disk)
-                elif self._move_retired(taken[0], temp):
-                    spare = (temp, taken[1])
         if spare is not None:
             try:
                 fd = os.open(spare[0], self._reuse_flags)
                 p.temp, p.reused = spare
                 return fd
             except OSError as e:               # not a usable file: make a new one
-                log.debug("%s: file %s not reused: %s", self.name, spare[0], e)
+                log.debug("%s: spare file %s not reused: %s", self.name, spare[0], e)
                 remove_files([spare[0]])
         p.temp = p.path + ".tmp"
         return os.open(p.temp, self._new_flags, 0o600)
-
-    def _move_retired(self, path: str, temp: str) -> bool:
-        """Rename a retired file taken by :meth:`open_temp` to ``temp`` (under the lock, so
-        that no block stored again under its old key is renamed into place first); one that
-        cannot be moved is deleted (False)."""
-        try:
-            os.rename(path, temp)
-            return True
-        except OSError as e:
-            log.debug("%s: retired file %s not reused: %s", self.name, path, e)
-            remove_files([path])
-            return False
 
     def _open(self, p: PendingBlock) -> None:
         """Open the reservation's temp file (:meth:`open_temp`) as ``p.fd``, unless the
@@ -261,7 +227,6 @@ class Reservations:
                                              f"was dropped while it was committed")
                     self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
                     del self.pending[key]
-                    self._settle_locked()
         except (OSError, lmdb.Error, BlockNotStored) as e:
             err = e
         finally:
@@ -284,20 +249,18 @@ class Reservations:
         errors: list[BaseException | None] = []
         with self._lock:
             for p in batch:
-                if p.dropped:                  # aborted meanwhile: its entry goes again
-                    self._index.forget(p.key)
+                if p.dropped:                  # aborted meanwhile (still pending): its entry goes again
                     errors.append(BlockNotStored(f"block {p.key.hex()[:16]}: its reservation was dropped"))
                     continue
                 del self.pending[p.key]
                 errors.append(None)
-            self._settle_locked()
+        dropped = [p.key for p, e in zip(batch, errors) if e is not None]
+        if dropped:
+            try:
+                self._index.delete(dropped)
+            except lmdb.Error as e:            # their files are removed: the next start drops them
+                log.warning("%s: %d aborted blocks stay in the index: %s", self.name, len(dropped), e)
         return errors
-
-    def _settle_locked(self) -> None:
-        """Settle the retired files no open reservation will take (under the lock)."""
-        if len(self._retired):
-            waiting = sum(1 for p in self.pending.values() if p.fd < 0 and p.spare is None)
-            self._retired.settle(waiting, self._spares)
 
     def abort(self, key: bytes) -> None:
         p = self.pending.get(key)
@@ -315,9 +278,7 @@ class Reservations:
                 self._space.give(p.disk)
             p.dropped = True
             spare, p.spare = p.spare, None
-            if spare is not None and spare[0] == p.path:     # its own retired file, never moved
-                self._retired.add(p.key, spare[1])
-            elif spare is not None:             # never moved: back among the spare files
+            if spare is not None:               # never moved: back among the spare files
                 self._spares.put_back(*spare)
                 shed = self._shed_locked(0)
             files = self._claim_locked(p)

@@ -1,8 +1,7 @@
 """An NVMe tier's folder, opened for use: locked against a second process, its filesystem
 probed for O_DIRECT, its index reconciled with its block files (:mod:`tiers.nvme.recover`),
 its capacity accounted (the oldest blocks deleted beyond it), and the removal of a freed
-block's file (into the spare files, or unlinked; an evicted block's later: its file is
-retired in place, :class:`~tiers.nvme.spare.RetiredFiles`).
+block's file (into the spare files, or unlinked).
 
 Layout of the folder: :mod:`tiers.nvme.format`.
 """
@@ -21,7 +20,7 @@ from tiers.nvme.format import IndexEntry, block_path
 from tiers.nvme.index import BlockIndex
 from tiers.nvme.recover import RecoveryReport, reconcile, trim_to_capacity
 from tiers.nvme.space import Space
-from tiers.nvme.spare import RetiredFiles, SpareFiles, remove_files
+from tiers.nvme.spare import SpareFiles, remove_files
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -54,7 +53,7 @@ class BlockFolder:
         MediaUnavailable: the folder cannot be used, is held by another process, refuses
             O_DIRECT with ``direct=True``, or has an index that cannot be rebuilt.
 
-    Not thread-safe: the tier calls :meth:`drop`, :meth:`retire` and :meth:`settle` under its lock.
+    Not thread-safe: the tier calls :meth:`drop` under its lock.
     """
 
     def __init__(self, path: str, capacity_bytes: int, *, name: str, direct: bool | None, fsync: bool,
@@ -79,7 +78,6 @@ class BlockFolder:
             raise MediaUnavailable(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT (direct=True)")
         self.direct = accepted
         self.spares: SpareFiles | None = None
-        self.retired = RetiredFiles(self.file_of)
         self.space = Space(self.path, capacity, lambda: self.spare_bytes, self.name)
         report = self.recovery = RecoveryReport()
         try:
@@ -104,8 +102,8 @@ class BlockFolder:
 
     @property
     def spare_bytes(self) -> int:
-        """Bytes (at most) in spare and retired files: on disk, but outside ``space.used``."""
-        return (self.spares.nbytes if self.spares is not None else 0) + self.retired.nbytes
+        """Bytes (at most) in spare files: on disk, but outside ``space.used``."""
+        return self.spares.nbytes if self.spares is not None else 0
 
     def file_of(self, key: bytes) -> str:
         """Path of a block's file (``blocks/abc/<key hex>``)."""
@@ -131,33 +129,10 @@ class BlockFolder:
             log.warning("%s: cannot delete block %s from the index (%s); the next start will",
                         self.name, key.hex()[:16], e)
 
-    def retire(self, key: bytes, entry: IndexEntry) -> None:
-        """Delete an evicted block with no disk work: its space and its entry go now, its
-        file stays in place among the :attr:`retired` files until a reservation takes it or
-        :meth:`settle` moves it (a crash meanwhile brings the block back, whole: the files are
-        the truth at start). Without spare files, the same as :meth:`drop`."""
-        if self.spares is None:
-            self.drop(key, entry)
-            return
-        self.space.give(entry.file_bytes)
-        self.index.forget(key)
-        self.retired.add(key, entry.file_bytes)
-
-    def settle(self, keep: int = 0) -> None:
-        """Move the retired files beyond the ``keep`` most recent out of their block paths
-        (:meth:`RetiredFiles.settle`)."""
-        self.retired.settle(keep, self.spares)
-
     def close(self) -> None:
-        """Settle the retired files, close the spare files and the index and release the
-        folder lock."""
-        self.settle()
+        """Close the spare files and the index and release the folder lock."""
         if self.spares is not None:
             self.spares.close()
-        try:
-            self.index.flush()
-        except lmdb.Error as e:           # the next start reconciles the index with the files
-            log.warning("%s: freed blocks left in the index: %s", self.name, e)
         self.index.close()
         os.close(self._lock_fd)           # releases the flock
 

@@ -232,7 +232,6 @@ class BlockIndex:
         self.absent = not os.path.exists(os.path.join(self.dir, "data.mdb"))
         self._env: lmdb.Environment | None = None
         self._writing = threading.RLock()    # one write transaction at a time (LMDB's own lock is off)
-        self._forgotten, self._forgotten_lock = set(), threading.Lock()     # see forget
         self._open(rebuild)
         self.kept_aside, self.deleted_aside = prune_moved_indexes(folder)
         if self.deleted_aside:
@@ -331,31 +330,33 @@ class BlockIndex:
     # ------------------------------------------------------------------ writing
 
     def _txn(self, apply) -> None:
-        """Run ``apply(txn)`` in one write transaction (growing a full map) after the deletes
-        :meth:`forget` queued, one transaction at a time (``set_mapsize`` requires it).
-        Raises lmdb.Error (the deletes stay queued)."""
+        """Run ``apply(txn)`` in one write transaction, growing the map when it is full.
+        Transactions run one at a time (no other transaction of this process is open,
+        as ``set_mapsize`` requires). Raises lmdb.Error."""
         with self._writing:
-            with self._forgotten_lock:
-                forgotten, self._forgotten = self._forgotten, set()
-            while True:
-                try:
-                    with self._env.begin(write=True) as txn:
-                        for k in forgotten:
-                            txn.delete(k)
-                        apply(txn)
-                    return
-                except lmdb.MapFullError:
-                    size = self._env.info()["map_size"] * 2
-                    log.info("%s: index map full; growing it to %d bytes", self.name, size)
-                    self._env.set_mapsize(size)
-                except BaseException:
-                    with self._forgotten_lock:
-                        self._forgotten |= forgotten
-                    raise
+            self._txn_serialised(apply)
+
+    def _txn_serialised(self, apply) -> None:
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    apply(txn)
+                return
+            except lmdb.MapFullError:
+                size = self._env.info()["map_size"] * 2
+                log.info("%s: index map full; growing it to %d bytes", self.name, size)
+                self._env.set_mapsize(size)
 
     def put(self, key: bytes, entry: IndexEntry) -> None:
         """Index one block. Raises lmdb.Error (the in-memory copy is then unchanged)."""
-        self.put_many([(key, entry)])
+        value = entry.pack()
+        with self._writing:
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.put(key, value)
+            except lmdb.MapFullError:
+                self._txn(lambda txn: txn.put(key, value))
+            self.entries[key] = entry
 
     def put_many(self, items: list[tuple[bytes, IndexEntry]]) -> None:
         """Index several blocks in one transaction (thread-safe, like every write here).
@@ -371,18 +372,6 @@ class BlockIndex:
             self._txn(lambda txn: [txn.delete(k) for k in keys])
             for k in keys:
                 self.entries.pop(k, None)
-
-    def forget(self, key: bytes) -> None:
-        """Drop ``key``'s entry from :attr:`entries` now, from LMDB with the next transaction
-        (a start after a crash in between reconciles it with the files: :mod:`tiers.nvme.recover`)."""
-        self.entries.pop(key, None)
-        with self._forgotten_lock:
-            self._forgotten.add(key)
-
-    def flush(self) -> None:
-        """Write the deletes :meth:`forget` queued, if any. Raises lmdb.Error."""
-        if self._forgotten:
-            self._txn(lambda txn: None)
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]

@@ -4,10 +4,8 @@ Creating a file costs 0.03-0.8 ms on this team's ext4 machines and unlinking a 1
 one 0.4-3 ms (the mount discards freed extents), renaming one ~30 us. So a freed block's
 file is renamed into ``spare/``, and a new block is written into a spare file where it
 lies, cut to its new length and renamed once, at commit, to the block's name (it carries
-no block's name before it holds a whole block). An evicted block's file is not even
-moved: it is retired in place (:class:`RetiredFiles`) and renamed straight into the next
-block's temp file, so the store's eviction, under its lock, does no disk work. Spare and
-retired files are outside the tier's capacity accounting and bounded (count and bytes).
+no block's name before it holds a whole block). Spare files are outside the tier's
+capacity accounting and bounded (count and bytes).
 
 Reuse is also what makes writes fast: an O_DIRECT write into a file's existing extents
 is an overwrite, a write into a new file allocates its extents. On this team's ext4
@@ -150,73 +148,10 @@ class SpareFiles:
             self._closed = True
 
 
-class RetiredFiles:
-    """Evicted blocks' files still at their block path, kept for the next reservations.
-
-    An eviction (:meth:`tiers.nvme.tier.NVMeTier.evict`) only records the file here: no
-    rename, no index write, so the store's eviction under its lock does no disk work. The
-    next reservation takes the file: the block's own old file when the same key is stored
-    again (:meth:`reclaim`), else any (:meth:`take`), renamed straight into its temp file,
-    one rename where a free and a reuse cost two. :meth:`settle` moves the files no
-    reservation waits for into the spare files (or deletes them), and the tier settles all
-    of them at close.
-
-    Not thread-safe: every call is made under the tier's lock, and a file taken by
-    :meth:`take` is renamed away under that same lock, so that a block stored again under
-    the taken file's key can never be renamed into place before the rename away.
-    """
-
-    def __init__(self, path_of: Callable[[bytes], str]):
-        self._path_of = path_of
-        self._files: dict[bytes, int] = {}      # key -> bytes on disk, oldest first
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def add(self, key: bytes, nbytes: int) -> None:
-        """Record the file of evicted block ``key`` (``nbytes`` on disk), left in place."""
-        self._files[key] = nbytes
-        self.nbytes += nbytes
-
-    def reclaim(self, key: bytes) -> tuple[str, int] | None:
-        """The retired file of ``key`` itself as ``(path, bytes)``, now the caller's (it
-        reserves ``key`` again, so no one else can name a file after it), or None."""
-        nbytes = self._files.pop(key, None)
-        if nbytes is None:
-            return None
-        self.nbytes -= nbytes
-        return self._path_of(key), nbytes
-
-    def take(self, max_bytes: int) -> tuple[str, int] | None:
-        """The most recently retired file of at most ``max_bytes`` as ``(path, bytes)``, or
-        None; the caller renames it away before it releases the tier's lock."""
-        for key in reversed(self._files):
-            nbytes = self._files[key]
-            if nbytes <= max_bytes:
-                del self._files[key]
-                self.nbytes -= nbytes
-                return self._path_of(key), nbytes
-        return None
-
-    def settle_key(self, key: bytes, spares: SpareFiles | None) -> None:
-        """Move ``key``'s retired file, if any, as :meth:`settle` does."""
-        found = self.reclaim(key)
-        if found is not None and not (spares is not None and spares.give(*found)):
-            remove_files([found[0]])
-
-    def settle(self, keep: int, spares: SpareFiles | None) -> None:
-        """Move all but the ``keep`` most recent files out of their block paths: into
-        ``spares`` when they take them, else deleted (a failure is logged; the next start
-        adopts or removes what is left)."""
-        while len(self._files) > keep:
-            self.settle_key(next(iter(self._files)), spares)
-
-
 def remove_files(paths: list[str]) -> None:
     """Delete ``paths`` (files the tier let go: spare files :meth:`SpareFiles.shed` chose,
-    temp files, retired files); a failure is logged (the next start removes or adopts what
-    is left)."""
+    temp files, freed blocks' files); a failure is logged (the next start removes or adopts
+    what is left)."""
     for path in paths:
         try:
             os.unlink(path)
@@ -226,4 +161,4 @@ def remove_files(paths: list[str]) -> None:
             log.warning("cannot remove %s: %s (the next start will)", path, e)
 
 
-__all__ = ["RetiredFiles", "SpareFiles", "remove_files"]
+__all__ = ["SpareFiles", "remove_files"]

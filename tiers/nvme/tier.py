@@ -23,9 +23,7 @@ Modules (one responsibility each):
 Crash safety (SIGKILL at any point): a block is written to a temp file (``<hex>.tmp``, or
 a spare file where it lies; payload, then the header with its checksums), renamed to
 ``<hex>`` (so a file with a block's name is always complete), then indexed; a free moves
-the file away before it drops the index entry, so a freed block never comes back. An
-eviction (:meth:`NVMeTier.evict`) leaves the file in place for the next reservation: a
-crash before that brings the evicted block back, whole. At start (:mod:`tiers.nvme.recover`) temp
+the file away before it drops the index entry, so a freed block never comes back. At start (:mod:`tiers.nvme.recover`) temp
 files are deleted and every other file is checked against the index; a block file the
 index does not know (a crash between rename and index update, a lost or damaged index)
 is indexed from its header. With ``fsync=True`` files, folders and the index are also
@@ -167,8 +165,8 @@ class NVMeTier(Tier):
         self._pool = BufferPool(max_buffer_bytes)
         self._writes = Reservations(folder=self.path, name=self.name, lock=self._lock, index=self._index,
                                     space=self._space, writer=BlockWriter(self.direct, self._pool),
-                                    spares=self._folder.spares, retired=self._folder.retired,
-                                    direct=self.direct, fsync=self._fsync, headers=self._headers)
+                                    spares=self._folder.spares, direct=self.direct, fsync=self._fsync,
+                                    headers=self._headers)
         if self.io == "gds":
             from tiers.nvme.device import DeviceFiles, kvikio_backend
             self._device = DeviceFiles(kvikio_backend())
@@ -351,23 +349,6 @@ class NVMeTier(Tier):
             entry = self._entry(key)
             self._headers.drop(key)
             self._folder.drop(key, entry)
-
-    def purge(self, key: bytes) -> None:
-        """Move ``key``'s retired file, if any, out of its block path (into the spare files,
-        or deleted): a block evicted, then deleted, never comes back after a crash."""
-        with self._lock:
-            self._folder.retired.settle_key(key, self._folder.spares)
-
-    def evict(self, key: bytes) -> None:
-        """:meth:`free` with no disk work under the caller's locks: the block is gone now
-        (not stored, its space returned), its file is retired in place and becomes the file of
-        the next block reserved (:class:`~tiers.nvme.spare.RetiredFiles`), and its index entry
-        goes with the next index write. After a crash before that, the block may come back,
-        whole (its file is complete and verified on read). Raises BlockNotStored."""
-        with self._lock:
-            entry = self._entry(key)
-            self._headers.drop(key)
-            self._folder.retire(key, entry)
 
     def recover(self) -> list[tuple[bytes, int]]:
         """The blocks held, as ``(key, payload bytes)``, oldest written first. Opening the
