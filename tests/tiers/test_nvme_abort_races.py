@@ -93,11 +93,14 @@ def test_a_key_aborted_while_its_file_is_opened_stays_busy_until_the_open_ends(o
     assert not any(f.endswith(".tmp") for f in block_files(t.path))
 
 
-def test_an_abort_during_a_commit_leaves_neither_the_block_nor_its_file(open_nvme, monkeypatch):
+@pytest.mark.parametrize("at", ["close", "rename"])
+def test_an_abort_during_a_commit_is_the_abort_until_the_commit_publishes(open_nvme, monkeypatch, at):
+    """Aborted before the commit decides (at the close of its file): neither block nor file.
+    Aborted once it publishes (at the rename to the block's name): too late, the block stays."""
     t = open_nvme()
     n = 40_000
     put(t, K(9), payload(K(9), n))
-    inside, go = paused_in(monkeypatch, "rename")     # the commit's rename to the block's name
+    inside, go = paused_in(monkeypatch, at)
 
     def commit_a():
         t.reserve(K(1), n)
@@ -109,8 +112,74 @@ def test_an_abort_during_a_commit_leaves_neither_the_block_nor_its_file(open_nvm
     go.set()
     th.join(DEADLINE)
     monkeypatch.undo()
+    assert read(t, K(9)) == payload(K(9), n)
+    if at == "rename":
+        assert out["result"] == "done" and read(t, K(1)) == payload(K(1), n)
+        return
     assert isinstance(out["result"], BlockNotStored)
     assert K(1) not in t and not file_of(t, K(1)).exists()
-    assert read(t, K(9)) == payload(K(9), n)
     put(t, K(1), payload(K(1), n))
     assert read(t, K(1)) == payload(K(1), n)
+
+
+def paused_in_group_commit(monkeypatch, block_folder: str):
+    """Pause thread "A" in its commit after the rename, before the shared index transaction
+    (``fsync = True``: the flush of ``block_folder``), until ``go`` is set."""
+    from tiers.nvme import commit as nvme_commit
+    inside, go = threading.Event(), threading.Event()
+    real = nvme_commit.fsync_folder
+
+    def hooked(folder):
+        if threading.current_thread().name == "A" and not inside.is_set() and folder == block_folder:
+            inside.set()
+            go.wait(DEADLINE)
+        return real(folder)
+    monkeypatch.setattr(nvme_commit, "fsync_folder", hooked)
+    return inside, go
+
+
+def test_an_abort_once_a_commit_is_publishing_the_block_is_too_late(open_nvme, monkeypatch):
+    t = open_nvme(fsync=True)
+    n = 40_000
+    inside, go = paused_in_group_commit(monkeypatch, str(file_of(t, K(1)).parent))
+
+    def commit_a():
+        t.reserve(K(1), n)
+        t.write(K(1), 0, payload(K(1), n))
+        t.commit(K(1))
+    th, out = run_a(commit_a)
+    assert inside.wait(DEADLINE)
+    t.abort(K(1))                                   # too late: the block is renamed into place
+    go.set()
+    th.join(DEADLINE)
+    monkeypatch.undo()
+    assert out["result"] == "done" and read(t, K(1)) == payload(K(1), n)
+    used = t.used_bytes
+    assert used > 0
+    t.free(K(1))
+    assert t.used_bytes == 0 and block_files(t.path) == []
+
+
+def test_a_tier_closed_during_a_group_commit_keeps_no_block_and_no_reservation(open_nvme, monkeypatch, tmp_path):
+    from tiers.errors import MediaError
+    t = open_nvme(fsync=True)
+    n = 40_000
+    inside, go = paused_in_group_commit(monkeypatch, str(file_of(t, K(1)).parent))
+
+    def commit_a():
+        t.reserve(K(1), n)
+        t.write(K(1), 0, payload(K(1), n))
+        t.commit(K(1))
+    th, out = run_a(commit_a)
+    assert inside.wait(DEADLINE)
+    closing = threading.Thread(target=t.close)
+    closing.start()
+    closing.join(DEADLINE)
+    assert not closing.is_alive()                   # the close does not wait on the commit
+    go.set()
+    th.join(DEADLINE)
+    monkeypatch.undo()
+    assert not th.is_alive() and isinstance(out["result"], MediaError)
+    assert t._writes.pending == {} and block_files(t.path) == []
+    again = open_nvme(fsync=True)
+    assert dict(again.recover()) == {}

@@ -13,7 +13,9 @@
                          together: :mod:`tiers.nvme.group`)
     abort(key)           temp file removed, capacity returned (while another thread writes
                          or commits it: capacity now, the file when that I/O ends; the
-                         key stays busy, BlockExists, until then)
+                         key stays busy, BlockExists, until then; once a commit has
+                         decided to publish the block, just before its rename, too late:
+                         the block stays)
 
 A spare file is written where it lies and renamed once, at commit, straight to the block's
 name: it carries no block's name until it holds a whole block, as a ``.tmp`` file does.
@@ -185,7 +187,8 @@ class Reservations:
             p.io += 1
         failed = None
         try:
-            self._open(p)
+            if p.fd < 0:
+                self._open(p)
             p.sums = device.write(p.temp, p.fd, device_buf, p.size, p.chunk, p.header_len)
             p.file_off = p.disk
         except (OSError, RuntimeError) as e:
@@ -215,6 +218,11 @@ class Reservations:
                 fdatasync(p.fd)                # the bytes, then the name, then the index entry
             fd, p.fd = p.fd, -1
             os.close(fd)
+            with self._lock:                   # the commit or an abort, once: a later abort is too late
+                if p.dropped:
+                    raise BlockNotStored(f"block {key.hex()[:16]}: its reservation in {self.name} "
+                                         f"was dropped while it was committed")
+                p.sealed = True
             os.rename(p.temp, final)
             p.temp, renamed = "", True
             if self.group is not None:
@@ -222,21 +230,23 @@ class Reservations:
                 err = self.group.commit(p)     # one index transaction for the commits in flight
             else:
                 with self._lock:
-                    if p.dropped:
-                        raise BlockNotStored(f"block {key.hex()[:16]}: its reservation in {self.name} "
-                                             f"was dropped while it was committed")
                     self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
                     del self.pending[key]
-        except (OSError, lmdb.Error, BlockNotStored) as e:
+        except BaseException as e:  # noqa: BLE001 - any failure (the tier closed under it too) cleans up
             err = e
         finally:
             self._writer.release(p)
-        if err is not None and renamed:        # while it is pending, the name is no one else's
-            remove_files([final])
+        if err is not None:
+            if renamed:                        # while it is pending, the name is no one else's
+                remove_files([final])
+            with self._lock:
+                p.sealed = False
         self._end_io(p)
         if err is not None:
             self.discard(p)
-            raise err if isinstance(err, BlockNotStored) else self.io_error("committing", key, err) from err
+            if isinstance(err, (BlockNotStored, MediaIOError)) or not isinstance(err, Exception):
+                raise err
+            raise self.io_error("committing", key, err) from err
         self._headers.put(key, p.size, p.chunk, tuple(p.sums))
 
     def _index_batch(self, batch: list[PendingBlock]) -> list[BaseException | None]:
@@ -246,21 +256,10 @@ class Reservations:
             self._index.put_many([(p.key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len)) for p in batch])
         except lmdb.Error as e:
             return [e] * len(batch)
-        errors: list[BaseException | None] = []
         with self._lock:
-            for p in batch:
-                if p.dropped:                  # aborted meanwhile (still pending): its entry goes again
-                    errors.append(BlockNotStored(f"block {p.key.hex()[:16]}: its reservation was dropped"))
-                    continue
+            for p in batch:                    # sealed: no abort dropped them
                 del self.pending[p.key]
-                errors.append(None)
-        dropped = [p.key for p, e in zip(batch, errors) if e is not None]
-        if dropped:
-            try:
-                self._index.delete(dropped)
-            except lmdb.Error as e:            # their files are removed: the next start drops them
-                log.warning("%s: %d aborted blocks stay in the index: %s", self.name, len(dropped), e)
-        return errors
+        return [None] * len(batch)
 
     def abort(self, key: bytes) -> None:
         p = self.pending.get(key)
@@ -274,6 +273,8 @@ class Reservations:
         until then, so its file descriptor and its temp file's name are never reused under it."""
         shed: list[str] = []
         with self._lock:
+            if p.sealed:                        # its commit is publishing it: the abort is too late
+                return
             if self.pending.get(p.key) is p and not p.dropped:
                 self._space.give(p.disk)
             p.dropped = True

@@ -337,6 +337,8 @@ class BlockIndex:
             self._txn_serialised(apply)
 
     def _txn_serialised(self, apply) -> None:
+        if self._env is None:
+            raise lmdb.Error(f"{self.name}: the index is closed")
         while True:
             try:
                 with self._env.begin(write=True) as txn:
@@ -351,6 +353,8 @@ class BlockIndex:
         """Index one block. Raises lmdb.Error (the in-memory copy is then unchanged)."""
         value = entry.pack()
         with self._writing:
+            if self._env is None:
+                raise lmdb.Error(f"{self.name}: the index is closed")
             try:
                 with self._env.begin(write=True) as txn:
                     txn.put(key, value)
@@ -377,10 +381,11 @@ class BlockIndex:
         return self._env.info()["map_size"]
 
     def close(self) -> None:
-        if self._env is not None:
-            if self._fsync:
-                self._env.sync(True)
-            self._close_env()
+        with self._writing:                  # a transaction in flight ends first (LMDB would hang)
+            if self._env is not None:
+                if self._fsync:
+                    self._env.sync(True)
+                self._close_env()
 
 
 __all__ = ["BlockIndex", "IndexDamaged", "MOVED_INDEXES_KEPT", "VERIFY_TIMEOUT_S", "check_data_file", "compact_copy",
