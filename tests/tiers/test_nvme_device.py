@@ -147,6 +147,32 @@ def test_device_write_reuses_spare_files_and_cuts_them(gds_tier):
     assert os.path.getsize(file_of(t, K(2))) == disk_bytes(5_000) and read(t, K(2)) == data
 
 
+def open_descriptors() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass
+    return found
+
+
+def test_a_device_write_after_the_file_is_open_opens_it_once(gds_tier):
+    """A zero-length first write opens the reservation's file: the device write that follows
+    uses it, never opens a second one (the first descriptor and its spare file would leak)."""
+    t = gds_tier()
+    put(t, K(9), payload(K(9), 65_536))
+    t.free(K(9))                                         # one spare file
+    data = payload(K(1), 65_536)
+    before = open_descriptors()
+    t.reserve(K(1), len(data))
+    t.write(K(1), 0, b"")
+    t.write_from_device(K(1), HostDeviceArray.of(data))
+    t.commit(K(1))
+    assert open_descriptors() - before == set()
+    assert read(t, K(1)) == data and t.spare_bytes == 0
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "symlink"])
 def test_device_read_verifies_the_block(gds_tier, tmp_path, damage):
     t = gds_tier()
