@@ -17,18 +17,18 @@ from tiers.errors import BlockExists, BlockNotStored
 DEADLINE = 30.0
 
 
-def paused_in(monkeypatch, name: str, path: str | None = None):
-    """Pause thread "A" at its first call of ``os.<name>`` (on ``path``, if given) until
+def paused_in(monkeypatch, name: str, path: str | None = None, owner=os):
+    """Pause thread "A" at its first call of ``owner.<name>`` (on ``path``, if given) until
     ``go`` is set; ``inside`` is set once it is there."""
     inside, go = threading.Event(), threading.Event()
-    real = getattr(os, name)
+    real = getattr(owner, name)
 
     def hooked(first, *args, **kw):
         if threading.current_thread().name == "A" and not inside.is_set() and path in (None, first):
             inside.set()
             go.wait(DEADLINE)
         return real(first, *args, **kw)
-    monkeypatch.setattr(os, name, hooked)
+    monkeypatch.setattr(owner, name, hooked)
     return inside, go
 
 
@@ -44,6 +44,15 @@ def run_a(target) -> tuple[threading.Thread, dict]:
     th = threading.Thread(target=body, name="A")
     th.start()
     return th, out
+
+
+def put_in_a(t, n: int) -> tuple[threading.Thread, dict]:
+    """Thread "A" reserves, writes and commits K(1) of ``n`` bytes (:func:`run_a`)."""
+    def commit_a():
+        t.reserve(K(1), n)
+        t.write(K(1), 0, payload(K(1), n))
+        t.commit(K(1))
+    return run_a(commit_a)
 
 
 def test_an_abort_during_a_write_never_lets_the_write_land_in_another_blocks_file(open_nvme, monkeypatch):
@@ -101,12 +110,7 @@ def test_an_abort_during_a_commit_is_the_abort_until_the_commit_publishes(open_n
     n = 40_000
     put(t, K(9), payload(K(9), n))
     inside, go = paused_in(monkeypatch, at)
-
-    def commit_a():
-        t.reserve(K(1), n)
-        t.write(K(1), 0, payload(K(1), n))
-        t.commit(K(1))
-    th, out = run_a(commit_a)
+    th, out = put_in_a(t, n)
     assert inside.wait(DEADLINE)
     t.abort(K(1))
     go.set()
@@ -122,32 +126,18 @@ def test_an_abort_during_a_commit_is_the_abort_until_the_commit_publishes(open_n
     assert read(t, K(1)) == payload(K(1), n)
 
 
-def paused_in_group_commit(monkeypatch, block_folder: str):
-    """Pause thread "A" in its commit after the rename, before the shared index transaction
-    (``fsync = True``: the flush of ``block_folder``), until ``go`` is set."""
+def paused_in_group_commit(monkeypatch, t):
+    """Pause thread "A" in its commit of K(1) after the rename, before the shared index
+    transaction (``fsync = True``: the flush of its block's folder)."""
     from tiers.nvme import commit as nvme_commit
-    inside, go = threading.Event(), threading.Event()
-    real = nvme_commit.fsync_folder
-
-    def hooked(folder):
-        if threading.current_thread().name == "A" and not inside.is_set() and folder == block_folder:
-            inside.set()
-            go.wait(DEADLINE)
-        return real(folder)
-    monkeypatch.setattr(nvme_commit, "fsync_folder", hooked)
-    return inside, go
+    return paused_in(monkeypatch, "fsync_folder", str(file_of(t, K(1)).parent), owner=nvme_commit)
 
 
 def test_an_abort_once_a_commit_is_publishing_the_block_is_too_late(open_nvme, monkeypatch):
     t = open_nvme(fsync=True)
     n = 40_000
-    inside, go = paused_in_group_commit(monkeypatch, str(file_of(t, K(1)).parent))
-
-    def commit_a():
-        t.reserve(K(1), n)
-        t.write(K(1), 0, payload(K(1), n))
-        t.commit(K(1))
-    th, out = run_a(commit_a)
+    inside, go = paused_in_group_commit(monkeypatch, t)
+    th, out = put_in_a(t, n)
     assert inside.wait(DEADLINE)
     t.abort(K(1))                                   # too late: the block is renamed into place
     go.set()
@@ -164,13 +154,8 @@ def test_a_tier_closed_during_a_group_commit_keeps_no_block_and_no_reservation(o
     from tiers.errors import MediaError
     t = open_nvme(fsync=True)
     n = 40_000
-    inside, go = paused_in_group_commit(monkeypatch, str(file_of(t, K(1)).parent))
-
-    def commit_a():
-        t.reserve(K(1), n)
-        t.write(K(1), 0, payload(K(1), n))
-        t.commit(K(1))
-    th, out = run_a(commit_a)
+    inside, go = paused_in_group_commit(monkeypatch, t)
+    th, out = put_in_a(t, n)
     assert inside.wait(DEADLINE)
     closing = threading.Thread(target=t.close)
     closing.start()

@@ -22,8 +22,8 @@ name: it carries no block's name until it holds a whole block, as a ``.tmp`` fil
 
 A failure anywhere drops the reservation and its files (a renamed file too, when the
 index update failed), so a failed commit leaves nothing. A crash leaves a temp file
-(removed at the next start, or kept as a spare file) or a complete, renamed file (indexed from its header at the
-next start if the index update was lost). With fsync a block is indexed only once its
+(removed at the next start, or kept as a spare file) or a complete, renamed file
+(indexed from its header at the next start if the index update was lost). With fsync a block is indexed only once its
 bytes and its name are on the device, and a commit returns only once its index entry is.
 """
 
@@ -161,18 +161,7 @@ class Reservations:
             check_chunk(offset, src.nbytes, p.written, p.size)
             p.written = offset + src.nbytes
             p.io += 1
-        failed = None
-        try:
-            if p.fd < 0:
-                self._open(p)
-            self._writer.write(p, offset, src)
-        except OSError as e:
-            failed = e
-        finally:
-            self._end_io(p)
-        if failed is not None:
-            self.discard(p)
-            raise self.io_error("writing", key, failed) from failed
+        self._fill(p, lambda: self._writer.write(p, offset, src), (OSError,))
 
     def write_from_device(self, key: bytes, device: Any, device_buf: Any, available: int) -> None:
         """Fill a whole reservation from device memory through ``device``
@@ -185,19 +174,28 @@ class Reservations:
                 raise InvalidAccess(f"the device buffer has {available} bytes, the block {p.size}")
             p.written = p.size
             p.io += 1
+
+        def from_device() -> None:
+            p.sums = device.write(p.temp, p.fd, device_buf, p.size, p.chunk, p.header_len)
+            p.file_off = p.disk
+        self._fill(p, from_device, (OSError, RuntimeError))
+
+    def _fill(self, p: PendingBlock, step, errors: tuple) -> None:
+        """Run ``step`` (bytes into ``p``'s file, opened first if need be) as one I/O of
+        ``p`` (``p.io`` counted by the caller under the lock); ``errors`` drop the reservation
+        and are raised as MediaIOError (DiskFull for ENOSPC)."""
         failed = None
         try:
             if p.fd < 0:
                 self._open(p)
-            p.sums = device.write(p.temp, p.fd, device_buf, p.size, p.chunk, p.header_len)
-            p.file_off = p.disk
-        except (OSError, RuntimeError) as e:
+            step()
+        except errors as e:
             failed = e
         finally:
             self._end_io(p)
         if failed is not None:
             self.discard(p)
-            raise self.io_error("writing", key, failed) from failed
+            raise self.io_error("writing", p.key, failed) from failed
 
     def commit(self, key: bytes) -> None:
         with self._lock:

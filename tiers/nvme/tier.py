@@ -23,10 +23,10 @@ Modules (one responsibility each):
 Crash safety (SIGKILL at any point): a block is written to a temp file (``<hex>.tmp``, or
 a spare file where it lies; payload, then the header with its checksums), renamed to
 ``<hex>`` (so a file with a block's name is always complete), then indexed; a free moves
-the file away before it drops the index entry, so a freed block never comes back. At start (:mod:`tiers.nvme.recover`) temp
-files are deleted and every other file is checked against the index; a block file the
-index does not know (a crash between rename and index update, a lost or damaged index)
-is indexed from its header. With ``fsync=True`` files, folders and the index are also
+the file away before it drops the index entry, so a freed block never comes back. At
+start (:mod:`tiers.nvme.recover`) temp files are deleted and every other file is checked
+against the index; a block file the index does not know (a crash between rename and
+index update, a lost or damaged index) is indexed from its header. With ``fsync=True`` files, folders and the index are also
 flushed before a block is visible (power-loss safety), in that order; commits in flight
 together share one index transaction and issue their flushes together
 (:mod:`tiers.nvme.group`), so the cost is per batch of commits rather than per block.
