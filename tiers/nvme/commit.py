@@ -65,6 +65,9 @@ class Reservations:
         self.blocks_dir = os.path.join(folder, "blocks")
         self.name = name
         self.pending: dict[bytes, PendingBlock] = {}
+        self.freeing: set[bytes] = set()
+        """Keys of blocks being freed (:meth:`tiers.nvme.tier.NVMeTier.free`): their file is
+        still to be moved away, so they cannot be reserved yet."""
         self._lock = lock
         self._index = index
         self._space = space
@@ -89,6 +92,8 @@ class Reservations:
         with self._lock:
             if key in self._index.entries or key in self.pending:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
+            if key in self.freeing:
+                raise BlockExists(f"block {key.hex()[:16]} is being freed from {self.name}")
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
             if self._spares is not None:
@@ -227,8 +232,9 @@ class Reservations:
                 fsync_folder(os.path.dirname(final))
                 err = self.group.commit(p)     # one index transaction for the commits in flight
             else:
+                # the index transaction without the tier's lock (sealed: no abort drops it)
+                self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
                 with self._lock:
-                    self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
                     del self.pending[key]
         except BaseException as e:  # noqa: BLE001 - any failure (the tier closed under it too) cleans up
             err = e

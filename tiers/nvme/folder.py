@@ -115,12 +115,18 @@ class BlockFolder:
         if self.spares is None or not self.spares.give(path, nbytes):
             remove_files([path])
 
-    def drop(self, key: bytes, entry: IndexEntry) -> None:
-        """Delete a committed block: its space (so its file may stay as a spare within the
-        capacity), its file (so a freed block never comes back), then its index entry. An
-        index that cannot be written keeps the entry on disk only; the next start drops it
-        (the file is gone)."""
+    def forget(self, key: bytes, entry: IndexEntry) -> None:
+        """The first half of deleting a committed block, under the tier's lock: it leaves
+        the index in memory (a read finds it gone) and gives its space back (so its file
+        may stay as a spare within the capacity). :meth:`drop` does the rest."""
+        self.index.entries.pop(key, None)
         self.space.give(entry.file_bytes)
+
+    def drop(self, key: bytes, entry: IndexEntry) -> None:
+        """The second half, without the tier's lock (a rename and an index transaction: other
+        threads' writes and commits go on meanwhile): the block's file goes (so a freed block
+        never comes back), then its index entry on disk. An index that cannot be written
+        keeps the entry on disk only; the next start drops it (the file is gone)."""
         self.remove_file(key, entry.file_bytes)
         try:
             self.index.delete([key])

@@ -345,10 +345,19 @@ class NVMeTier(Tier):
     # -------------------------------------------------------------- free, restart, close
 
     def free(self, key: bytes) -> None:
+        """Free a block: gone for readers and its space back at once, under the tier's lock;
+        its file and index entry on disk removed after it (:meth:`BlockFolder.drop`), while
+        the key stays busy (a reservation of it raises BlockExists until then)."""
         with self._lock:
             entry = self._entry(key)
             self._headers.drop(key)
+            self._folder.forget(key, entry)
+            self._writes.freeing.add(key)
+        try:
             self._folder.drop(key, entry)
+        finally:
+            with self._lock:
+                self._writes.freeing.discard(key)
 
     def recover(self) -> list[tuple[bytes, int]]:
         """The blocks held, as ``(key, payload bytes)``, oldest written first. Opening the
