@@ -54,8 +54,8 @@ REPAIR_HINT = "stop the daemon and run `kvstore repair-index {path}`"
 class Reservations:
     """Open reservations of one NVMe tier folder and the steps that publish them.
 
-    ``lock`` is the tier's lock (it guards ``pending``, the index and ``space``);
-    file I/O runs outside it.
+    ``lock`` is the tier's lock (it guards ``pending``, ``freeing``, the index's in-memory
+    entries and ``space``); file I/O and index transactions run outside it.
     """
 
     def __init__(self, *, folder: str, name: str, lock: threading.Lock, index: BlockIndex, space: Space,
@@ -66,8 +66,11 @@ class Reservations:
         self.name = name
         self.pending: dict[bytes, PendingBlock] = {}
         self.freeing: set[bytes] = set()
-        """Keys of blocks being freed (:meth:`tiers.nvme.tier.NVMeTier.free`): their file is
-        still to be moved away, so they cannot be reserved yet."""
+        """Keys of blocks being freed (:meth:`tiers.nvme.tier.NVMeTier.free`) whose file is
+        still being moved to the spare files (or deleted) without the lock."""
+        self.freed = threading.Condition(lock)
+        """Notified when a free's file is moved: a reservation, and the tier's close, wait
+        for the frees in flight (:meth:`wait_frees_locked`)."""
         self._lock = lock
         self._index = index
         self._space = space
@@ -90,16 +93,24 @@ class Reservations:
         p = PendingBlock(key, nbytes, chunk, block_path(self.blocks_dir, key))
         shed: list[str] = []
         with self._lock:
+            self.wait_frees_locked()
             if key in self._index.entries or key in self.pending:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
-            if key in self.freeing:
-                raise BlockExists(f"block {key.hex()[:16]} is being freed from {self.name}")
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
             if self._spares is not None:
                 p.spare = self._spares.take(p.disk)      # its file, set aside now: counted as p.disk
                 shed = self._shed_locked(p.disk - (p.spare[1] if p.spare else 0))
         remove_files(shed)
+
+    def wait_frees_locked(self) -> None:
+        """Wait (under the lock, dropped meanwhile) until no free is moving a file: a
+        reservation then sees the freed files among the spare files and the disk, not
+        half-way (without it, one made meanwhile found no spare file, made a new file and
+        left blocks and spare files above the capacity, or failed with DiskFull on a full
+        disk). In the store, frees and reservations run under one lock: it never waits."""
+        while self.freeing:
+            self.freed.wait()
 
     def _shed_locked(self, growth: int) -> list[str]:
         """Spare files to delete (under the lock) so that blocks and spare files stay within
@@ -226,6 +237,8 @@ class Reservations:
                     raise BlockNotStored(f"block {key.hex()[:16]}: its reservation in {self.name} "
                                          f"was dropped while it was committed")
                 p.sealed = True
+            # its checksums cached before it can be read (or freed): a free after that drops them
+            self._headers.put(key, p.size, p.chunk, tuple(p.sums))
             os.rename(p.temp, final)
             p.temp, renamed = "", True
             if self.group is not None:
@@ -241,6 +254,7 @@ class Reservations:
         finally:
             self._writer.release(p)
         if err is not None:
+            self._headers.drop(key)
             if renamed:                        # while it is pending, the name is no one else's
                 remove_files([final])
             with self._lock:
@@ -251,7 +265,6 @@ class Reservations:
             if isinstance(err, (BlockNotStored, MediaIOError)) or not isinstance(err, Exception):
                 raise err
             raise self.io_error("committing", key, err) from err
-        self._headers.put(key, p.size, p.chunk, tuple(p.sums))
 
     def _index_batch(self, batch: list[PendingBlock]) -> list[BaseException | None]:
         """Index ``batch`` (durable, named blocks) in one synchronous LMDB transaction;

@@ -53,7 +53,8 @@ class BlockFolder:
         MediaUnavailable: the folder cannot be used, is held by another process, refuses
             O_DIRECT with ``direct=True``, or has an index that cannot be rebuilt.
 
-    Not thread-safe: the tier calls :meth:`drop` under its lock.
+    Not thread-safe: the tier calls :meth:`forget` under its lock and :meth:`drop` right
+    after it, without the lock, while no reservation runs (they wait for it).
     """
 
     def __init__(self, path: str, capacity_bytes: int, *, name: str, direct: bool | None, fsync: bool,

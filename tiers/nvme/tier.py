@@ -346,8 +346,9 @@ class NVMeTier(Tier):
 
     def free(self, key: bytes) -> None:
         """Free a block: gone for readers and its space back at once, under the tier's lock;
-        its file and index entry on disk removed after it (:meth:`BlockFolder.drop`), while
-        the key stays busy (a reservation of it raises BlockExists until then)."""
+        its file (moved to the spare files, or deleted) and index entry on disk after it,
+        without the lock (:meth:`BlockFolder.drop`): other threads' writes and commits go on
+        meanwhile, while reservations and the tier's close wait for it to end."""
         with self._lock:
             entry = self._entry(key)
             self._headers.drop(key)
@@ -358,6 +359,7 @@ class NVMeTier(Tier):
         finally:
             with self._lock:
                 self._writes.freeing.discard(key)
+                self._writes.freed.notify_all()
 
     def recover(self) -> list[tuple[bytes, int]]:
         """The blocks held, as ``(key, payload bytes)``, oldest written first. Opening the
@@ -371,6 +373,7 @@ class NVMeTier(Tier):
             if self._closed:
                 return
             self._closed = True
+            self._writes.wait_frees_locked()   # a free in flight ends before the index closes
         self._writes.discard_all()
         self._pool.close()
         if self._threads is not None:
