@@ -159,7 +159,9 @@ class _Queue:
     def __init__(self, name: str, workers: int = 1):
         self.name = name
         self._jobs: collections.deque[Callable[[], None]] = collections.deque()
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)      # a job queued, or stopping: wakes a worker
+        self._idle = threading.Condition(lock)      # nothing queued or running: wakes drain()
         self._busy = 0
         self._stopping = False
         self._threads = [threading.Thread(target=self._run, name=f"kvstore-transfer-{name}-{i}", daemon=True)
@@ -193,7 +195,8 @@ class _Queue:
             finally:
                 with self._cond:
                     self._busy -= 1
-                    self._cond.notify_all()
+                    if not self._busy and not self._jobs:
+                        self._idle.notify_all()     # the idle workers sleep on: one wake-up per job ended
 
     def drain(self, deadline: float) -> bool:
         with self._cond:
@@ -201,7 +204,7 @@ class _Queue:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._cond.wait(remaining)
+                self._idle.wait(remaining)
             return True
 
     def stop(self, deadline: float) -> None:
