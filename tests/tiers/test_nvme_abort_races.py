@@ -32,7 +32,9 @@ def paused_in(monkeypatch, name: str, path: str | None = None, owner=os):
     return inside, go
 
 
-def run_a(target) -> tuple[threading.Thread, dict]:
+def run_a(target, name: str = "A") -> tuple[threading.Thread, dict]:
+    """``target`` on a thread named ``name`` ("A": the one :func:`paused_in` pauses); its
+    result ("done" or the exception raised) in the dict returned."""
     out: dict = {}
 
     def body():
@@ -41,7 +43,7 @@ def run_a(target) -> tuple[threading.Thread, dict]:
             out["result"] = "done"
         except Exception as e:  # noqa: BLE001 - reported to the test
             out["result"] = e
-    th = threading.Thread(target=body, name="A")
+    th = threading.Thread(target=body, name=name)
     th.start()
     return th, out
 

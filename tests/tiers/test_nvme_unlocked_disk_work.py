@@ -13,26 +13,17 @@ import os
 import pathlib
 import threading
 
+import pytest
+
 from nvme_support import K, block_files, disk_bytes, file_of, payload, put, read
 from test_nvme_abort_races import DEADLINE, paused_in, run_a
-import pytest
 
 from tiers.errors import BlockExists, BlockNotStored
 
 
 def run_b(target, name: str = "B") -> tuple[threading.Thread, dict]:
-    """``target`` on a thread named ``name`` (not "A": the pause hooks skip it)."""
-    out: dict = {}
-
-    def body():
-        try:
-            target()
-            out["result"] = "done"
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            out["result"] = e
-    th = threading.Thread(target=body, name=name)
-    th.start()
-    return th, out
+    """``target`` on a thread that is not "A" (the pause hooks skip it)."""
+    return run_a(target, name)
 
 
 def disk_of(t) -> int:
