@@ -226,3 +226,22 @@ def test_device_error_contract(gds_tier, backend, monkeypatch):
     with pytest.raises(DiskFull):
         t.write_from_device(K(4), HostDeviceArray(100_000))
     assert K(4) not in t and t.used_bytes == disk_bytes(100) and len(block_files(t.path)) == 1
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_device_read_racing_a_free_reports_the_block_not_stored(gds_tier, backend, monkeypatch, reused):
+    """A block freed while its device read runs (its file moved away, or already reused by
+    another block) is not stored: BlockNotStored, not BlockCorrupt (which drops copies)."""
+    t = gds_tier()
+    put(t, K(1), payload(K(1), 5_000))
+    real = backend.read_file
+
+    def freed_meanwhile(path, *args):
+        if K(1) in t:
+            t.free(K(1))
+            if reused:                                   # the freed file holds another block now
+                put(t, K(2), payload(K(2), 5_000))
+        return real(str(file_of(t, K(2))) if reused else path, *args)
+    monkeypatch.setattr(backend, "read_file", freed_meanwhile)
+    with pytest.raises(BlockNotStored):
+        t.read_into_device(K(1), HostDeviceArray(5_000))

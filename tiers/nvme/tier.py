@@ -221,6 +221,13 @@ class NVMeTier(Tier):
             raise BlockNotStored(f"block {bytes(key).hex()[:16]} is not stored in {self.name}")
         return entry
 
+    def _raise_if_freed(self, key: bytes, entry: IndexEntry) -> None:
+        """Raise BlockNotStored when ``key`` is no longer indexed as ``entry``: a read that
+        found its file missing or altered raced a free (and the file's reuse), which proves
+        nothing about the bytes stored."""
+        if self._index.entries.get(key) is not entry:
+            raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}") from None
+
     def _file(self, key: bytes) -> str:
         return block_path(self._blocks_dir, key)
 
@@ -260,8 +267,7 @@ class NVMeTier(Tier):
         try:
             fd = os.open(path, self._read_flags)
         except OSError as e:
-            if self._index.entries.get(key) is not entry:
-                raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}") from None
+            self._raise_if_freed(key, entry)
             if e.errno == errno.ENOENT:
                 raise BlockCorrupt(f"{self._what(key)}: file {path} is missing") from None
             if e.errno == errno.ELOOP:
@@ -276,8 +282,7 @@ class NVMeTier(Tier):
                 self._headers.put(key, entry.size, entry.chunk_bytes, sums)
         except BlockCorrupt:
             self._headers.drop(key)
-            if self._index.entries.get(key) is not entry:           # freed (and reused) meanwhile
-                raise BlockNotStored(f"block {key.hex()[:16]} is not stored in {self.name}") from None
+            self._raise_if_freed(key, entry)
             raise
         except OSError as e:
             raise MediaIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
@@ -308,8 +313,9 @@ class NVMeTier(Tier):
         and verify its header and every chunk; return its size in bytes. On BlockCorrupt
         the buffer holds the bad bytes (the caller drops them).
 
-        Raises BlockNotStored, BlockCorrupt (missing, truncated, altered file), InvalidAccess
-        (buffer too small or not a CUDA array), MediaIOError.
+        Raises BlockNotStored (also when the block was freed during the read), BlockCorrupt
+        (missing, truncated, altered file), InvalidAccess (buffer too small or not a CUDA
+        array), MediaIOError.
         """
         device = self._require_device()
         entry = self._entry(key)
@@ -319,8 +325,10 @@ class NVMeTier(Tier):
         try:
             device.read(path, key, entry, device_buf, self._what(key))
         except FileNotFoundError:
+            self._raise_if_freed(key, entry)
             raise BlockCorrupt(f"{self._what(key)}: file {path} is missing") from None
         except BlockCorrupt:
+            self._raise_if_freed(key, entry)
             raise
         except (OSError, RuntimeError) as e:
             raise MediaIOError(f"{self.name}: reading block {key.hex()[:16]} failed: {e}") from e
