@@ -54,8 +54,8 @@ REPAIR_HINT = "stop the daemon and run `kvstore repair-index {path}`"
 class Reservations:
     """Open reservations of one NVMe tier folder and the steps that publish them.
 
-    ``lock`` is the tier's lock (it guards ``pending``, ``freeing``, the index's in-memory
-    entries and ``space``); file I/O and index transactions run outside it.
+    ``lock`` is the tier's lock (it guards ``pending``, the frees in flight, the index's
+    in-memory entries and ``space``); file I/O and index transactions run outside it.
     """
 
     def __init__(self, *, folder: str, name: str, lock: threading.Lock, index: BlockIndex, space: Space,
@@ -65,12 +65,8 @@ class Reservations:
         self.blocks_dir = os.path.join(folder, "blocks")
         self.name = name
         self.pending: dict[bytes, PendingBlock] = {}
-        self.freeing: set[bytes] = set()
-        """Keys of blocks being freed (:meth:`tiers.nvme.tier.NVMeTier.free`) whose file is
-        still being moved to the spare files (or deleted) without the lock."""
-        self.freed = threading.Condition(lock)
-        """Notified when a free's file is moved: a reservation, and the tier's close, wait
-        for the frees in flight (:meth:`wait_frees_locked`)."""
+        self._frees = 0                        # frees moving a file without the lock
+        self._freed = threading.Condition(lock)   # notified when the last of them ends
         self._lock = lock
         self._index = index
         self._space = space
@@ -109,8 +105,19 @@ class Reservations:
         half-way (without it, one made meanwhile found no spare file, made a new file and
         left blocks and spare files above the capacity, or failed with DiskFull on a full
         disk). In the store, frees and reservations run under one lock: it never waits."""
-        while self.freeing:
-            self.freed.wait()
+        while self._frees:
+            self._freed.wait()
+
+    def free_begins_locked(self) -> None:
+        """A free (:meth:`tiers.nvme.tier.NVMeTier.free`) is about to move its block's file
+        without the lock; :meth:`free_ended` once it has (reservations wait meanwhile)."""
+        self._frees += 1
+
+    def free_ended(self) -> None:
+        with self._lock:
+            self._frees -= 1
+            if not self._frees:
+                self._freed.notify_all()
 
     def _shed_locked(self, growth: int) -> list[str]:
         """Spare files to delete (under the lock) so that blocks and spare files stay within

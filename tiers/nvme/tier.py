@@ -361,13 +361,11 @@ class NVMeTier(Tier):
             entry = self._entry(key)
             self._headers.drop(key)
             self._folder.forget(key, entry)
-            self._writes.freeing.add(key)
+            self._writes.free_begins_locked()
         try:
             self._folder.drop(key, entry)
         finally:
-            with self._lock:
-                self._writes.freeing.discard(key)
-                self._writes.freed.notify_all()
+            self._writes.free_ended()
 
     def recover(self) -> list[tuple[bytes, int]]:
         """The blocks held, as ``(key, payload bytes)``, oldest written first. Opening the
