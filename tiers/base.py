@@ -159,6 +159,17 @@ class Tier(abc.ABC):
     def free(self, key: bytes) -> None:
         """Delete a committed block and return its space. Raises BlockNotStored."""
 
+    def evict(self, key: bytes) -> None:
+        """Free a committed block to make room (the store's eviction): as :meth:`free`,
+        except that a persistent tier may keep its file for the next write to reuse, so a
+        crash may bring the block back until then (see :meth:`forget_evicted`). Raises
+        BlockNotStored."""
+        self.free(key)
+
+    def forget_evicted(self, key: bytes) -> None:
+        """Make sure no file :meth:`evict` kept of ``key`` remains (the block is deleted):
+        no crash brings it back. Nothing to do for most tiers."""
+
     def problem(self) -> str | None:
         """What keeps this tier from storing blocks now (e.g. its folder is gone), or None.
         Cheap: the daemon's health check calls it every second."""

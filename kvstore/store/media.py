@@ -239,6 +239,21 @@ class TierAdapter:
         except terr.MediaError as e:
             raise store_error(e) from None
 
+    def evict(self, key: bytes) -> None:
+        """Free the stored block to make room (:meth:`tiers.base.Tier.evict`). Raises
+        BlockNotFound (not stored here), TierIOError."""
+        try:
+            self.tier.evict(key)
+        except terr.MediaError as e:
+            raise store_error(e) from None
+
+    def forget_evicted(self, key: bytes) -> None:
+        """A deleted block: no file an eviction kept of it remains (:meth:`tiers.base.Tier.forget_evicted`)."""
+        try:
+            self.tier.forget_evicted(key)
+        except terr.MediaError as e:
+            raise store_error(e) from None
+
     def recover(self) -> Iterable[tuple[bytes, int]]:
         """``(key, payload bytes)`` of the blocks a persistent tier holds at start."""
         try:

@@ -97,7 +97,10 @@ class Placement:
         """Free ``entry``'s copy in tier ``i`` and forget it (lock held). True when it was
         the last copy (the block left the store)."""
         try:
-            self.tiers[i].free(entry.key)
+            if reason == "evicted":
+                self.tiers[i].evict(entry.key)     # a disk may keep the file for the next write
+            else:
+                self.tiers[i].free(entry.key)
         except BlockNotFound:
             pass
         except KVStoreError as e:
@@ -115,10 +118,23 @@ class Placement:
         return bool(last)
 
     def free_entry(self, entry: Entry, reason: str) -> None:
-        """Free every copy of ``entry`` (lock held)."""
-        for i in list(entry.tiers):
+        """Free every copy of ``entry`` (lock held); a deleted block's evicted files too."""
+        held = list(entry.tiers)
+        for i in held:
             self.drop_copy(entry, i, reason)
+        if reason == "deleted":
+            self._forget_evicted(entry.key, skip=held)
         self.cat.forget(entry)
+
+    def _forget_evicted(self, key: bytes, skip: Sequence[int] = ()) -> None:
+        """No file a tier kept of evicted block ``key`` remains (it is deleted: no crash
+        brings it back; :meth:`tiers.base.Tier.forget_evicted`)."""
+        for i, tier in enumerate(self.tiers):
+            if i not in skip:
+                try:
+                    tier.forget_evicted(key)
+                except KVStoreError as e:
+                    log.warning("forgetting evicted block %s in %s failed: %s", key.hex()[:16], tier.name, e)
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Delete blocks from every tier; returns how many were stored. A pinned (read or
@@ -128,6 +144,7 @@ class Placement:
             for key in keys:
                 e = self.cat.get(key)
                 if e is None:
+                    self._forget_evicted(key)
                     continue
                 deleted += 1
                 if e.pins:

@@ -129,12 +129,13 @@ def fake_full_disk(monkeypatch) -> dict:
     return full
 
 
-def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs):
+@pytest.mark.parametrize("drop", ["free", "evict"])
+def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs, drop):
     """Spare files left by many small blocks hold the little disk there is; once the disk
     has filled up, a larger block's reservation removes spare files for its file instead
     of failing every put."""
     t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
-    drop_block = t.free
+    drop_block = getattr(t, drop)           # evict: the files are parked, not spare files yet
     try:
         keys = [key(i, "small") for i in range(90)]
         for k in keys:
@@ -149,12 +150,13 @@ def test_after_the_disk_fills_spare_files_make_room_for_new_blocks(small_fs):
         t.close()
 
 
-def test_after_the_disk_fills_the_files_of_large_blocks_freed_make_room_for_small_ones(small_fs):
+@pytest.mark.parametrize("drop", ["free", "evict"])
+def test_after_the_disk_fills_the_files_of_large_blocks_freed_make_room_for_small_ones(small_fs, drop):
     """Large blocks freed on a full disk leave spare files no small block takes (a spare
     file is taken only by a block at least as large): a small block's reservation removes
     them for its file instead of failing every put."""
     t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
-    drop_block = t.free
+    drop_block = getattr(t, drop)           # evict: the files are parked, not spare files yet
     try:
         large = [key(i, "large") for i in range(7)]
         for k in large:
@@ -173,6 +175,73 @@ def test_after_the_disk_fills_the_files_of_large_blocks_freed_make_room_for_smal
         failed = put_dropping(t, drop_block, [key(i, "more") for i in range(30)], 60 << 10, small, held)
         assert failed <= 2 and len(held) >= 28
         assert all(read_bytes(t, k) == payload(k, 60 << 10) for k in held + small)
+    finally:
+        t.close()
+
+
+def test_after_the_disk_fills_evicted_blocks_files_make_room_at_once(small_fs):
+    """Evicted blocks' files are parked for the next write (tiers/nvme/parked.py), not spare
+    files yet: on a full disk the next reservation that needs their room deletes them
+    before it makes its file, so its put does not fail."""
+    t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
+    size = 256 << 10
+    try:
+        held: list[bytes] = []
+        with pytest.raises(DiskFull):                       # fill the disk
+            for i in range(100):
+                k = key(i, "fill")
+                put_block(t, k, payload(k, size))
+                held.append(k)
+        for k in held[:3]:
+            t.evict(k)
+        k = key(0, "larger")
+        put_block(t, k, payload(k, size * 5 // 2))          # fits the three evicted files' room
+        assert read_bytes(t, k) == payload(k, size * 5 // 2)
+        assert all(read_bytes(t, k) == payload(k, size) for k in held[3:])
+    finally:
+        t.close()
+
+
+def fill(t: NVMeTier, size: int) -> list[bytes]:
+    """Put blocks of ``size`` bytes until the disk is full; returns their keys."""
+    held: list[bytes] = []
+    with pytest.raises(DiskFull):
+        for i in range(1000):
+            k = key(i, "fill")
+            put_block(t, k, payload(k, size))
+            held.append(k)
+    return held
+
+
+def test_on_a_full_disk_an_evicted_key_put_again_smaller_takes_its_old_files_room(small_fs):
+    t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
+    size = 256 << 10
+    try:
+        held = fill(t, size)
+        free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+        n = min(size - (8 << 10), free + (16 << 10))     # more than the free space, less than its old file
+        t.evict(held[0])
+        put_block(t, held[0], payload(held[0], n))
+        assert read_bytes(t, held[0]) == payload(held[0], n)
+    finally:
+        t.close()
+
+
+def test_on_a_full_disk_a_reservation_whose_evicted_file_its_key_took_back_gets_another(small_fs):
+    t = NVMeTier(small_fs / "nvme", 64 << 20, direct=False)
+    size = 256 << 10
+    try:
+        held = fill(t, size)
+        t.evict(held[0])
+        t.evict(held[1])
+        other = key(0, "other")
+        t.reserve(other, size)                             # claims held[1]'s file
+        t.reserve(held[1], size)                           # takes its own file back
+        for k in (other, held[1]):
+            t.write(k, 0, payload(k, size))
+            t.commit(k)
+        assert read_bytes(t, other) == payload(other, size)
+        assert read_bytes(t, held[1]) == payload(held[1], size)
     finally:
         t.close()
 

@@ -588,7 +588,7 @@ def test_index_failure_on_commit_removes_the_renamed_file(open_nvme, monkeypatch
     t.reserve(K(1), 3000)
     t.write(K(1), 0, b"r" * 3000)
 
-    def broken(key, entry):
+    def broken(key, entry, stale=()):
         raise lmdb.Error("simulated index failure")
 
     monkeypatch.setattr(t._index, "put", broken)

@@ -64,7 +64,7 @@ class HeldIndex:
         self.inside, self.batches = threading.Event(), []
         real = t._index.put_many
 
-        def put_many(items):
+        def put_many(items, stale=()):
             n = len(self.batches)
             self.batches.append([k for k, _ in items])
             if n == 0:
@@ -74,7 +74,7 @@ class HeldIndex:
                     time.sleep(0.005)
             if fail is not None:
                 fail(n)
-            return real(items)
+            return real(items, stale)
         monkeypatch.setattr(t._index, "put_many", put_many)
 
 
@@ -95,7 +95,7 @@ def test_commits_in_flight_share_an_index_transaction_after_their_flushes(open_n
     monkeypatch.setattr(os, "rename", lambda a, b: (real_rename(a, b), note("rename", str(b)))[0])
     held = HeldIndex(t, monkeypatch, others=7)
     real_index = t._index.put_many
-    monkeypatch.setattr(t._index, "put_many", lambda items: (real_index(items), note("index", [k for k, _ in items]))[0])
+    monkeypatch.setattr(t._index, "put_many", lambda items, stale=(): (real_index(items, stale), note("index", [k for k, _ in items]))[0])
 
     assert commit_all(t, keys, held.inside) == {k: None for k in keys}
     assert [len(b) for b in held.batches] == [1, 7]                # 8 commits, 2 index transactions
@@ -197,9 +197,9 @@ def rename(a, b):
     if b.startswith({path!r}):
         hit("after rename")
 os.rename = rename
-def put_many(items):
+def put_many(items, stale=()):
     hit("before index")
-    real_index(items)
+    real_index(items, stale)
     hit("after index")
 t._index.put_many = put_many
 def sync(fd):

@@ -246,7 +246,7 @@ t = NVMeTier({path!r}, 1 << 30)
 for i in range(50):
     put(t, K(i), payload(K(i), 10_000 + i))
 if {when!r} == "after-rename":
-    t._index.put = lambda key, entry: os._exit(9)               # dies between rename and index update
+    t._index.put = lambda key, entry, stale=(): os._exit(9)               # dies between rename and index update
 else:
     os.rename = lambda src, dst: os._exit(9)                     # dies before the rename
 put(t, K(50), payload(K(50), 300_001), chunk=100_000)

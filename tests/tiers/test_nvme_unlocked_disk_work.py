@@ -128,8 +128,8 @@ def test_a_block_freed_as_its_commit_ends_leaves_no_checksums_for_the_next_block
     real = t._index.put
     inside, go = threading.Event(), threading.Event()
 
-    def indexed_then_paused(key, entry):                # thread "A" pauses once its block is visible
-        real(key, entry)
+    def indexed_then_paused(key, entry, stale=()):      # thread "A" pauses once its block is visible
+        real(key, entry, stale)
         if threading.current_thread().name == "A" and not inside.is_set():
             inside.set()
             go.wait(DEADLINE)

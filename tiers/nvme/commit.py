@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import lmdb
 
@@ -42,6 +42,7 @@ from tiers.nvme.format import KEY_BYTES, IndexEntry, block_path
 from tiers.nvme.group import GroupCommit, fdatasync, fsync_folder
 from tiers.nvme.spare import SpareFiles, remove_files
 from tiers.nvme.index import BlockIndex
+from tiers.nvme.parked import Frees, ParkedFiles
 from tiers.nvme.read import HeaderCache
 from tiers.nvme.space import DISK_FULL_ERRNOS, Space
 from tiers.nvme.write import BlockWriter, PendingBlock
@@ -59,19 +60,20 @@ class Reservations:
     """
 
     def __init__(self, *, folder: str, name: str, lock: threading.Lock, index: BlockIndex, space: Space,
-                 writer: BlockWriter, spares: SpareFiles | None, direct: bool, fsync: bool,
-                 headers: HeaderCache):
+                 writer: BlockWriter, spares: SpareFiles | None, parked: ParkedFiles,
+                 remove_file: Callable[[bytes, int], None], direct: bool, fsync: bool, headers: HeaderCache):
         self.folder = folder
         self.blocks_dir = os.path.join(folder, "blocks")
         self.name = name
         self.pending: dict[bytes, PendingBlock] = {}
-        self._frees = 0                        # frees moving a file without the lock
-        self._freed = threading.Condition(lock)   # notified when the last of them ends
         self._lock = lock
         self._index = index
         self._space = space
         self._writer = writer
         self._spares = spares
+        self.parked = parked
+        self.frees = Frees(lock, parked, index, remove_file)
+        """Frees and parked files moving without the lock (:class:`tiers.nvme.parked.Frees`)."""
         self._fsync = fsync
         self._headers = headers
         self._dirs: set[str] = set()
@@ -87,45 +89,46 @@ class Reservations:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidAccess(f"block size must be an integer >= 0 bytes, got {nbytes!r}")
         p = PendingBlock(key, nbytes, chunk, block_path(self.blocks_dir, key))
-        shed: list[str] = []
         with self._lock:
-            self.wait_frees_locked()
+            self.frees.wait_locked()
             if key in self._index.entries or key in self.pending:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
             self._space.take(p.disk, f"a block of {nbytes} bytes")
             self.pending[key] = p
-            if self._spares is not None:
-                p.spare = self._spares.take(p.disk)      # its file, set aside now: counted as p.disk
-                shed = self._shed_locked(p.disk - (p.spare[1] if p.spare else 0))
-        remove_files(shed)
+            own, robbed = self.parked.claim(p) if self.parked.files else (None, None)
+            growth = 0                          # bytes of new files to make (the disk may be full)
+            for r in (p, robbed):               # robbed: a reservation whose file was this key's
+                if r is not None and r.spare is None and not self.parked.claim_other(r):
+                    r.spare = self._spares.take(r.disk) if self._spares is not None else None
+                if r is not None:
+                    growth += r.disk - (r.spare[1] if r.spare else 0)
+            shed = self._shed_locked(growth - (own.nbytes if own is not None else 0))
+            if own is not None:                 # too large to reuse, and its name is this block's
+                shed[1].append(own)
+                self.frees.begin_locked()
+        self._drop(shed)
 
-    def wait_frees_locked(self) -> None:
-        """Wait (under the lock, dropped meanwhile) until no free is moving a file: a
-        reservation then sees the freed files among the spare files and the disk, not
-        half-way (without it, one made meanwhile found no spare file, made a new file and
-        left blocks and spare files above the capacity, or failed with DiskFull on a full
-        disk). In the store, frees and reservations run under one lock: it never waits."""
-        while self._frees:
-            self._freed.wait()
-
-    def free_begins_locked(self) -> None:
-        """A free (:meth:`tiers.nvme.tier.NVMeTier.free`) is about to move its block's file
-        without the lock; :meth:`free_ended` once it has (reservations wait meanwhile)."""
-        self._frees += 1
-
-    def free_ended(self) -> None:
-        with self._lock:
-            self._frees -= 1
-            if not self._frees:
-                self._freed.notify_all()
-
-    def _shed_locked(self, growth: int) -> list[str]:
-        """Spare files to delete (under the lock) so that blocks and spare files stay within
-        the configured capacity, and, after the disk filled up, the filesystem has the
-        ``growth`` bytes a new reservation's file still needs."""
-        over = self._space.used + self._spares.nbytes - self._space.configured
+    def _shed_locked(self, growth: int) -> tuple[list[str], list]:
+        """Spare files, then unclaimed parked files, to delete (under the lock; the parked ones
+        count as frees in flight) so that blocks, spare and parked files stay within the
+        configured capacity, and, after the disk filled up, the filesystem has the ``growth``
+        bytes a new reservation's file still needs. :meth:`_drop` deletes them."""
+        spares = self._spares
+        held = spares.nbytes if spares is not None else 0
+        over = self._space.used + held + self.parked.nbytes - self._space.configured
         over = max(over, self._space.disk_short(growth))
-        return self._spares.shed(over) if over > 0 else []
+        if over <= 0:
+            return [], []
+        paths = spares.shed(over) if spares is not None else []
+        parked = self.parked.shed(over - (held - spares.nbytes if spares is not None else 0))
+        self.frees.begin_locked(len(parked))
+        return paths, parked
+
+    def _drop(self, shed: tuple[list[str], list]) -> None:
+        """Delete what :meth:`_shed_locked` chose (without the lock)."""
+        remove_files(shed[0])
+        if shed[1]:
+            self.frees.move(None, "", shed[1], delete=True)
 
     def get(self, key: bytes) -> PendingBlock:
         """The reservation of ``key`` (call under the lock). Raises BlockNotStored."""
@@ -142,7 +145,11 @@ class Reservations:
             self._make_folder(folder)
             self._dirs.add(folder)
         with self._lock:
+            parked = self.parked.begin_move(p)
             spare, p.spare = p.spare, None
+        if parked is not None:                 # its index entry goes with this block's commit (p.stale)
+            if self.frees.move(parked, p.path + ".tmp", [], p):
+                spare = (p.path + ".tmp", parked.nbytes)
         if spare is not None:
             try:
                 fd = os.open(spare[0], self._reuse_flags)
@@ -225,6 +232,7 @@ class Reservations:
             p = self.get(key)
             if p.written != p.size:
                 raise InvalidAccess(f"block {key.hex()[:16]}: {p.written} of {p.size} bytes written")
+            self.frees.wait_key_locked(key)    # the old file of its name moving away goes first
             p.io += 1
         final = p.path
         renamed = False
@@ -253,7 +261,7 @@ class Reservations:
                 err = self.group.commit(p)     # one index transaction for the commits in flight
             else:
                 # the index transaction without the tier's lock (sealed: no abort drops it)
-                self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len))
+                self._index.put(key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len), p.stale)
                 with self._lock:
                     del self.pending[key]
         except BaseException as e:  # noqa: BLE001 - any failure (the tier closed under it too) cleans up
@@ -277,7 +285,8 @@ class Reservations:
         """Index ``batch`` (durable, named blocks) in one synchronous LMDB transaction;
         the same error (or None) for each block."""
         try:                                   # outside the tier's lock: it may take a few ms
-            self._index.put_many([(p.key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len)) for p in batch])
+            self._index.put_many([(p.key, IndexEntry(p.size, p.chunk, p.written_at, p.header_len)) for p in batch],
+                                 [k for p in batch for k in p.stale])
         except lmdb.Error as e:
             return [e] * len(batch)
         with self._lock:
@@ -295,21 +304,33 @@ class Reservations:
         spare files, or deleted) now; its temp file now, or, while a thread writes or commits
         it, when that thread's I/O ends (:meth:`_end_io`): the reservation stays pending
         until then, so its file descriptor and its temp file's name are never reused under it."""
-        shed: list[str] = []
+        shed: tuple[list[str], list] = ([], [])
         with self._lock:
             if p.sealed:                        # its commit is publishing it: the abort is too late
                 return
             if self.pending.get(p.key) is p and not p.dropped:
                 self._space.give(p.disk)
             p.dropped = True
+            if p.parked:                        # never moved: it stays parked
+                self.parked.release(p)
             spare, p.spare = p.spare, None
             if spare is not None:               # never moved: back among the spare files
                 self._spares.put_back(*spare)
                 shed = self._shed_locked(0)
+            stale, p.stale = p.stale, []
             files = self._claim_locked(p)
-        remove_files(shed)
+        self._drop(shed)
+        self._drop_stale(stale)
         if files is not None:
             self._remove(p, *files)
+
+    def _drop_stale(self, stale: list[bytes]) -> None:
+        """The index entries of evicted blocks whose files a dropped reservation took."""
+        if stale:
+            try:
+                self._index.drop_stale(stale)
+            except lmdb.Error as e:
+                log.debug("%s: stale index entries kept until the next start: %s", self.name, e)
 
     def _end_io(self, p: PendingBlock) -> None:
         """A write or commit of ``p`` ended: the last one of a dropped reservation removes
@@ -339,6 +360,9 @@ class Reservations:
                 pass
         if temp:
             remove_files([temp])
+        with self._lock:
+            stale, p.stale = p.stale, []
+        self._drop_stale(stale)
         self._writer.release(p)
         with self._lock:
             p.io -= 1
@@ -350,6 +374,16 @@ class Reservations:
             pending = list(self.pending.values())
         for p in pending:
             self.discard(p)
+
+    def close(self) -> None:
+        """Before the index closes: reservations dropped, parked files moved (evicted blocks do
+        not come back), frees and moves in flight ended, their reservations' stale entries dropped."""
+        self.discard_all()
+        self.frees.drop_parked()
+        with self._lock:
+            self.frees.wait_all_locked()
+            stale = [k for p in self.pending.values() for k in p.stale]    # sealed ones' too
+        self._drop_stale(stale)
 
     def io_error(self, doing: str, key: bytes, e: BaseException) -> MediaIOError:
         """The error to raise for a failed write step: DiskFull for ENOSPC/EDQUOT."""

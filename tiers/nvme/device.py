@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from tiers.errors import BlockCorrupt
+from tiers.errors import BlockCorrupt, InvalidAccess
 from tiers.gpu import GPUUnavailable, cuda_buffer
 from tiers.nvme.format import HeaderError, IndexEntry, read_header
 
@@ -99,8 +99,11 @@ class DeviceFiles:
         self._owner: Any = None
 
     def device_bytes(self, device_buf: Any) -> int:
-        """Bytes in a C-contiguous CUDA array. Raises TypeError/ValueError."""
-        return cuda_buffer(device_buf)[1]
+        """Bytes in a C-contiguous CUDA array. Raises InvalidAccess (not one)."""
+        try:
+            return cuda_buffer(device_buf)[1]
+        except (TypeError, ValueError) as e:
+            raise InvalidAccess(str(e)) from None
 
     def chunk_sums(self, device_buf: Any, size: int, chunk: int) -> list[int]:
         """xxh3_64 of each ``chunk``-byte chunk of the first ``size`` bytes of ``device_buf``,

@@ -18,6 +18,7 @@ from tiers.nvme.commit import REPAIR_HINT
 from tiers.nvme.files import lock_folder, probe_direct
 from tiers.nvme.format import IndexEntry, block_path
 from tiers.nvme.index import BlockIndex
+from tiers.nvme.parked import ParkedFiles
 from tiers.nvme.recover import RecoveryReport, reconcile, trim_to_capacity
 from tiers.nvme.space import Space
 from tiers.nvme.spare import SpareFiles, remove_files
@@ -47,6 +48,8 @@ class BlockFolder:
         index: the :class:`~tiers.nvme.index.BlockIndex`, agreeing with the files.
         space: the :class:`~tiers.nvme.space.Space` the blocks' files take.
         spares: the :class:`~tiers.nvme.spare.SpareFiles`, or None.
+        parked: evicted blocks' files kept for the next reservation
+            (:class:`~tiers.nvme.parked.ParkedFiles`, under the tier's lock).
         recovery: what opening found and did (:class:`~tiers.nvme.recover.RecoveryReport`).
 
     Raises:
@@ -79,6 +82,7 @@ class BlockFolder:
             raise MediaUnavailable(f"{self.name}: the filesystem of {self.path} refuses O_DIRECT (direct=True)")
         self.direct = accepted
         self.spares: SpareFiles | None = None
+        self.parked = ParkedFiles()
         self.space = Space(self.path, capacity, lambda: self.spare_bytes, self.name)
         report = self.recovery = RecoveryReport()
         try:
@@ -103,8 +107,8 @@ class BlockFolder:
 
     @property
     def spare_bytes(self) -> int:
-        """Bytes (at most) in spare files: on disk, but outside ``space.used``."""
-        return self.spares.nbytes if self.spares is not None else 0
+        """Bytes (at most) in spare and parked files: on disk, but outside ``space.used``."""
+        return (self.spares.nbytes if self.spares is not None else 0) + self.parked.nbytes
 
     def file_of(self, key: bytes) -> str:
         """Path of a block's file (``blocks/abc/<key hex>``)."""

@@ -349,25 +349,33 @@ class BlockIndex:
                 log.info("%s: index map full; growing it to %d bytes", self.name, size)
                 self._env.set_mapsize(size)
 
-    def put(self, key: bytes, entry: IndexEntry) -> None:
-        """Index one block. Raises lmdb.Error (the in-memory copy is then unchanged)."""
-        value = entry.pack()
-        with self._writing:
-            if self._env is None:
-                raise lmdb.Error(f"{self.name}: the index is closed")
-            try:
-                with self._env.begin(write=True) as txn:
-                    txn.put(key, value)
-            except lmdb.MapFullError:
-                self._txn(lambda txn: txn.put(key, value))
-            self.entries[key] = entry
-
-    def put_many(self, items: list[tuple[bytes, IndexEntry]]) -> None:
-        """Index several blocks in one transaction (thread-safe, like every write here).
+    def put(self, key: bytes, entry: IndexEntry, stale: tuple[bytes, ...] | list[bytes] = ()) -> None:
+        """Index one block, dropping in the same transaction the entries of ``stale`` keys not
+        indexed in memory (evicted blocks whose files were reused: :mod:`tiers.nvme.parked`).
         Raises lmdb.Error (the in-memory copy is then unchanged)."""
-        packed = [(k, e.pack()) for k, e in items]
+        self.put_many([(key, entry)], stale)
+
+    def _drop_stale(self, txn, stale) -> None:
+        for k in stale:             # under ``_writing``: a commit of that key is wholly before or after
+            if k not in self.entries:
+                txn.delete(k)
+
+    def drop_stale(self, stale: list[bytes]) -> None:
+        """:meth:`put`'s deletion of ``stale`` keys alone. Raises lmdb.Error."""
         with self._writing:
-            self._txn(lambda txn: [txn.put(k, v) for k, v in packed])
+            self._txn(lambda txn: self._drop_stale(txn, stale))
+
+    def put_many(self, items: list[tuple[bytes, IndexEntry]], stale: list[bytes] | tuple = ()) -> None:
+        """Index several blocks in one transaction (thread-safe, like every write here), dropping
+        ``stale`` keys as :meth:`put` does. Raises lmdb.Error (the in-memory copy unchanged)."""
+        packed = [(k, e.pack()) for k, e in items]
+
+        def apply(txn) -> None:
+            self._drop_stale(txn, stale)
+            for k, v in packed:
+                txn.put(k, v)
+        with self._writing:
+            self._txn(apply)
             self.entries.update(items)
 
     def delete(self, keys: list[bytes]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 import xxhash
@@ -27,6 +28,16 @@ from tiers.errors import BlockCorrupt
 from tiers.nvme.format import PAGE, HeaderError, IndexEntry, ceil_page, decode_header, floor_page
 from tiers.nvme.files import AlignedBuffer, BufferPool, ReadThreads, buffer_address, copy_bytes, preadv_full
 
+
+
+@dataclass(frozen=True)
+class ReadCounters:
+    """Reads since an NVMe tier opened: ``reads`` calls, ``bytes_served`` to callers,
+    ``bytes_read`` from the files (headers and whole chunks included)."""
+
+    reads: int
+    bytes_served: int
+    bytes_read: int
 
 class _Span:
     """Chunks ``[c0, c1)``: payload bytes ``[start, end)``; ``pieces`` are the requested
@@ -309,4 +320,4 @@ def _read_spans(fd: int, key: bytes, entry: IndexEntry, out: memoryview, spans: 
     return total, (None if sums is not None else checks)
 
 
-__all__ = ["HeaderCache", "plan_spans", "read_block"]
+__all__ = ["HeaderCache", "ReadCounters", "plan_spans", "read_block"]

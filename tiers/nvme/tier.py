@@ -17,13 +17,15 @@ Modules (one responsibility each):
 :mod:`tiers.nvme.repair`    offline index repair and audit of a closed folder
 :mod:`tiers.nvme.space`     capacity accounting, disk full
 :mod:`tiers.nvme.spare`     freed files kept for reuse
+:mod:`tiers.nvme.parked`    evicted blocks' files parked for the next write
 :mod:`tiers.nvme.device`    GPUDirect Storage (kvikio) in the same format
 ==========================  =============================================================
 
 Crash safety (SIGKILL at any point): a block is written to a temp file (``<hex>.tmp``, or
 a spare file where it lies; payload, then the header with its checksums), renamed to
 ``<hex>`` (so a file with a block's name is always complete), then indexed; a free moves
-the file away before it drops the index entry, so a freed block never comes back. At
+the file away before it drops the index entry, so a freed block never comes back (an
+evicted block's file is parked for the next write instead: :mod:`tiers.nvme.parked`). At
 start (:mod:`tiers.nvme.recover`) temp files are deleted and every other file is checked
 against the index; a block file the index does not know (a crash between rename and
 index update, a lost or damaged index) is indexed from its header. With ``fsync=True`` files, folders and the index are also
@@ -48,7 +50,6 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from tiers.base import Tier, TierKind
@@ -68,20 +69,10 @@ from tiers.nvme.format import (
     floor_page,
     header_bytes,
 )
-from tiers.nvme.read import HeaderCache, read_block
+from tiers.nvme.read import HeaderCache, ReadCounters, read_block
 from tiers.nvme.write import BlockWriter
 
 IO_CHOICES = ("auto", "posix", "gds")
-
-
-@dataclass(frozen=True)
-class ReadCounters:
-    """Reads since the tier opened: ``reads`` calls, ``bytes_served`` to callers,
-    ``bytes_read`` from the files (headers and whole chunks included)."""
-
-    reads: int
-    bytes_served: int
-    bytes_read: int
 
 
 class NVMeTier(Tier):
@@ -165,8 +156,9 @@ class NVMeTier(Tier):
         self._pool = BufferPool(max_buffer_bytes)
         self._writes = Reservations(folder=self.path, name=self.name, lock=self._lock, index=self._index,
                                     space=self._space, writer=BlockWriter(self.direct, self._pool),
-                                    spares=self._folder.spares, direct=self.direct, fsync=self._fsync,
-                                    headers=self._headers)
+                                    spares=self._folder.spares, parked=self._folder.parked,
+                                    remove_file=self._folder.remove_file, direct=self.direct,
+                                    fsync=self._fsync, headers=self._headers)
         if self.io == "gds":
             from tiers.nvme.device import DeviceFiles, kvikio_backend
             self._device = DeviceFiles(kvikio_backend())
@@ -306,7 +298,7 @@ class NVMeTier(Tier):
         then dropped), MediaIOError when ``io`` is not ``"gds"``.
         """
         device = self._require_device()
-        self._writes.write_from_device(key, device, device_buf, self._device_bytes(device, device_buf))
+        self._writes.write_from_device(key, device, device_buf, device.device_bytes(device_buf))
 
     def read_into_device(self, key: bytes, device_buf: Any) -> int:
         """Read a committed block into the start of device array ``device_buf`` by kvikio
@@ -319,7 +311,7 @@ class NVMeTier(Tier):
         """
         device = self._require_device()
         entry = self._entry(key)
-        if self._device_bytes(device, device_buf) < entry.size:
+        if device.device_bytes(device_buf) < entry.size:
             raise InvalidAccess(f"the device buffer is smaller than the block's {entry.size} bytes")
         path = self._file(key)
         try:
@@ -343,29 +335,37 @@ class NVMeTier(Tier):
             raise MediaIOError(f"{self.name}: device file I/O needs io = gds (this tier uses {self.io})")
         return self._device
 
-    @staticmethod
-    def _device_bytes(device, device_buf: Any) -> int:
-        try:
-            return device.device_bytes(device_buf)
-        except (TypeError, ValueError) as e:
-            raise InvalidAccess(str(e)) from None
-
     # -------------------------------------------------------------- free, restart, close
 
     def free(self, key: bytes) -> None:
-        """Free a block: gone for readers and its space back at once, under the tier's lock;
-        its file (moved to the spare files, or deleted) and index entry on disk after it,
-        without the lock (:meth:`BlockFolder.drop`): other threads' writes and commits go on
-        meanwhile, while reservations and the tier's close wait for it to end."""
+        """Free a block: gone for readers and its space back at once (tier's lock held); its file
+        and index entry go after it, without the lock (:meth:`BlockFolder.drop`; reservations
+        and the tier's close wait for it)."""
         with self._lock:
             entry = self._entry(key)
             self._headers.drop(key)
             self._folder.forget(key, entry)
-            self._writes.free_begins_locked()
+            self._writes.frees.begin_locked()
         try:
             self._folder.drop(key, entry)
         finally:
-            self._writes.free_ended()
+            self._writes.frees.end()
+
+    def evict(self, key: bytes) -> None:
+        """Free a block to make room for the next reservation, with no disk I/O: gone for
+        readers and its space back at once; its file is *parked* (:mod:`tiers.nvme.parked`):
+        the next reservation's writer thread reuses it and deletes its index entry. A crash
+        before that brings the block back at the next start; a graceful close does not.
+        Raises BlockNotStored."""
+        with self._lock:
+            entry = self._entry(key)
+            self._headers.drop(key)
+            self._folder.forget(key, entry)
+            self._folder.parked.park(key, self._file(key), entry.file_bytes)
+
+    def forget_evicted(self, key: bytes) -> None:
+        """A deleted block's parked file (if :meth:`evict` left one) goes now, with its index entry."""
+        self._writes.frees.drop_parked(key)
 
     def recover(self) -> list[tuple[bytes, int]]:
         """The blocks held, as ``(key, payload bytes)``, oldest written first. Opening the
@@ -379,8 +379,7 @@ class NVMeTier(Tier):
             if self._closed:
                 return
             self._closed = True
-            self._writes.wait_frees_locked()   # a free in flight ends before the index closes
-        self._writes.discard_all()
+        self._writes.close()
         self._pool.close()
         if self._threads is not None:
             self._threads.close()

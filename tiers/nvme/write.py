@@ -57,7 +57,7 @@ class PendingBlock:
 
     __slots__ = ("key", "path", "size", "chunk", "header_len", "disk", "written", "fd", "reused", "sums",
                  "hasher", "fill", "stage", "tail", "file_off", "done", "written_at", "spare", "temp", "io",
-                 "dropped", "sealed")
+                 "dropped", "sealed", "parked", "stale")
 
     def __init__(self, key: bytes, size: int, chunk: int, path: str = ""):
         self.key = key
@@ -82,6 +82,8 @@ class PendingBlock:
         self.io = 0                     # threads writing or committing it now
         self.dropped = False            # aborted: its files go when ``io`` is back to 0
         self.sealed = False             # its commit is publishing it: an abort comes too late
+        self.parked: list = []          # evicted blocks' files it claimed (tiers.nvme.parked)
+        self.stale: list[bytes] = []    # their keys, once moved: index entries its commit drops
 
 
 class BlockWriter:
