@@ -48,6 +48,19 @@ def run_a(target, name: str = "A") -> tuple[threading.Thread, dict]:
     return th, out
 
 
+def held_until_go(target, go, a: threading.Thread, name: str = "B") -> dict:
+    """Run ``target`` on thread ``name`` while thread "A" is paused: it must still be running
+    a moment later (it waits for A), then ``go`` releases A and both end. Returns ``target``'s
+    result dict (:func:`run_a`)."""
+    b, out = run_a(target, name)
+    b.join(0.3)
+    assert "result" not in out, f"{name} did not wait for the paused thread: {out}"
+    go.set()
+    a.join(DEADLINE)
+    b.join(DEADLINE)
+    return out
+
+
 def put_in_a(t, n: int) -> tuple[threading.Thread, dict]:
     """Thread "A" reserves, writes and commits K(1) of ``n`` bytes (:func:`run_a`)."""
     def commit_a():

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from nvme_support import K, block_files, disk_bytes, file_of, payload, put, read
-from test_nvme_abort_races import DEADLINE, paused_in, run_a
+from test_nvme_abort_races import DEADLINE, held_until_go, paused_in, run_a
 from test_nvme_unlocked_disk_work import disk_of, run_b
 
 from tiers.errors import BlockNotStored
@@ -127,12 +127,7 @@ def test_a_commit_of_a_key_waits_while_its_old_file_is_moving(open_nvme, monkeyp
     inside, go = paused_in(monkeypatch, "rename", str(file_of(t, K(1))))
     a, a_out = run_a(lambda: (t.write(K(2), 0, payload(K(2), N)), t.commit(K(2))))
     assert inside.wait(DEADLINE)                        # A is moving K(1)'s old file to its temp file
-    b, b_out = run_b(lambda: put(t, K(1), payload(K(1), N)))
-    b.join(0.3)
-    assert "result" not in b_out                        # the new K(1) is not renamed under A's move
-    go.set()
-    a.join(DEADLINE)
-    b.join(DEADLINE)
+    b_out = held_until_go(lambda: put(t, K(1), payload(K(1), N)), go, a)   # not renamed under A's move
     monkeypatch.undo()
     assert a_out.get("result") == "done" and b_out.get("result") == "done"
     assert file_of(t, K(2)).stat().st_ino == inode and stored(t, K(1)) and stored(t, K(2))
@@ -230,12 +225,7 @@ def test_a_delete_waits_for_the_move_of_its_parked_file_then_never_comes_back(op
     inside, go = paused_in(monkeypatch, "rename", str(file_of(t, K(1))))
     a, a_out = run_a(lambda: t.write(K(2), 0, payload(K(2), N)))
     assert inside.wait(DEADLINE)
-    b, b_out = run_b(lambda: t.forget_evicted(K(1)))
-    b.join(0.3)
-    assert "result" not in b_out                        # the delete waits while the file moves
-    go.set()
-    a.join(DEADLINE)
-    b.join(DEADLINE)
+    b_out = held_until_go(lambda: t.forget_evicted(K(1)), go, a)    # the delete waits while it moves
     monkeypatch.undo()
     assert a_out.get("result") == "done" and b_out.get("result") == "done"
     crash(t)                                            # before K(2)'s commit drops K(1)'s entry

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from nvme_support import K, block_files, disk_bytes, file_of, payload, put, read
-from test_nvme_abort_races import DEADLINE, paused_in, run_a
+from test_nvme_abort_races import DEADLINE, held_until_go, paused_in, run_a
 
 from tiers.errors import BlockExists, BlockNotStored
 
@@ -69,12 +69,7 @@ def test_the_tiers_close_waits_for_a_free_in_flight(open_nvme, monkeypatch):
     inside, go = paused_in(monkeypatch, "rename")
     th, out = run_a(lambda: t.free(K(1)))
     assert inside.wait(DEADLINE)
-    c, c_out = run_b(t.close, name="C")
-    c.join(0.2)
-    assert "result" not in c_out                        # the index stays open under the free
-    go.set()
-    th.join(DEADLINE)
-    c.join(DEADLINE)
+    c_out = held_until_go(t.close, go, th, name="C")    # the index stays open under the free
     monkeypatch.undo()
     assert out["result"] == "done" and c_out.get("result") == "done"
     t = open_nvme()
