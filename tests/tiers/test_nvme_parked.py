@@ -17,7 +17,7 @@ from nvme_support import K, block_files, disk_bytes, file_of, payload, put, read
 from test_nvme_abort_races import DEADLINE, held_until_go, paused_in, run_a
 from test_nvme_unlocked_disk_work import disk_of, run_b
 
-from tiers.errors import BlockNotStored
+from tiers.errors import BlockNotStored, MediaIOError
 
 N = 64 << 10
 
@@ -281,3 +281,53 @@ def test_a_close_racing_a_commit_into_an_evicted_blocks_file_leaves_the_index_ag
     assert a_out.get("result") is not None
     t = open_nvme()
     assert t.recovery.dropped == 0 and K(1) not in t
+
+
+def test_a_reservation_racing_the_close_is_refused_and_the_index_agrees(open_nvme, monkeypatch):
+    t = open_nvme()
+    put(t, K(1), payload(K(1), N))
+    evicted(t, K(1))
+    real, refused = t._writes.frees.drop_parked, []
+
+    def reserve_then_drop(key=None):                    # another thread reserves during the close
+        with pytest.raises(MediaIOError, match="closed"):
+            t.reserve(K(2), N)
+        refused.append(True)
+        real(key)
+    monkeypatch.setattr(t._writes.frees, "drop_parked", reserve_then_drop)
+    t.close()
+    assert refused == [True]
+    t = open_nvme()
+    assert len(t) == 0 and t.recovery.dropped == 0 and block_files(t.path) == []
+
+
+def test_a_delete_taking_a_claimed_file_leaves_its_reservation_room_and_the_capacity(open_nvme):
+    cap = 2 * disk_bytes(N)
+    t = open_nvme(capacity=cap, spare_bytes=cap)       # spare files limited on their own
+    put(t, K(1), payload(K(1), N))
+    put(t, K(2), payload(K(2), N))
+    t.evict(K(1))
+    t.reserve(K(3), N)                                  # claims K(1)'s file
+    t.forget_evicted(K(1))                              # deleted: the file goes, not to the spare files
+    put_rest(t, K(3))
+    assert stored(t, K(2)) and stored(t, K(3)) and K(1) not in t
+    assert t.used_bytes + t.spare_bytes <= cap and disk_of(t) <= cap
+
+
+def test_a_reservation_whose_claimed_file_a_delete_takes_waits_for_it_to_go(open_nvme, monkeypatch):
+    t = open_nvme()
+    put(t, K(1), payload(K(1), N))
+    evicted(t, K(1))
+    t.reserve(K(3), N)                                  # claims K(1)'s file
+    inside, go = paused_in(monkeypatch, "unlink", str(file_of(t, K(1))))
+    a, a_out = run_a(lambda: t.forget_evicted(K(1)))    # deleting it, paused
+    assert inside.wait(DEADLINE)
+    b_out = held_until_go(lambda: put_rest(t, K(3)), go, a)   # no new file while the old one goes
+    monkeypatch.undo()
+    assert a_out.get("result") == "done" and b_out.get("result") == "done"
+    assert stored(t, K(3)) and K(1) not in t
+
+
+def put_rest(t, key: bytes) -> None:
+    t.write(key, 0, payload(key, N))
+    t.commit(key)

@@ -2,29 +2,26 @@
 
 ::
 
-    reserve(key, n)      capacity counted (Space.take); nothing on disk yet
-    write(key, off, b)   first call opens the block's temp file: a spare file where it
-                         lies (spare/<n>), or a new blocks/abc/<hex>.tmp; bytes go
-                         through BlockWriter
-    commit(key)          header written; spare leftovers cut; close;
-                         rename temp -> blocks/abc/<hex>; index put
-                         (with fsync: fdatasync; close; rename; fsync folder; one
-                         synchronous index transaction for the commits in flight
-                         together: :mod:`tiers.nvme.group`)
+    reserve(key, n)      capacity counted (Space.take); an evicted block's parked file
+                         (tiers.nvme.parked) or a spare file set aside; nothing written
+    write(key, off, b)   first call opens the temp file: the parked file renamed to
+                         blocks/abc/<hex>.tmp, the spare file where it lies (spare/<n>),
+                         or a new <hex>.tmp; bytes go through BlockWriter
+    commit(key)          header written; leftovers cut; close; rename temp -> <hex>;
+                         index put (and the parked file's old entry dropped) (with
+                         fsync: fdatasync; close; rename; fsync folder; one synchronous
+                         index transaction for the commits in flight: tiers.nvme.group)
     abort(key)           temp file removed, capacity returned (while another thread writes
-                         or commits it: capacity now, the file when that I/O ends; the
-                         key stays busy, BlockExists, until then; once a commit has
-                         decided to publish the block, just before its rename, too late:
-                         the block stays)
-
-A spare file is written where it lies and renamed once, at commit, straight to the block's
-name: it carries no block's name until it holds a whole block, as a ``.tmp`` file does.
+                         or commits it: capacity now, the file when that I/O ends, the key
+                         busy until then; once a commit has decided to publish the block,
+                         just before its rename, too late: the block stays)
 
 A failure anywhere drops the reservation and its files (a renamed file too, when the
 index update failed), so a failed commit leaves nothing. A crash leaves a temp file
 (removed at the next start, or kept as a spare file) or a complete, renamed file
-(indexed from its header at the next start if the index update was lost). With fsync a block is indexed only once its
-bytes and its name are on the device, and a commit returns only once its index entry is.
+(indexed from its header at the next start if the index update was lost). With fsync a
+block is indexed only once its bytes and its name are on the device, and a commit returns
+only once its index entry is.
 """
 
 from __future__ import annotations
@@ -66,6 +63,7 @@ class Reservations:
         self.blocks_dir = os.path.join(folder, "blocks")
         self.name = name
         self.pending: dict[bytes, PendingBlock] = {}
+        self.closed = False                    # set by close(): reservations refused
         self._lock = lock
         self._index = index
         self._space = space
@@ -91,6 +89,8 @@ class Reservations:
         p = PendingBlock(key, nbytes, chunk, block_path(self.blocks_dir, key))
         with self._lock:
             self.frees.wait_locked()
+            if self.closed:
+                raise MediaIOError(f"{self.name} is closed")
             if key in self._index.entries or key in self.pending:
                 raise BlockExists(f"block {key.hex()[:16]} is already in {self.name}")
             self._space.take(p.disk, f"a block of {nbytes} bytes")
@@ -145,6 +145,8 @@ class Reservations:
             self._make_folder(folder)
             self._dirs.add(folder)
         with self._lock:
+            if p.awaits is not None:           # a file it had claimed, taken from it, moves first
+                self.frees.wait_key_locked(p.awaits)
             parked = self.parked.begin_move(p)
             spare, p.spare = p.spare, None
         if parked is not None:                 # its index entry goes with this block's commit (p.stale)
@@ -320,17 +322,9 @@ class Reservations:
             stale, p.stale = p.stale, []
             files = self._claim_locked(p)
         self._drop(shed)
-        self._drop_stale(stale)
+        self.frees.drop_stale(stale)
         if files is not None:
             self._remove(p, *files)
-
-    def _drop_stale(self, stale: list[bytes]) -> None:
-        """The index entries of evicted blocks whose files a dropped reservation took."""
-        if stale:
-            try:
-                self._index.drop_stale(stale)
-            except lmdb.Error as e:
-                log.debug("%s: stale index entries kept until the next start: %s", self.name, e)
 
     def _end_io(self, p: PendingBlock) -> None:
         """A write or commit of ``p`` ended: the last one of a dropped reservation removes
@@ -362,28 +356,26 @@ class Reservations:
             remove_files([temp])
         with self._lock:
             stale, p.stale = p.stale, []
-        self._drop_stale(stale)
+        self.frees.drop_stale(stale)
         self._writer.release(p)
         with self._lock:
             p.io -= 1
             if p.io == 0 and self.pending.get(p.key) is p:
                 del self.pending[p.key]
 
-    def discard_all(self) -> None:
-        with self._lock:
-            pending = list(self.pending.values())
-        for p in pending:
-            self.discard(p)
-
     def close(self) -> None:
         """Before the index closes: reservations dropped, parked files moved (evicted blocks do
         not come back), frees and moves in flight ended, their reservations' stale entries dropped."""
-        self.discard_all()
+        with self._lock:
+            self.closed = True
+            pending = list(self.pending.values())
+        for p in pending:
+            self.discard(p)
         self.frees.drop_parked()
         with self._lock:
             self.frees.wait_all_locked()
             stale = [k for p in self.pending.values() for k in p.stale]    # sealed ones' too
-        self._drop_stale(stale)
+        self.frees.drop_stale(stale)
 
     def io_error(self, doing: str, key: bytes, e: BaseException) -> MediaIOError:
         """The error to raise for a failed write step: DiskFull for ENOSPC/EDQUOT."""

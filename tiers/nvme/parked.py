@@ -119,6 +119,7 @@ class ParkedFiles:
             return
         owner.spare = None
         owner.parked = []
+        owner.awaits = e.key                # its writer makes no file while this one moves
         e.owner = None
         self.nbytes += e.nbytes
 
@@ -263,20 +264,30 @@ class Frees:
                     p.stale.append(spare.key)
                 self._end_locked(len(others))
 
+    def drop_stale(self, stale: list[bytes]) -> None:
+        """Delete the index entries of evicted blocks whose files a dropped reservation took."""
+        if stale:
+            try:
+                self._index.drop_stale(stale)
+            except lmdb.Error as e:
+                log.debug("stale index entries kept until the next start: %s", e)
+
     def drop_parked(self, key: bytes | None = None) -> None:
         """Move the parked file of ``key`` (None: every unclaimed one) to the spare files and
         delete its index entry, now (a deleted block's; the tier's close)."""
+        claimed = False
         with self._lock:
             if key is None:
                 others = self.parked.unclaimed()
             else:
-                e = self.parked.take(key)
-                others = [e] if e is not None else []
+                e = self.parked.files.get(key)
+                claimed = e is not None and e.owner is not None
+                others = [self.parked.take(key)] if e is not None else []
                 if e is None:                   # moving already: away (and its entry no longer used) once it ends
                     self.wait_key_locked(key)
             self.begin_locked(len(others))
-        if others:
-            self.move(None, "", others)
+        if others:                              # a claimed one is deleted: its reservation makes a file
+            self.move(None, "", others, delete=claimed)
 
 
 __all__ = ["Frees", "Parked", "ParkedFiles", "move_files"]

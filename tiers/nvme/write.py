@@ -57,7 +57,7 @@ class PendingBlock:
 
     __slots__ = ("key", "path", "size", "chunk", "header_len", "disk", "written", "fd", "reused", "sums",
                  "hasher", "fill", "stage", "tail", "file_off", "done", "written_at", "spare", "temp", "io",
-                 "dropped", "sealed", "parked", "stale")
+                 "dropped", "sealed", "parked", "stale", "awaits")
 
     def __init__(self, key: bytes, size: int, chunk: int, path: str = ""):
         self.key = key
@@ -84,6 +84,7 @@ class PendingBlock:
         self.sealed = False             # its commit is publishing it: an abort comes too late
         self.parked: list = []          # evicted blocks' files it claimed (tiers.nvme.parked)
         self.stale: list[bytes] = []    # their keys, once moved: index entries its commit drops
+        self.awaits: bytes | None = None   # the key of a claimed file taken from it (moving: wait)
 
 
 class BlockWriter:
