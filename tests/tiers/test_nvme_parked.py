@@ -48,6 +48,15 @@ def evicted(t, key: bytes) -> int:
     return inode
 
 
+def paused_a(monkeypatch, name: str, path: str | None, target):
+    """Run ``target`` on thread "A", paused at its first ``os.<name>`` (on ``path``); returns
+    once it is there: (thread, its result dict, the event that releases it)."""
+    inside, go = paused_in(monkeypatch, name, path)
+    a, a_out = run_a(target)
+    assert inside.wait(DEADLINE)
+    return a, a_out, go
+
+
 def test_the_next_reservation_reuses_an_evicted_blocks_file(open_nvme):
     t = open_nvme()
     put(t, K(1), payload(K(1), N))
@@ -124,9 +133,8 @@ def test_a_commit_of_a_key_waits_while_its_old_file_is_moving(open_nvme, monkeyp
     put(t, K(1), payload(K(1), N))
     inode = evicted(t, K(1))
     t.reserve(K(2), N)                                  # claims K(1)'s file
-    inside, go = paused_in(monkeypatch, "rename", str(file_of(t, K(1))))
-    a, a_out = run_a(lambda: (t.write(K(2), 0, payload(K(2), N)), t.commit(K(2))))
-    assert inside.wait(DEADLINE)                        # A is moving K(1)'s old file to its temp file
+    a, a_out, go = paused_a(monkeypatch, "rename", str(file_of(t, K(1))),   # moving K(1)'s old file
+                            lambda: (t.write(K(2), 0, payload(K(2), N)), t.commit(K(2))))
     b_out = held_until_go(lambda: put(t, K(1), payload(K(1), N)), go, a)   # not renamed under A's move
     monkeypatch.undo()
     assert a_out.get("result") == "done" and b_out.get("result") == "done"
@@ -222,9 +230,8 @@ def test_a_delete_waits_for_the_move_of_its_parked_file_then_never_comes_back(op
     put(t, K(1), payload(K(1), N))
     evicted(t, K(1))
     t.reserve(K(2), N)                                  # claims K(1)'s file
-    inside, go = paused_in(monkeypatch, "rename", str(file_of(t, K(1))))
-    a, a_out = run_a(lambda: t.write(K(2), 0, payload(K(2), N)))
-    assert inside.wait(DEADLINE)
+    a, a_out, go = paused_a(monkeypatch, "rename", str(file_of(t, K(1))),
+                            lambda: t.write(K(2), 0, payload(K(2), N)))
     b_out = held_until_go(lambda: t.forget_evicted(K(1)), go, a)    # the delete waits while it moves
     monkeypatch.undo()
     assert a_out.get("result") == "done" and b_out.get("result") == "done"
@@ -239,9 +246,8 @@ def test_a_close_during_a_write_into_an_evicted_blocks_file_leaves_the_index_agr
     put(t, K(1), payload(K(1), N))
     evicted(t, K(1))
     t.reserve(K(2), N)
-    inside, go = paused_in(monkeypatch, at, str(file_of(t, K(1))) if at == "rename" else None)
-    a, a_out = run_a(lambda: t.write(K(2), 0, payload(K(2), N)))    # moving K(1)'s file, or writing after
-    assert inside.wait(DEADLINE)
+    a, a_out, go = paused_a(monkeypatch, at, str(file_of(t, K(1))) if at == "rename" else None,
+                            lambda: t.write(K(2), 0, payload(K(2), N)))     # moving K(1)'s file, or writing after
     closed, c_out = run_b(t.close)
     closed.join(0.3 if at == "rename" else DEADLINE)    # a close waits for a move, not for a write
     go.set()
@@ -271,9 +277,8 @@ def test_a_close_racing_a_commit_into_an_evicted_blocks_file_leaves_the_index_ag
     evicted(t, K(1))
     t.reserve(K(2), N)
     t.write(K(2), 0, payload(K(2), N))                 # K(1)'s file is K(2)'s temp file
-    inside, go = paused_in(monkeypatch, "rename", str(file_of(t, K(2)) ) + ".tmp")
-    a, a_out = run_a(lambda: t.commit(K(2)))           # sealed, paused before its rename
-    assert inside.wait(DEADLINE)
+    a, a_out, go = paused_a(monkeypatch, "rename", str(file_of(t, K(2))) + ".tmp",
+                            lambda: t.commit(K(2)))                         # sealed, paused before its rename
     threading.Timer(0.3, go.set).start()
     t.close()
     a.join(DEADLINE)
@@ -319,9 +324,8 @@ def test_a_reservation_whose_claimed_file_a_delete_takes_waits_for_it_to_go(open
     put(t, K(1), payload(K(1), N))
     evicted(t, K(1))
     t.reserve(K(3), N)                                  # claims K(1)'s file
-    inside, go = paused_in(monkeypatch, "unlink", str(file_of(t, K(1))))
-    a, a_out = run_a(lambda: t.forget_evicted(K(1)))    # deleting it, paused
-    assert inside.wait(DEADLINE)
+    a, a_out, go = paused_a(monkeypatch, "unlink", str(file_of(t, K(1))),
+                            lambda: t.forget_evicted(K(1)))                 # deleting it, paused
     b_out = held_until_go(lambda: put_rest(t, K(3)), go, a)   # no new file while the old one goes
     monkeypatch.undo()
     assert a_out.get("result") == "done" and b_out.get("result") == "done"
