@@ -48,6 +48,13 @@ def evicted(t, key: bytes) -> int:
     return inode
 
 
+def claimed_by(t, key: bytes) -> None:
+    """K(1) put and evicted; ``key`` reserved, claiming K(1)'s parked file."""
+    put(t, K(1), payload(K(1), N))
+    evicted(t, K(1))
+    t.reserve(key, N)
+
+
 def paused_a(monkeypatch, name: str, path: str | None, target):
     """Run ``target`` on thread "A", paused at its first ``os.<name>`` (on ``path``); returns
     once it is there: (thread, its result dict, the event that releases it)."""
@@ -100,9 +107,7 @@ def test_a_graceful_close_or_a_delete_leaves_no_evicted_block_to_come_back(open_
 
 def test_a_crash_once_the_file_is_reused_serves_neither_block(open_nvme):
     t = open_nvme()
-    put(t, K(1), payload(K(1), N))
-    evicted(t, K(1))
-    t.reserve(K(2), N)
+    claimed_by(t, K(2))                                # K(1) evicted, its file claimed
     t.write(K(2), 0, payload(K(2), N)[: N // 2])       # K(1)'s file is K(2)'s temp file now
     assert not file_of(t, K(1)).exists()
     crash(t)
@@ -227,9 +232,7 @@ def test_a_re_put_of_an_evicted_key_too_small_for_its_file_keeps_the_capacity(op
 
 def test_a_delete_waits_for_the_move_of_its_parked_file_then_never_comes_back(open_nvme, monkeypatch):
     t = open_nvme()
-    put(t, K(1), payload(K(1), N))
-    evicted(t, K(1))
-    t.reserve(K(2), N)                                  # claims K(1)'s file
+    claimed_by(t, K(2))                                # K(1) evicted, its file claimed
     a, a_out, go = paused_a(monkeypatch, "rename", str(file_of(t, K(1))),
                             lambda: t.write(K(2), 0, payload(K(2), N)))
     b_out = held_until_go(lambda: t.forget_evicted(K(1)), go, a)    # the delete waits while it moves
@@ -243,9 +246,7 @@ def test_a_delete_waits_for_the_move_of_its_parked_file_then_never_comes_back(op
 @pytest.mark.parametrize("at", ["rename", "pwritev"])
 def test_a_close_during_a_write_into_an_evicted_blocks_file_leaves_the_index_agreeing(open_nvme, monkeypatch, at):
     t = open_nvme()
-    put(t, K(1), payload(K(1), N))
-    evicted(t, K(1))
-    t.reserve(K(2), N)
+    claimed_by(t, K(2))                                # K(1) evicted, its file claimed
     a, a_out, go = paused_a(monkeypatch, at, str(file_of(t, K(1))) if at == "rename" else None,
                             lambda: t.write(K(2), 0, payload(K(2), N)))     # moving K(1)'s file, or writing after
     closed, c_out = run_b(t.close)
@@ -273,9 +274,7 @@ def test_with_explicit_spare_bytes_the_files_stay_within_the_capacity(open_nvme)
 
 def test_a_close_racing_a_commit_into_an_evicted_blocks_file_leaves_the_index_agreeing(open_nvme, monkeypatch):
     t = open_nvme()
-    put(t, K(1), payload(K(1), N))
-    evicted(t, K(1))
-    t.reserve(K(2), N)
+    claimed_by(t, K(2))                                # K(1) evicted, its file claimed
     t.write(K(2), 0, payload(K(2), N))                 # K(1)'s file is K(2)'s temp file
     a, a_out, go = paused_a(monkeypatch, "rename", str(file_of(t, K(2))) + ".tmp",
                             lambda: t.commit(K(2)))                         # sealed, paused before its rename
@@ -321,9 +320,7 @@ def test_a_delete_taking_a_claimed_file_leaves_its_reservation_room_and_the_capa
 
 def test_a_reservation_whose_claimed_file_a_delete_takes_waits_for_it_to_go(open_nvme, monkeypatch):
     t = open_nvme()
-    put(t, K(1), payload(K(1), N))
-    evicted(t, K(1))
-    t.reserve(K(3), N)                                  # claims K(1)'s file
+    claimed_by(t, K(3))                                # K(1) evicted, its file claimed
     a, a_out, go = paused_a(monkeypatch, "unlink", str(file_of(t, K(1))),
                             lambda: t.forget_evicted(K(1)))                 # deleting it, paused
     b_out = held_until_go(lambda: put_rest(t, K(3)), go, a)   # no new file while the old one goes
