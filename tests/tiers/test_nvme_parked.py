@@ -332,3 +332,33 @@ def test_a_reservation_whose_claimed_file_a_delete_takes_waits_for_it_to_go(open
 def put_rest(t, key: bytes) -> None:
     t.write(key, 0, payload(key, N))
     t.commit(key)
+
+
+def test_an_eviction_after_the_close_frees_the_block_for_good(open_nvme):
+    t = open_nvme()
+    put(t, K(1), payload(K(1), N))
+    t.close()
+    t.evict(K(1))                                       # nothing would move a parked file now
+    t = open_nvme()
+    assert K(1) not in t and t.recovery.adopted == 0
+
+
+def test_a_reservation_whose_file_its_key_took_back_does_not_wait_on_later_moves(open_nvme, monkeypatch):
+    t = open_nvme()
+    for i in (2, 1):
+        put(t, K(i), payload(K(i), N))
+    for i in (2, 1):
+        t.evict(K(i))
+    t.reserve(K(500), N)                                # claims K(1)'s file
+    t.reserve(K(1), N)                                  # takes it back; K(500) gets K(2)'s
+    put_rest(t, K(1))
+    t.evict(K(1))
+    a, a_out, go = paused_a(monkeypatch, "rename", str(file_of(t, K(1))),
+                            lambda: t.forget_evicted(K(1)))                 # an unrelated delete, paused
+    b, b_out = run_b(lambda: put_rest(t, K(500)))
+    b.join(DEADLINE)
+    assert b_out.get("result") == "done"                # did not wait for it
+    go.set()
+    a.join(DEADLINE)
+    monkeypatch.undo()
+    assert a_out.get("result") == "done" and stored(t, K(500)) and K(1) not in t

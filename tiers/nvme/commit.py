@@ -145,8 +145,7 @@ class Reservations:
             self._make_folder(folder)
             self._dirs.add(folder)
         with self._lock:
-            if p.awaits is not None:           # a file it had claimed, taken from it, moves first
-                self.frees.wait_key_locked(p.awaits)
+            self.frees.wait_taken_locked(p)    # a file it had claimed, taken from it, goes first
             parked = self.parked.begin_move(p)
             spare, p.spare = p.spare, None
         if parked is not None:                 # its index entry goes with this block's commit (p.stale)

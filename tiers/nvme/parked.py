@@ -83,9 +83,9 @@ class ParkedFiles:
             self.claim_other(p)
             return None, None
         robbed = own.owner
-        self._unclaim(own)
         if own.nbytes > p.disk:
-            return self.take(p.key), robbed
+            return self.take(p.key), robbed     # deleted: the robbed reservation waits for that
+        self._unclaim(own)
         self._give(own, p)
         return None, robbed
 
@@ -119,7 +119,6 @@ class ParkedFiles:
             return
         owner.spare = None
         owner.parked = []
-        owner.awaits = e.key                # its writer makes no file while this one moves
         e.owner = None
         self.nbytes += e.nbytes
 
@@ -156,6 +155,8 @@ class ParkedFiles:
         e = self.files.get(key)
         if e is None:
             return None
+        if e.owner is not None:             # its writer makes no file until this one is gone
+            e.owner.awaits = key
         self._unclaim(e)
         del self.files[key]
         self.nbytes -= e.nbytes
@@ -238,6 +239,13 @@ class Frees:
         """Wait (under the lock, dropped meanwhile) until no free is moving a file."""
         while self._count:
             self._ended.wait()
+
+    def wait_taken_locked(self, p: Any) -> None:
+        """Wait until no file taken from reservation ``p`` (``p.awaits``) is moving, however often
+        it is robbed meanwhile."""
+        while p.awaits is not None and p.awaits in self.parked.moving:
+            self._ended.wait()
+        p.awaits = None
 
     def wait_key_locked(self, key: bytes) -> None:
         """Wait until no parked file of ``key`` is moving (its name is about to be reused)."""

@@ -358,10 +358,13 @@ class NVMeTier(Tier):
         before that brings the block back at the next start; a graceful close does not.
         Raises BlockNotStored."""
         with self._lock:
-            entry = self._entry(key)
-            self._headers.drop(key)
-            self._folder.forget(key, entry)
-            self._folder.parked.park(key, self._file(key), entry.file_bytes)
+            if not self._closed:                # closed: nothing would move it; freed instead
+                entry = self._entry(key)
+                self._headers.drop(key)
+                self._folder.forget(key, entry)
+                self._folder.parked.park(key, self._file(key), entry.file_bytes)
+                return
+        self.free(key)
 
     def forget_evicted(self, key: bytes) -> None:
         """A deleted block's parked file (if :meth:`evict` left one) goes now, with its index entry."""
