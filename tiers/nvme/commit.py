@@ -312,7 +312,7 @@ class Reservations:
             if self.pending.get(p.key) is p and not p.dropped:
                 self._space.give(p.disk)
             p.dropped = True
-            if p.parked:                        # never moved: it stays parked
+            if p.parked is not None:            # never moved: it stays parked
                 self.parked.release(p)
             spare, p.spare = p.spare, None
             if spare is not None:               # never moved: back among the spare files

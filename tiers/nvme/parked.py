@@ -9,13 +9,12 @@ the file: it keeps its name and its index entry on disk. The next reservation cl
 as its spare file (:meth:`ParkedFiles.claim`); that reservation's writer thread, holding
 no lock, renames it to the reservation's temp file before it writes a byte, and its commit
 drops the evicted block's index entry in the same transaction as its own. Parked files no
-reservation claims (more evicted than written, or sizes that do not fit) are moved to the
-spare files by the next writer thread or the tier's close, and deleted by a reservation
-that needs their room (capacity, or a full disk): parked files count beside the blocks,
-like spare files.
+reservation claims (more evicted than written, or sizes that do not fit) stay parked,
+counted beside the blocks like spare files: a reservation that needs their room (capacity,
+or a full disk) deletes them, and the tier's close moves them to the spare files.
 
-The cost: a crash while a file is parked (until the next write, a few milliseconds under
-load; never after a graceful close) brings its block back at the next start, whole and
+The cost: a crash while a file is parked (until a reservation claims it, a few
+milliseconds under load for a file of the size being written; never after a graceful close) brings its block back at the next start, whole and
 verified like any block. A deleted block never comes back: deleting a key also moves its
 parked file, or waits for its move (:meth:`tiers.nvme.tier.NVMeTier.forget_evicted`).
 
@@ -61,19 +60,13 @@ class ParkedFiles:
         self.nbytes = 0
         self.moving: set[bytes] = set()
 
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.files
-
     def park(self, key: bytes, path: str, nbytes: int) -> None:
         self.files[key] = Parked(key, path, nbytes)
         self.nbytes += nbytes
 
     def claim(self, p: Any) -> tuple[Parked | None, Any]:
         """Give reservation ``p`` a parked file no larger than ``p.disk`` as its spare file
-        (``p.spare``, and ``p.parked``): the parked file of its own key, taken from any
+        (``p.spare``; ``p.parked`` is its :class:`Parked`): the parked file of its own key, taken from any
         reservation that claimed it (its name is about to be this block's), else the most
         recently parked one that fits. Returns the parked file of its own key when it is too
         large to reuse (out of the parked files and moving, for the caller to delete now),
@@ -100,17 +93,18 @@ class ParkedFiles:
 
     def _give(self, e: Parked, p: Any) -> None:
         e.owner = p
-        p.parked = [e]
+        p.parked = e
         p.spare = (e.path, e.nbytes)
         self.nbytes -= e.nbytes
 
     def release(self, p: Any) -> None:
         """Reservation ``p`` was dropped before it moved its parked file (its spare): the file
         stays parked, unclaimed."""
-        for e in p.parked:
+        e = p.parked
+        if e is not None:
             e.owner = None
             self.nbytes += e.nbytes
-        p.parked = []
+        p.parked = None
         p.spare = None
 
     def _unclaim(self, e: Parked) -> None:
@@ -118,17 +112,17 @@ class ParkedFiles:
         if owner is None:
             return
         owner.spare = None
-        owner.parked = []
+        owner.parked = None
         e.owner = None
         self.nbytes += e.nbytes
 
     def begin_move(self, p: Any) -> Parked | None:
         """``p``'s parked spare file (its temp file to be), out of the parked files and into
         :attr:`moving` (``p.parked`` and ``p.spare`` cleared), or None when it has none."""
-        if not p.parked:
+        e = p.parked
+        if e is None:
             return None
-        e = p.parked.pop()
-        p.spare = None
+        p.parked = p.spare = None
         del self.files[e.key]
         self.moving.add(e.key)
         return e

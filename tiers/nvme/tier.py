@@ -187,7 +187,7 @@ class NVMeTier(Tier):
 
     @property
     def spare_bytes(self) -> int:
-        """Bytes (at most) in spare files: on disk, but outside :attr:`used_bytes`."""
+        """Bytes (at most) in spare and parked files: on disk, but outside :attr:`used_bytes`."""
         return self._folder.spare_bytes
 
     def __contains__(self, key: bytes) -> bool:

@@ -82,7 +82,7 @@ class PendingBlock:
         self.io = 0                     # threads writing or committing it now
         self.dropped = False            # aborted: its files go when ``io`` is back to 0
         self.sealed = False             # its commit is publishing it: an abort comes too late
-        self.parked: list = []          # evicted blocks' files it claimed (tiers.nvme.parked)
+        self.parked = None              # the evicted block's file it claimed (tiers.nvme.parked.Parked)
         self.stale: list[bytes] = []    # their keys, once moved: index entries its commit drops
         self.awaits: bytes | None = None   # the key of a claimed file taken from it (moving: wait)
 
