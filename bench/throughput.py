@@ -16,6 +16,14 @@ limits
     generic byte messages (a client stream for put, a server stream for get), distinct
     payloads held in memory like the blocks; on the unix socket, and on 127.0.0.1 as the
     limit of ``gRPC TCP``;
+and, beside them, the least work a store adds to those, as limits of what it does per block:
+  - ``file per block``: each block written O_DIRECT over a file kept from the previous
+    round, then renamed to its block's name, a few threads, one fsync of the folder (what a
+    put into a full tier of block files asks of the file system, before checksums and index);
+  - ``raw gRPC with the copies``: the same streams with one copy per block on each side, in
+    and out of memory (a put copies its buffer into the message and the server copies the
+    message into its memory; a get the other way round), as ``put_from`` / ``get_into``
+    over gRPC do at the least;
 kvstore, daemon in a separate process (``kvstore serve``):
   - ``zero-copy``: same node, ``put_from`` / ``get_into`` through the shared host arena
     (leases as control frames on the arena session); ``zero-copy gRPC ctl``: the same with
@@ -50,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -81,9 +90,37 @@ def source(request, context):
         HELD[size, count] = [bytes([i % 251 + 1]) * size for i in range(count)]
     yield from HELD[size, count]
 
+STORED = {}
+
+def sink_copy(request_iterator, context):
+    # each message copied into memory held by the server, as a store copies a put into its tier
+    n = 0
+    for chunk in request_iterator:
+        size = len(chunk)
+        if STORED.get("size") != size:
+            STORED.clear()
+            STORED["size"], STORED["mem"] = size, bytearray(size * 64)
+        mem = STORED["mem"]
+        slot = (n // size) % 64 * size
+        mem[slot:slot + size] = chunk
+        n += size
+    return n.to_bytes(8, "little")
+
+def source_copy(request, context):
+    # each payload copied out of memory into its message, as a store copies a block into a frame
+    size = int.from_bytes(request[:8], "little")
+    count = int.from_bytes(request[8:16], "little")
+    if (size, count) not in HELD:
+        HELD.clear()
+        HELD[size, count] = [bytes([i % 251 + 1]) * size for i in range(count)]
+    for payload in HELD[size, count]:
+        yield bytes(memoryview(payload))
+
 handlers = {
     "Sink": grpc.stream_unary_rpc_method_handler(sink),
     "Source": grpc.unary_stream_rpc_method_handler(source),
+    "SinkCopy": grpc.stream_unary_rpc_method_handler(sink_copy),
+    "SourceCopy": grpc.unary_stream_rpc_method_handler(source_copy),
 }
 opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 server = grpc.server(futures.ThreadPoolExecutor(4), options=opts)
@@ -151,6 +188,67 @@ class RawFile:
         self.path.unlink()
 
 
+class BlockFiles:
+    """Raw writes of one file per block, as a store of content-addressed block files makes
+    them: each block written O_DIRECT over a file kept from an earlier round (as an
+    evicted block's file is reused), then renamed to its block's name; ``workers`` threads
+    (one per core, at most 4), one fsync of the folder at the end. The least a put into a
+    full tier of block files asks of this file system, before any checksum or index."""
+
+    def __init__(self, folder: pathlib.Path, size: int, count: int):
+        self.size, self.count = size, count
+        self.aligned = (size + 4095) // 4096 * 4096
+        self.workers = max(1, min(4, os.cpu_count() or 1))
+        self.folder = folder / "block-files"
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.names = [self.folder / "a", self.folder / "b"]
+        for d in self.names:
+            d.mkdir(parents=True)
+        self.bufs = [mmap.mmap(-1, self.aligned) for _ in range(self.workers)]
+        for b in self.bufs:
+            b.write(b"\x02" * self.aligned)
+        self.flags = os.O_WRONLY | getattr(os, "O_DIRECT", 0)
+        try:
+            self._fill(0, self.names[0], os.O_CREAT)
+        except OSError:                              # no O_DIRECT here: buffered
+            self.flags = os.O_WRONLY
+            self._fill(0, self.names[0], os.O_CREAT)
+        for w in range(1, self.workers):
+            self._fill(w, self.names[0], os.O_CREAT)
+        self.round = 0
+        self.pool = ThreadPoolExecutor(self.workers)
+
+    def _fill(self, worker: int, into: pathlib.Path, extra: int = 0, moved_to: pathlib.Path | None = None) -> None:
+        buf = memoryview(self.bufs[worker])
+        for i in range(worker, self.count, self.workers):
+            path = into / f"{i:08x}"
+            fd = os.open(path, self.flags | extra, 0o600)
+            try:
+                os.pwrite(fd, buf, 0)
+            finally:
+                os.close(fd)
+            if moved_to is not None:
+                os.rename(path, moved_to / f"{i:08x}")
+        buf.release()
+
+    def write(self) -> None:
+        old, new = self.names[self.round % 2], self.names[(self.round + 1) % 2]
+        self.round += 1
+        for f in [self.pool.submit(self._fill, w, old, 0, new) for w in range(self.workers)]:
+            f.result()
+        fd = os.open(new, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for b in self.bufs:
+            b.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def start(cmd: list[str], ready_line: str) -> tuple[subprocess.Popen, str]:
     """Start ``cmd``; returns the process and its first output line containing ``ready_line``."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -167,15 +265,29 @@ def echo_calls(address: str, size: int, count: int):
     ch = grpc.insecure_channel(address, options=opts)
     grpc.channel_ready_future(ch).result(timeout=30)
     sink, source = ch.stream_unary("/bench.Echo/Sink"), ch.unary_stream("/bench.Echo/Source")
+    sink_copy, source_copy = ch.stream_unary("/bench.Echo/SinkCopy"), ch.unary_stream("/bench.Echo/SourceCopy")
     payloads = [bytes([i % 251 + 3]) * size for i in range(count)]     # distinct, as the blocks put
+    src = np.random.default_rng(1).integers(0, 256, (count, size), dtype=np.uint8)
+    out = np.empty((count, size), dtype=np.uint8)
+    ask = size.to_bytes(8, "little") + count.to_bytes(8, "little")
 
     def put():
         assert int.from_bytes(sink(iter(payloads)), "little") == size * count
 
     def get():
-        assert sum(len(c) for c in source(size.to_bytes(8, "little") + count.to_bytes(8, "little"))) == size * count
+        assert sum(len(c) for c in source(ask)) == size * count
+
+    def put_copies():                   # one copy per block on each side, as put_from by gRPC
+        assert int.from_bytes(sink_copy(src[i].tobytes() for i in range(count)), "little") == size * count
+
+    def get_copies():                   # one copy per block on each side, as get_into by gRPC
+        n = 0
+        for n, message in enumerate(source_copy(ask), 1):
+            out[n - 1] = np.frombuffer(message, dtype=np.uint8)
+        assert n == count
+    get_copies.out = out
     get()                                                 # the server makes its payloads
-    return put, get, ch
+    return put, get, put_copies, get_copies, ch
 
 
 class Daemon:
@@ -285,8 +397,9 @@ def main() -> int:
             label = f"{batch}x{format_size(size)}" if batch else format_size(size)
             print(f"measuring {label} blocks x {count} ...", file=sys.stderr, flush=True)
             raw = RawFile(folder, size, count)
-            e_put, e_get, ch = echo_calls(f"unix:{echo_sock}", size, count)
-            et_put, et_get, ch_tcp = echo_calls(echo_tcp_address, size, count)
+            files = BlockFiles(folder, size, count)
+            e_put, e_get, e_put_cp, e_get_cp, ch = echo_calls(f"unix:{echo_sock}", size, count)
+            et_put, et_get, et_put_cp, et_get_cp, ch_tcp = echo_calls(echo_tcp_address, size, count)
             copy = memcpy_stream(size * count)
             paths = {
                 "zero-copy": lambda: kv_calls(daemons["unix"].address, size, count, True, "z", False),
@@ -312,10 +425,15 @@ def main() -> int:
                 note("file read", timed(raw.read))
                 raw.fresh()
                 note("file write new", timed(raw.write))
+                note("file per block", timed(files.write))
                 note("raw gRPC put", timed(e_put))
                 note("raw gRPC get", timed(e_get))
                 note("raw gRPC TCP put", timed(et_put))
                 note("raw gRPC TCP get", timed(et_get))
+                note("raw gRPC put copies", timed(e_put_cp))
+                note("raw gRPC get copies", timed(e_get_cp))
+                note("raw gRPC TCP put copies", timed(et_put_cp))
+                note("raw gRPC TCP get copies", timed(et_get_cp))
                 for name, (put, get, fresh, _) in paths.items():
                     note(f"{name} put", timed(put))
                     note(f"{name} get", fresh() if fresh else timed(get))
@@ -336,6 +454,7 @@ def main() -> int:
             rows.append((label, raw.mode, rates, lat))
             print(f"  load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
             raw.close()
+            files.close()
             ch.close()
             ch_tcp.close()
             for *_, c in paths.values():
@@ -360,6 +479,12 @@ def report(rows) -> None:
         print(f"{label:>14} {r['memcpy']:8.2f} {r['file write']:8.2f} {r['file write new']:8.2f} "
               f"{r['file read']:8.2f} {mode:>9} {r['raw gRPC put']:9.2f} {r['raw gRPC get']:9.2f} "
               f"{r['raw gRPC TCP put']:8.2f} {r['raw gRPC TCP get']:8.2f}")
+    print("\n... and with the least work a store adds (GB/s): a file per block (written over a kept file,"
+          "\nrenamed into place); raw gRPC with one copy per block on each side (in and out of memory):")
+    print(f"{'block':>14} {'file/blk':>8} {'gRPC put':>9} {'gRPC get':>9} {'TCP put':>8} {'TCP get':>8}")
+    for label, _, r, _ in rows:
+        print(f"{label:>14} {r['file per block']:8.2f} {r['raw gRPC put copies']:9.2f} "
+              f"{r['raw gRPC get copies']:9.2f} {r['raw gRPC TCP put copies']:8.2f} {r['raw gRPC TCP get copies']:8.2f}")
     print("\nkvstore, daemon in its own process (GB/s, and the ratio to the limit it is held to):")
     print(f"{'block':>14} {'path':>18} {'put':>7} {'get':>7}   {'put ratio':>18} {'get ratio':>18}")
     for label, _, r, lat in rows:
@@ -375,7 +500,12 @@ def report(rows) -> None:
             print(f"{label:>14} {name:>18} {p:7.2f} {g:7.2f}   {p / r[ref[0]]:7.2f}x {ref_name:>9} "
                   f"{g / r[ref[1]]:7.2f}x {ref_name:>9}")
             if name.startswith("NVMe"):
-                print(f"{label:>14} {name:>16} put {p / r['file write new']:.2f}x a write into new space")
+                print(f"{label:>14} {name:>18} put {p / r['file write new']:.2f}x a write into new space, "
+                      f"{p / r['file per block']:.2f}x a file per block")
+            elif name.startswith("gRPC"):
+                raw_name = "raw gRPC TCP" if name.endswith("TCP") else "raw gRPC"
+                print(f"{label:>14} {name:>18} put {p / r[raw_name + ' put copies']:.2f}x, get "
+                      f"{g / r[raw_name + ' get copies']:.2f}x {raw_name} with the copies")
         if lat:
             print(f"{label:>14} {'lookup+get_into':>16} p50 {lat[0]:.2f} ms, p99 {lat[1]:.2f} ms (one batch)")
 
