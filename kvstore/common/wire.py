@@ -99,12 +99,12 @@ def decode(frame: bytes | memoryview) -> list[Record]:
     if start > len(view):
         raise FrameError(f"frame of {len(view)} bytes cannot hold {count} records")
     recs = np.frombuffer(view, dtype=RECORD_DTYPE, count=count, offset=HEADER.size)
-    lengths = recs["length"].astype(np.int64)
-    if int(lengths.sum()) != len(view) - start:
-        raise FrameError(f"frame payload is {len(view) - start} bytes, records say {int(lengths.sum())}")
+    lengths = recs["length"].tolist()           # Python ints: no 64-bit wrap in the sum
+    if sum(lengths) != len(view) - start:
+        raise FrameError(f"frame payload is {len(view) - start} bytes, records say {sum(lengths)}")
     out: list[Record] = []
     pos = start
-    for rec, n in zip(recs.tolist(), lengths.tolist()):
+    for rec, n in zip(recs.tolist(), lengths):
         key, flags, tier, _, _, total, offset, _ = rec
         if len(key) < 32:                       # numpy strips trailing NUL bytes of S32
             key = key.ljust(32, b"\0")

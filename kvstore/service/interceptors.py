@@ -49,12 +49,14 @@ def well_formed(request):
 
 def abort_call(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     """End the call of handler ``method`` with the status code of ``exc``
-    (:func:`kvstore.common.status.code_for`; INTERNAL failures are logged with their trace)."""
+    (:func:`kvstore.common.status.code_for`; INTERNAL failures are logged with their trace).
+    Always raises: ``context.abort``'s exception, or ``exc`` itself when it is grpc's own
+    RpcError (the transport ended the call: grpc finishes it without logging a failure)."""
     if isinstance(exc, grpc.RpcError):
         # the call already failed in the transport (a client message over the size limit,
         # a cancelled stream): grpc has sent the status; nothing is wrong with the daemon
         log.info("%s: the call ended in the transport: %s", method, context.code() or "cancelled")
-        return
+        raise exc    # grpc's own error: it ends the call quietly (a None reply it would log as a failure)
     code = code_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)

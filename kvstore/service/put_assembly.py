@@ -13,7 +13,7 @@ counted (``size_conflicts``, first writer wins); blocks no tier admits are count
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.common.errors import InvalidRequest, SizeConflict
@@ -52,6 +52,8 @@ class PutAssembler:
         self._skip_key: bytes | None = None
         self._skip_left = 0
         self._meta: tuple[bytes, object] | None = None   # (client key, BlockMeta) for the next block
+        self._laid: tuple[bytes, int, int] | None = None  # (client key, end, total): the block
+        # the messages checked so far (:meth:`check_message`) leave unfinished
 
     def __enter__(self) -> "PutAssembler":
         return self
@@ -60,6 +62,35 @@ class PutAssembler:
         if self._open is not None:
             self.m.abort_put(self._open.pending)
             self._open = None
+
+    def check_message(self, pieces: Iterable[tuple[bytes, int, int, int]], *, whole: bool = False) -> None:
+        """Check one message's layout before any of its chunks reserves room:
+        ``pieces`` are its chunks' ``(client key, total_size, offset, length)`` in order.
+        Each block's chunks must follow one another from offset 0 up to its total size, and
+        only the last block of a message may go on in the next one (``whole``: none may,
+        the message is the whole put). A block the message cannot finish would otherwise
+        reserve room, evicting other blocks, for bytes that never come.
+
+        Raises InvalidRequest naming the first block out of place; nothing of the message
+        is stored then. What is left unfinished is remembered for the next message."""
+        laid = self._laid
+        for key, total, offset, n in pieces:
+            if laid is not None and key == laid[0] and offset == laid[1] and total == laid[2]:
+                end = offset + n                       # the block goes on
+            else:
+                if laid is not None:
+                    raise InvalidRequest(f"block {laid[0].hex()[:16]} ends after {laid[1]} of its "
+                                         f"{laid[2]} bytes")
+                if offset != 0:
+                    raise InvalidRequest(f"first chunk of block {key.hex()[:16]} starts at offset "
+                                         f"{offset}, not 0")
+                end = n
+            if end > total:
+                raise InvalidRequest(f"block {key.hex()[:16]}: {end} bytes of data for total_size {total}")
+            laid = (key, end, total) if end < total else None
+        if whole and laid is not None:
+            raise InvalidRequest(f"the put ends inside block {laid[0].hex()[:16]} ({laid[1]} of {laid[2]} bytes)")
+        self._laid = laid
 
     def meta(self, client_key: bytes, meta) -> None:
         """The next block's :class:`kvstore.common.types.BlockMeta` (for its KV events)."""

@@ -59,8 +59,17 @@ DATA_METHODS = ("Get", "Put", "PutInline")
 (with ``GetRaw`` and ``PutRaw``), so the other threads stay free for control calls."""
 HINT_METHODS = ("ToolCallStart", "Resume", "SessionHint", "Explain")
 """Advice (and a diagnosis): on threads of their own, so a flood never holds Lookup or Lease."""
+MIN_CHUNK_BYTES = 4096
+"""A Get's ``max_chunk_bytes`` below this is raised to it: each message costs the daemon tens
+of microseconds whatever it holds, so 1-byte chunks made a block's get cost that per byte."""
 DEFAULT_LEASE_TTL_S = 30.0
 """``[server] lease_ttl_s``'s default: the longest lease or reservation granted (seconds)."""
+
+
+def _pieces(chunks) -> Iterator[tuple[bytes, int, int, int]]:
+    """A Put message's chunks as (key, total_size, offset, length), for
+    :meth:`~kvstore.service.put_assembly.PutAssembler.check_message`."""
+    return ((c.key, c.total_size, c.offset, len(c.data)) for c in chunks)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -144,7 +153,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with self.streams.watch(context, "Put") as watch, \
                 PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
             for batch in watch.requests(request_iterator):
-                for c in check_chunk_keys(well_formed(batch).chunks):
+                asm.check_message(_pieces(check_chunk_keys(well_formed(batch).chunks)))
+                for c in batch.chunks:
                     if c.HasField("meta"):
                         asm.meta(c.key, check_meta(c.meta))
                     asm.chunk(c.key, c.total_size, c.offset, c.data)
@@ -154,7 +164,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def PutInline(self, request: pb.PutBatch, context) -> pb.PutReply:
         space = self._space(context)
         with PutAssembler(self.manager, space.internal, lambda: writer_wait_left(context)) as asm:
-            for c in check_chunk_keys(request.chunks):
+            asm.check_message(_pieces(check_chunk_keys(request.chunks)), whole=True)
+            for c in request.chunks:
                 if c.HasField("meta"):
                     asm.meta(c.key, check_meta(c.meta))
                 asm.chunk(c.key, c.total_size, c.offset, c.data)
@@ -172,6 +183,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         records = decode(frame)
                     except FrameError as e:
                         raise errors.InvalidRequest(str(e)) from None   # abort_call names the method
+                    asm.check_message((r.key, r.total, r.offset, len(r.data)) for r in records
+                                      if not r.flags & META)
                     for r in records:
                         if r.flags & META:
                             asm.meta(r.key, check_meta(decode_meta(r.data)))
@@ -191,7 +204,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ranges = check_byte_ranges((r.offset, r.length) for r in request.ranges)
         step = self.max_chunk_bytes
         if request.max_chunk_bytes:
-            step = min(step, int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1)))
+            asked = int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1))
+            step = min(step, max(asked, MIN_CHUNK_BYTES))
         # a message holds one piece and its framing: it fits the client's limit whenever
         # the client asks for pieces FRAMING_BYTES below it (kvstore.common.transport)
         limit = min(self.max_message_bytes, step + FRAMING_BYTES)
