@@ -55,6 +55,11 @@ class BlockCorrupt(MediaError):
     served; the caller drops this copy."""
 
 
+class BlockMissing(BlockCorrupt):
+    """The block's stored bytes are gone (its file deleted from under the tier): dropped as
+    a corrupt copy is, counted apart (``copies_missing``, not ``corrupt_blocks``)."""
+
+
 class MediaIOError(MediaError, OSError):
     """The medium failed: an I/O error, a timeout, a device or remote peer gone."""
 
@@ -71,4 +76,4 @@ class DiskFull(MediaIOError, NoRoom):
 
 
 __all__ = ["MediaError", "NoRoom", "BlockNotStored", "BlockExists", "InvalidAccess", "BlockCorrupt",
-           "MediaIOError", "MediaUnavailable", "DiskFull"]
+           "BlockMissing", "MediaIOError", "MediaUnavailable", "DiskFull"]

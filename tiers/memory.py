@@ -150,6 +150,20 @@ def hugetlb_free_bytes() -> int:
     return free * size if size == HUGE_PAGE_BYTES else 0
 
 
+def available_bytes() -> int | None:
+    """Bytes of memory a new allocation can have now without swapping or the kernel's
+    out-of-memory killer: ``MemAvailable`` plus the free pages of the hugetlb pool
+    (``/proc/meminfo``); None where that is not known (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 + hugetlb_free_bytes()
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _allocate_shared(nbytes: int, alignment: int, pinned: bool, name: str, huge_pages: str) -> HostBuffer:
     if alignment > mmap.PAGESIZE:
         raise ValueError(f"a shared buffer is page aligned; alignment {alignment} is larger than a page")

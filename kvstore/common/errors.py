@@ -72,6 +72,11 @@ class CorruptBlock(KVStoreError):
     """Stored bytes failed their checksum or were truncated; they are never served."""
 
 
+class CopyMissing(CorruptBlock):
+    """A stored copy's bytes are gone from its tier (a block file deleted): dropped like a
+    corrupt copy, counted in ``copies_missing``."""
+
+
 class TierIOError(KVStoreError, OSError):
     """A medium failed to read or write (I/O error, timeout, remote peer down)."""
 

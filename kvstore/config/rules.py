@@ -281,6 +281,40 @@ def _validate_services(cfg: Config) -> None:
     _within("health.window_s", cfg.health.window_s, 0, _DAY_S, unit=" seconds")
 
 
+_ANY_HOST = {"", "*", "0.0.0.0", "::", "[::]"}
+_LOOPBACK_NAMES = {"localhost": "127.0.0.1", "[::1]": "::1"}
+
+
+def _tcp_ports(cfg: Config) -> list[tuple[str, str, int]]:
+    """The daemon's own TCP listen addresses as ``(key, host, port)``; port 0 (any free
+    port) left out."""
+    found = []
+    candidates = [("server.listen", "" if cfg.server.listen.startswith("unix:") else cfg.server.listen),
+                  ("metrics.listen", cfg.metrics.listen)]
+    if cfg.events.enabled:
+        candidates += [(f"events.{k}", e[len("tcp://"):]) for k, e in
+                       (("endpoint", cfg.events.endpoint), ("replay_endpoint", cfg.events.replay_endpoint))
+                       if e.startswith("tcp://")]
+    for key, address in candidates:
+        host, sep, port = address.rpartition(":")
+        if sep and port.isdigit() and int(port):
+            host = host.lower()
+            found.append((key, _LOOPBACK_NAMES.get(host, host), int(port)))
+    return found
+
+
+def _validate_ports(cfg: Config) -> None:
+    """Two of the daemon's own listen addresses on one port (a host one of them also
+    covers) is refused here, naming both keys: at bind time the second looked like another
+    daemon's."""
+    seen: list[tuple[str, str, int]] = []
+    for key, host, port in _tcp_ports(cfg):
+        for other, other_host, other_port in seen:
+            if port == other_port and (host == other_host or host in _ANY_HOST or other_host in _ANY_HOST):
+                raise ConfigError(f"{key}: port {port} is {other}'s too: give each listen address its own port")
+        seen.append((key, host, port))
+
+
 def validate(cfg: Config) -> Config:
     """Check every rule above; raise ConfigError naming the key. Returns ``cfg``."""
     _validate_server(cfg.server)
@@ -299,6 +333,7 @@ def validate(cfg: Config) -> Config:
                           "waiting for another writer would be cancelled as idle instead of told WriteConflict")
     _within("store.stop_persist_s", st.stop_persist_s, 0, _DAY_S, unit=" seconds")
     _validate_services(cfg)
+    _validate_ports(cfg)
     _validate_prefetch(cfg.prefetch)
     for i, endpoint in enumerate(cfg.engines.kv_events):
         if not endpoint.startswith(ENGINE_EVENT_SCHEMES) or endpoint.partition("://")[2] == "":

@@ -76,6 +76,17 @@ def cluster_options(r: RemoteConfig) -> ClusterOptions | None:
                           publish_backlog=r.publish_backlog, chunk_bytes=r.page_in_chunk)
 
 
+def check_host_memory(capacity: int) -> None:
+    """Refuse a host tier larger than the memory the machine has free now: its arena is
+    populated when it is made, so such a tier got the daemon (or a process beside it)
+    killed by the kernel's out-of-memory killer instead of a message. Raises ConfigError."""
+    from tiers.memory import available_bytes
+    free = available_bytes()
+    if free is not None and capacity > free:
+        raise ConfigError(f"tiers.host.capacity: {format_size(capacity)} of host memory asked, but this machine "
+                          f"has {format_size(free)} available now (MemAvailable); lower it")
+
+
 def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
     """Concrete tiers from the config, fastest first, as ``(config_name, tier)`` pairs.
 
@@ -95,6 +106,7 @@ def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:
             pinned = {"auto": has_gpu, "true": True, "false": False}[t.host.pinned]
             if pinned and not has_gpu:
                 raise ConfigError("tiers.host.pinned = true needs a CUDA GPU")
+            check_host_memory(t.host.capacity)
             try:
                 out.append(("host", HostTier(t.host.capacity, pinned=pinned, shared=t.host.shared,
                                              huge_pages=t.host.huge_pages, block_table=t.host.block_table)))

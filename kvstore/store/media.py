@@ -35,6 +35,7 @@ from tiers.base import check_ranges as _check_ranges
 
 from kvstore.common.errors import (
     BlockNotFound,
+    CopyMissing,
     CorruptBlock,
     InvalidRequest,
     KVStoreError,
@@ -46,6 +47,7 @@ from kvstore.common.errors import (
 _TABLE: tuple[tuple[type[terr.MediaError], type[KVStoreError]], ...] = (
     (terr.NoRoom, TierFull),                 # first: DiskFull is a NoRoom and a MediaIOError
     (terr.InvalidAccess, InvalidRequest),
+    (terr.BlockMissing, CopyMissing),        # before its parent, BlockCorrupt
     (terr.BlockCorrupt, CorruptBlock),
     (terr.BlockNotStored, BlockNotFound),
     (terr.BlockExists, WriteConflict),

@@ -22,7 +22,7 @@ import numpy as np
 from tiers.base import ByteRanges, TierKind
 
 from kvstore.cluster.cluster import Cluster
-from kvstore.common.errors import BlockNotFound, CorruptBlock, TierIOError
+from kvstore.common.errors import BlockNotFound, CopyMissing, CorruptBlock, TierIOError
 from kvstore.common.types import KEY_BYTES, GetResult, LookupResult
 from kvstore.store.catalogue import Catalogue, Entry
 from kvstore.store.counters import Counters
@@ -235,7 +235,7 @@ class BlockReader:
                 failed = (failed or []) + [i]
                 continue
             except (CorruptBlock, BlockNotFound) as e:
-                corrupt = isinstance(e, CorruptBlock)
+                corrupt = isinstance(e, CorruptBlock) and not isinstance(e, CopyMissing)
                 log.warning("dropping %s copy of block %s: %s", tier.name, entry.key.hex()[:16], e)
                 m.counters.inc("corrupt_blocks" if corrupt else "copies_missing")
                 with m.catalogue.lock:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvstore.common.errors import BlockNotFound, CorruptBlock, KVStoreError, TierIOError
+from kvstore.common.errors import BlockNotFound, CopyMissing, CorruptBlock, KVStoreError, TierIOError
 from kvstore.policy import EvictionPolicy
 from kvstore.store.catalogue import Catalogue, Entry
 from kvstore.store.counters import Counters
@@ -222,9 +222,10 @@ class Transfers:
         nothing (kept, ``read_errors``)."""
         entry = t.entry
         if isinstance(err, CorruptBlock) and t.src in entry.tiers:
+            missing = isinstance(err, CopyMissing)
             log.warning("dropping %s copy of block %s: %s", self.tiers[t.src].name, t.key.hex()[:16], err)
-            self.counters.inc("corrupt_blocks")
-            self.placement.drop_copy(entry, t.src, "corrupt")
+            self.counters.inc("copies_missing" if missing else "corrupt_blocks")
+            self.placement.drop_copy(entry, t.src, "missing" if missing else "corrupt")
         elif isinstance(err, TierIOError):
             self.counters.inc("read_errors")
 

@@ -171,3 +171,25 @@ def test_metrics_and_events_ports_spelt_another_way_are_refused(tmp_path, sectio
                                                         "the port is in use")):
             d = start_server(daemon_config(tmp_path, host="4MiB", nvme=None, extra=extra))
             d.stop(0)
+
+
+@pytest.mark.parametrize("server, metrics, events, clash", [
+    ("127.0.0.1:50101", "127.0.0.1:50101", None, "metrics.listen: port 50101 is server.listen's too"),
+    ("localhost:50102", "127.0.0.1:50102", None, "metrics.listen: port 50102 is server.listen's too"),
+    ("127.0.0.1:50103", "0.0.0.0:50103", None, "metrics.listen: port 50103 is server.listen's too"),
+    ("unix:kv.sock", "127.0.0.1:50104", "tcp://*:50104", "events.endpoint: port 50104 is metrics.listen's too"),
+    ("127.0.0.1:50105", "", "tcp://127.0.0.1:50105", "events.endpoint: port 50105 is server.listen's too"),
+])
+def test_the_config_giving_one_port_twice_is_refused_naming_both_keys(server, metrics, events, clash):
+    data = {"server": {"listen": server, "auth_token": "t" * 32}, "metrics": {"listen": metrics}}
+    if events:
+        data["events"] = {"enabled": True, "endpoint": events}
+    with pytest.raises(ConfigError, match=re.escape(clash)):
+        config.from_dict(data)
+
+
+def test_listen_addresses_on_other_ports_or_hosts_are_accepted():
+    cfg = config.from_dict({"server": {"listen": "127.0.0.1:50106"}, "metrics": {"listen": "127.0.0.2:50106"},
+                            "events": {"enabled": True, "endpoint": "tcp://127.0.0.1:50107"}})
+    assert cfg.metrics.listen == "127.0.0.2:50106"
+    assert config.from_dict({"server": {"listen": "127.0.0.1:0"}, "metrics": {"listen": "127.0.0.1:0"}})

@@ -55,7 +55,7 @@ from typing import Any
 from tiers.base import Tier, TierKind
 from tiers.buffers import ByteRanges, byte_view, check_ranges, output_view
 from tiers.capabilities import NO_CAPABILITIES, Capabilities
-from tiers.errors import BlockCorrupt, BlockNotStored, InvalidAccess, MediaIOError
+from tiers.errors import BlockCorrupt, BlockMissing, BlockNotStored, InvalidAccess, MediaIOError
 from tiers.gds import gds_available, gds_info
 from tiers.nvme.commit import Reservations
 from tiers.nvme.files import BufferPool, ReadThreads
@@ -261,7 +261,7 @@ class NVMeTier(Tier):
         except OSError as e:
             self._raise_if_freed(key, entry)
             if e.errno == errno.ENOENT:
-                raise BlockCorrupt(f"{self._what(key)}: file {path} is missing") from None
+                raise BlockMissing(f"{self._what(key)}: file {path} is missing") from None
             if e.errno == errno.ELOOP:
                 raise BlockCorrupt(f"{self._what(key)}: {path} is a symbolic link") from None
             raise MediaIOError(f"{self.name}: cannot open {path}: {e}") from e
@@ -318,7 +318,7 @@ class NVMeTier(Tier):
             device.read(path, key, entry, device_buf, self._what(key))
         except FileNotFoundError:
             self._raise_if_freed(key, entry)
-            raise BlockCorrupt(f"{self._what(key)}: file {path} is missing") from None
+            raise BlockMissing(f"{self._what(key)}: file {path} is missing") from None
         except BlockCorrupt:
             self._raise_if_freed(key, entry)
             raise
