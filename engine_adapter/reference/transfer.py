@@ -53,8 +53,8 @@ class BlockStore(Protocol):
     """The store calls the adapter makes; :class:`kvstore.client.KVStoreClient` implements it.
 
     Every method raises :class:`kvstore.common.errors.KVStoreError` (e.g. ``StoreUnavailable``,
-    ``InvalidRequest`` for ranges outside a block or a buffer too small) on failure; a
-    miss is a normal result, never an exception.
+    ``InvalidRequest`` for malformed ranges or a buffer too small) on failure; a miss is a
+    normal result, never an exception (a range past a block's end makes that block a miss).
     """
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult: ...

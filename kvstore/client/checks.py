@@ -1,5 +1,6 @@
-"""What the client checks before it sends a request: the keys it lists, and that ``put``'s
-blocks are ``(key, payload)`` pairs of buffers.
+"""What the client checks before it sends a request: the keys it lists, that ``put``'s
+blocks are ``(key, payload)`` pairs of C-contiguous buffers, and the block metas of a put
+(one per block, each encodable).
 
 A block key is exactly :data:`~kvstore.common.types.KEY_BYTES` (32) bytes. The raw
 frames of ``PutRaw`` have a fixed 32-byte key field (:mod:`kvstore.common.wire`), so a
@@ -7,14 +8,21 @@ shorter key would be padded with NULs and a longer one cut: stored under another
 and two long keys sharing their first 32 bytes would collide. The client therefore
 refuses such a key before anything is sent, on every call that carries keys; the daemon
 refuses them too (``kvstore.service.validate``), for clients that do not check.
+
+Everything a put sends is checked (and its metas encoded) before the call starts: gRPC
+builds a streaming call's messages on its own thread, and an exception raised there reaches
+the caller only as ``UNKNOWN: Exception iterating requests!``, its cause lost.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.buffers import payload_view
+from kvstore.client.raw import block_meta_message
 from kvstore.common.errors import InvalidRequest
-from kvstore.common.types import KEY_BYTES
+from kvstore.common.types import KEY_BYTES, BlockMeta
 
 
 def _key_bytes(k, field: str, i: int) -> bytes:
@@ -56,15 +64,36 @@ def check_keys(keys: Sequence[bytes], field: str = "keys", limit: int | None = N
 
 
 def check_pairs(blocks: Sequence) -> Sequence:
-    """``blocks`` if every item is a ``(key, payload)`` pair whose payload is a buffer (bytes,
-    bytearray, memoryview, numpy array, ...); else InvalidRequest naming the first item that is not."""
+    """``blocks`` if every item is a ``(key, payload)`` pair whose payload is a C-contiguous
+    buffer of one dimension or more (bytes, bytearray, memoryview, numpy array, ...); else
+    InvalidRequest naming the first item that is not (:func:`kvstore.client.buffers.payload_view`:
+    a non-contiguous payload is refused, never copied)."""
     for i, item in enumerate(blocks):
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise InvalidRequest(f"put takes (key, payload) pairs; item {i} is a {type(item).__name__} "
                                  f"(for keys and buffers side by side use put_from(keys, buffers))")
-        try:
-            memoryview(item[1])
-        except TypeError:
-            raise InvalidRequest(f"the payload of item {i} is a {type(item[1]).__name__}, not bytes or "
-                                 f"another buffer") from None
+        payload_view(item[1], f"the payload of item {i}")
     return blocks
+
+
+def check_meta(meta: Sequence[BlockMeta | None] | None, n: int) -> list[pb.BlockMeta | None] | None:
+    """``meta`` (one :class:`~kvstore.common.types.BlockMeta` or None per block of a put of
+    ``n`` blocks; None: no metas) as encoded messages, None kept for a block without one.
+
+    Raises InvalidRequest for a count other than ``n`` and for an item that does not encode
+    (not a BlockMeta, or a field of the wrong type: the error is its ``__cause__``).
+    """
+    if meta is None:
+        return None
+    if isinstance(meta, (str, bytes, bytearray, memoryview, BlockMeta)):
+        raise InvalidRequest(f"meta: a list of block metas (one per block) is needed, got one {type(meta).__name__}")
+    meta = meta if isinstance(meta, (list, tuple)) else list(meta)
+    if len(meta) != n:
+        raise InvalidRequest(f"{len(meta)} block metas for {n} keys")
+    out: list[pb.BlockMeta | None] = []
+    for i, m in enumerate(meta):
+        try:
+            out.append(None if m is None else block_meta_message(m))
+        except (AttributeError, TypeError, ValueError) as e:
+            raise InvalidRequest(f"meta[{i}] is not a BlockMeta or None ({type(e).__name__}: {e})") from e
+    return out

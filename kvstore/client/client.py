@@ -36,7 +36,7 @@ from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.arena import ArenaChanged, ArenaPath
 from kvstore.client.buffers import BlockBuffers, host_view
-from kvstore.client.checks import check_keys, check_pairs
+from kvstore.client.checks import check_keys, check_meta, check_pairs
 from kvstore.common.byte_ranges import check_byte_ranges
 from kvstore.client.connection import Connection, NodeInfo
 from kvstore.client.hints import HintCalls
@@ -234,19 +234,18 @@ class KVStoreClient:
     def put_from(self, keys: Sequence[bytes], src: Any, *, sizes: Sequence[int] | int | None = None,
                  offsets: Sequence[int] | None = None, meta: Sequence[BlockMeta | None] | None = None,
                  timeout: float | None = None) -> PutResult:
-        """Store ``keys`` from ``src``: one buffer per key (numpy arrays, torch tensors on
-        CPU or CUDA, any buffer), or one buffer holding every block: in ``len(keys)``
+        """Store ``keys`` from ``src``: one C-contiguous buffer per key (numpy arrays, torch
+        tensors on CPU or CUDA, any buffer), or one holding every block: in ``len(keys)``
         equal parts (e.g. shaped ``(len(keys), block_bytes)``), or ``sizes`` bytes each,
-        back to back or at ``offsets``.
+        back to back or at ``offsets`` (sources may overlap or repeat: only read).
 
         Same node: Reserve, one copy into the shared arena, Commit; blocks the arena
         cannot take now go by gRPC. ``meta`` as in :meth:`put`. Raises as :meth:`put`.
         """
         keys = check_keys(keys)
+        meta = check_meta(meta, len(keys))
         if not keys:
             return PutResult(0, 0, 0)
-        if meta is not None and len(meta) != len(keys):
-            raise errors.InvalidRequest(f"{len(meta)} block metas for {len(keys)} keys")
         bufs = BlockBuffers(src, len(keys), writable=False, offsets=offsets, sizes=sizes)
         lengths = bufs.block_sizes()
         arena = self._arena_path.mapping(timeout)
@@ -257,17 +256,18 @@ class KVStoreClient:
 
     def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None, *,
             meta: Sequence[BlockMeta | None] | None = None) -> PutResult:
-        """Store blocks given as ``(key, payload)`` pairs (payload: any buffer).
+        """Store blocks given as ``(key, payload)`` pairs (payload: any C-contiguous buffer;
+        a non-contiguous view is refused, never copied).
 
         A block becomes visible only when all its bytes arrived. Re-putting a stored block
-        is a no-op counted in ``already_present``. ``meta``: per block, what cache-aware
-        routers index it by (published with its KV events), or None.
-        Raises InvalidRequest (bad key/size), SizeConflict (a key stored with another
-        size; the others are stored: ``.result``), TierFull, MessageTooLarge,
-        StoreUnavailable.
+        is a no-op counted in ``already_present``. ``meta``: one per block (BlockMeta or
+        None), what cache-aware routers index it by (published with its KV events), or None.
+        Raises InvalidRequest (bad key/size/payload/meta count: before anything is sent),
+        SizeConflict (a key stored with another size; the others are stored: ``.result``),
+        TierFull, MessageTooLarge, StoreUnavailable.
         """
         blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
-        keys = check_keys([k for k, _ in check_pairs(blocks)])
+        keys, meta = check_keys([k for k, _ in check_pairs(blocks)]), check_meta(meta, len(blocks))
         return self._raw_path.put(list(zip(keys, (d for _, d in blocks))), timeout, meta=meta)
 
     # -------------------------------------------------------------- get
@@ -277,23 +277,24 @@ class KVStoreClient:
                  timeout: float | None = None) -> GetIntoResult:
         """Copy blocks (or ``ranges`` of each, concatenated) straight into ``out``: one
         buffer per key, or one buffer of ``len(keys)`` equal slots (e.g. shaped
-        ``(len(keys), block_bytes)``), or one buffer with the blocks at ``offsets``.
-        Buffers: numpy arrays, torch tensors (CPU, pinned or CUDA), any writable buffer.
+        ``(len(keys), block_bytes)``), or one buffer with the blocks at ``offsets`` (a slot
+        ends at the next larger offset). Buffers: numpy arrays, torch tensors (CPU, pinned or
+        CUDA), any writable C-contiguous buffer; slots never overlap (:class:`BlockBuffers`).
 
         With ``stop_at_miss`` (the default: a prefix) copying stops at the first miss. A
-        block too short for ``ranges`` counts as a miss (its layout is not the caller's).
+        block too short for ``ranges`` (a range past its end) is a miss, not an error.
         Same node: blocks in the daemon's block table copied with no round trip, the rest
         under a lease; slots of blocks the result does not count hold unspecified bytes.
-        Raises InvalidRequest (a buffer too small, bad ranges), StoreUnavailable.
+        Raises InvalidRequest before anything is read (bad ranges; a buffer non-contiguous,
+        read-only or overlapping another; equal offsets; with ``ranges``, a slot too small),
+        or when a block's size shows its slot too small; StoreUnavailable.
         """
-        keys = check_keys(keys)
-        ranges = check_byte_ranges(ranges)
+        keys, ranges = check_keys(keys), check_byte_ranges(ranges)
         bufs = BlockBuffers(out, len(keys), writable=True, offsets=offsets)
+        bufs.check_fit(sum(n for _, n in ranges or ()))    # with ranges, every block's size is known
         arena_path = self._arena_path
         arena = arena_path.mapping(timeout)
-        sizes = [0] * len(keys)
-        codes = bytearray(len(keys))
-        start = 0
+        sizes, codes, start = [0] * len(keys), bytearray(len(keys)), 0
         for _ in range(2):
             if arena is None:
                 break
@@ -301,9 +302,7 @@ class KVStoreClient:
                 start = arena_path.lease_copy(arena, keys, bufs, ranges, stop_at_miss, sizes, codes, timeout)
                 break
             except ArenaChanged:                # the daemon restarted: its new arena, or gRPC
-                sizes[:] = [0] * len(keys)
-                codes[:] = bytes(len(keys))
-                start = 0
+                sizes[:], codes[:], start = [0] * len(keys), bytes(len(keys)), 0
                 arena = arena_path.mapping(timeout)
         if start < len(keys) and not (stop_at_miss and start and not codes[start - 1]):
             self._raw_path.copy_into(keys, bufs, ranges, stop_at_miss, sizes, codes, start, timeout)
@@ -314,9 +313,10 @@ class KVStoreClient:
     def get(self, keys: Sequence[bytes], ranges: Sequence[tuple[int, int]] | None = None,
             stop_at_miss: bool = False, timeout: float | None = None) -> list[GetResult]:
         """Fetch blocks (or ``ranges`` of each, concatenated) as new bytes. One result per
-        key, in order (with ``stop_at_miss`` the list ends at the first miss, included).
+        key, in order (with ``stop_at_miss`` the list ends at the first miss, included); a
+        block too short for ``ranges`` (a range past its end) is a miss, not an error.
 
-        Raises InvalidRequest (bad key length, range outside a block), StoreUnavailable.
+        Raises InvalidRequest (bad key length, bad ranges: ``check_byte_ranges``), StoreUnavailable.
         """
         return self._raw_path.get(check_keys(keys), check_byte_ranges(ranges), stop_at_miss, timeout)
 

@@ -81,7 +81,8 @@ class ReadStage:
         out: where the blocks go: one host buffer per key, or one buffer of ``len(keys)``
             equal slots (e.g. shaped ``(len(keys), stage_bytes)``), or one buffer with block
             ``i`` at byte ``offsets[i]`` (numpy arrays, CPU torch tensors, any writable buffer).
-        offsets: with one buffer, each block's byte offset in it; None: equal slots.
+        offsets: with one buffer, each block's byte offset in it (a block's slot ends at the
+            next larger offset; two equal offsets are refused); None: equal slots.
     """
 
     ranges: Sequence[tuple[int, int]]
@@ -118,7 +119,8 @@ class LeasedRead:
         notes_waiting: have queued block-table notes sent (the client's background
             release); None: the block table is not read, every block is leased.
     Raises InvalidRequest (a key that is not 32 bytes, no stages, a stage without ranges,
-    a buffer too small for a stage's bytes).
+    a buffer too small for a stage's bytes; a stage's buffers that are not C-contiguous or
+    overlap, two equal offsets: :class:`~kvstore.client.buffers.BlockBuffers`).
 
     Attributes (after :meth:`run`): ``sizes[s][i]``, the bytes of stage ``s`` copied for block
     ``i`` (0: a miss); ``leases``, ``releases``, ``gets``: the Lease, Release (between parts)
@@ -146,15 +148,8 @@ class LeasedRead:
         self._end = [max(o + m for o, m in r) for r in self._ranges]        # a block shorter is a miss
         self._bufs = [BlockBuffers(stage.out, n, writable=True, offsets=stage.offsets) for stage in stages]
         self._slot_views: list[list[np.ndarray] | None] = [None] * len(stages)
-        for s, stage in enumerate(stages):      # every slot checked now; views made when a stage is copied
-            if isinstance(stage.out, (list, tuple)):
-                self._slots(s)
-            elif n:                             # one buffer: its first and last slots bound the others
-                offs = stage.offsets
-                ends = (0, n - 1) if offs is None else (min(range(n), key=offs.__getitem__),
-                                                        max(range(n), key=offs.__getitem__))
-                for i in ends:
-                    self._bufs[s].slot(i, self._want[s])
+        for bufs, want in zip(self._bufs, self._want):     # every slot checked now; views made when copied
+            bufs.check_fit(want)
         self.sizes = [[0] * n for _ in stages]
         self.leases = self.releases = self.gets = self.parts = self.grpc_blocks = self.bytes_copied = 0
         self.table_blocks = 0

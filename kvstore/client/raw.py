@@ -7,6 +7,11 @@
 ``chunk_bytes``, requests split to the message limit, and a size conflict's ``PutReply``
 read back from the status trailer. This is the path of TCP clients, multi-tenant daemons
 and blocks the shared arena cannot take.
+
+A put's records (payload views, encoded metas) are all built and checked before its call
+starts; only the packing into frames runs on gRPC's thread, and an exception raised there
+is kept and raised to the caller (:class:`_Requests`), never gRPC's bare
+``UNKNOWN: Exception iterating requests!``.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import numpy as np
 
 from kvstore.common import errors
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.buffers import payload_view
 from kvstore.client.connection import Connection
 from kvstore.client.streams import StreamEnded
 from kvstore.common.transport import FRAMING_BYTES, parts
 from kvstore.common.types import BlockMeta, GetResult, PutResult, TierKind
-from kvstore.common.wire import FOUND, META, decode, frames
+from kvstore.common.wire import FOUND, META, decode, frame_bytes, frames
 
 
 DEADLINE_GRACE_S = 1.0
@@ -41,27 +47,35 @@ class RawPath:
         self.connection = connection
 
     def put(self, blocks: Iterable[tuple[bytes, Any]], timeout: float | None = None, *,
-            meta: Sequence[BlockMeta | None] | None = None) -> PutResult:
-        """:meth:`kvstore.client.KVStoreClient.put`: store ``(key, payload)`` pairs by
-        ``PutRaw``. Raises as that method."""
-        def items():
-            metas = iter(meta) if meta is not None else None
-            for k, d in blocks:
-                m = next(metas, None) if metas is not None else None
-                if m is not None:
-                    encoded = block_meta_message(m).SerializeToString()
-                    yield k, META, 0, len(encoded), encoded
-                yield k, FOUND, 0, len(memoryview(d).cast("B")), d
-        items = items()
+            meta: Sequence[BlockMeta | pb.BlockMeta | None] | None = None) -> PutResult:
+        """:meth:`kvstore.client.KVStoreClient.put`: store ``(key, payload)`` pairs (keys
+        checked; payloads C-contiguous buffers) by ``PutRaw``; ``meta``: one per block
+        (counted by the caller, :func:`kvstore.client.checks.check_meta`), or None. Raises
+        as that method; InvalidRequest for a non-contiguous payload or a meta too large for
+        one message, before anything is sent."""
         c = self.connection
         limit = min(c.max_message_bytes, c.chunk_bytes + FRAMING_BYTES)   # ~1 MiB messages: faster than big ones
+        items: list[tuple] = []
+        metas = iter(meta) if meta is not None else None
+        for i, (k, d) in enumerate(blocks):
+            m = next(metas, None) if metas is not None else None
+            if m is not None:
+                encoded = block_meta_message(m).SerializeToString()
+                if frame_bytes(1, len(encoded)) > limit:
+                    raise errors.InvalidRequest(f"the meta of block {i} is {len(encoded)} bytes encoded: more than "
+                                                f"one {limit}-byte message holds (fewer token ids, or a larger "
+                                                f"max_message_bytes)")
+                items.append((k, META, 0, len(encoded), encoded))
+            data = payload_view(d, f"the payload of block {i}")
+            items.append((k, FOUND, 0, len(data), data))
+        requests = _Requests(frames(items, limit, c.chunk_bytes))
         deadline = timeout or c.timeout
         # A future, not the blocking call: grpcio's blocking stream-unary call overran its
         # deadline while a message waited on a daemon that stopped reading (SIGSTOP: a 1 MiB
         # put with a 2 s deadline returned when the daemon resumed, 12 s later).
         if c.closed:
             raise c.closed_error()
-        call = c.put_raw.future(frames(items, limit, c.chunk_bytes), timeout=deadline, metadata=c.metadata)
+        call = c.put_raw.future(requests, timeout=deadline, metadata=c.metadata)
         try:
             try:
                 reply = call.result(timeout=None if deadline is None else deadline + DEADLINE_GRACE_S)
@@ -71,6 +85,8 @@ class RawPath:
                 raise errors.StoreUnavailable(f"DEADLINE_EXCEEDED: the put did not finish in {deadline:g} s "
                                               f"(the daemon took none of it in time)") from None
         except grpc.RpcError as e:
+            if requests.error is not None:      # gRPC ended the call for it: "Exception iterating requests!"
+                raise requests.failure()
             error = c.error(e)
             refused = _refused_put_reply(e) if isinstance(error, errors.SizeConflict) else None
             if refused is None:
@@ -144,10 +160,48 @@ class RawPath:
                 i += 1
 
 
-def block_meta_message(m: BlockMeta | None) -> pb.BlockMeta:
-    """A block's router metadata as sent with PutRaw (a META record) and Reserve."""
+class _Requests:
+    """The messages of a client-streaming call, taken from ``messages`` as gRPC asks for
+    them (on its own thread). An exception raised while one is built is kept in
+    :attr:`error` before it goes on to gRPC (which only logs it and ends the call with
+    ``UNKNOWN: Exception iterating requests!``), for the caller to raise instead."""
+
+    def __init__(self, messages: Iterable):
+        self._messages = iter(messages)
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> "_Requests":
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._messages)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def failure(self) -> errors.KVStoreError:
+        """What the caller raises for :attr:`error`: the error itself when it is a store
+        error, else an InvalidRequest naming it, with it as ``__cause__`` (a request that
+        could not be built from the caller's input or settings)."""
+        e = self.error
+        if isinstance(e, errors.KVStoreError):
+            return e
+        err = errors.InvalidRequest(f"the put's request messages could not be built: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+
+def block_meta_message(m: BlockMeta | pb.BlockMeta | None) -> pb.BlockMeta:
+    """A block's router metadata as sent with PutRaw (a META record) and Reserve (an
+    encoded message is returned as it is). Raises AttributeError, TypeError or ValueError
+    for an ``m`` that is not a BlockMeta or has a field of the wrong type."""
     if m is None:
         return pb.BlockMeta()
+    if isinstance(m, pb.BlockMeta):
+        return m
     return pb.BlockMeta(engine_hash=m.engine_hash, parent_engine_hash=m.parent_engine_hash,
                         token_ids=list(m.token_ids), block_tokens=m.block_tokens, lora_name=m.lora_name)
 
