@@ -6,7 +6,7 @@ import argparse
 import uuid
 
 from engine_adapter.reference.demo import MODEL_SIZES, DemoOptions, run_demo
-from kvstore.tools.cliargs import non_negative_float, positive_float, positive_int
+from kvstore.tools.cliargs import address, non_empty_path, non_negative_float, positive_float, positive_int
 
 
 def cmd_agent_demo(args: argparse.Namespace) -> int:
@@ -27,11 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Start a TP runner (one process per rank) against a running daemon and play a "
                     "multi-turn agent session; per turn, print tokens paged back vs prefilled and the "
                     "TTFT with the store vs a recompute baseline measured in the same run.")
-    p.add_argument("--target", default="unix:kvstore-data/kvstore.sock",
+    p.add_argument("--target", type=address, default="unix:kvstore-data/kvstore.sock",
                    help="daemon address (default: the default config's socket)")
     p.add_argument("--tp", type=positive_int, default=2, help="TP size: ranks (processes) (default 2)")
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="seeded model size")
-    p.add_argument("--checkpoint", default=None, help="Hugging Face Llama checkpoint folder (safetensors)")
+    p.add_argument("--checkpoint", type=non_empty_path, default=None,
+                   help="Hugging Face Llama checkpoint folder (safetensors)")
     p.add_argument("--seed", type=int, default=0, help="weights and session seed")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per block (default 16)")

@@ -59,25 +59,50 @@ Tools (duration median s / sigma; observation median tokens / sigma; weight):
 These are assumptions within the ranges those sources report, not a fit to one measured
 agent trace: replace them (``--tools FILE``, a JSON list of :class:`Tool` fields) when
 one is available.
+
+**Size.** A trace holds at most :data:`MAX_REQUESTS` LLM calls and :data:`MAX_BLOCKS` block
+ids in all (:func:`generate` raises :class:`TraceTooLarge` past either, so memory stays
+bounded); :func:`expected_requests` estimates the count up front. The command line is
+:mod:`kvstore.tools.agent_trace_cmd`.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
 import pathlib
 import random
-import sys
 from dataclasses import dataclass, field
 
 from kvstore.tools.agent_events import EVENT_KINDS, ToolEvent, events_path, read_tool_events
-from kvstore.tools.cliargs import positive_float, positive_int
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS
 
-__all__ = ["AgentWorkload", "ChatTraffic", "Tool", "ToolEvent", "DEFAULT_TOOLS", "EVENT_KINDS",
-           "events_path", "generate", "read_tool_events", "write"]
+__all__ = ["AgentWorkload", "ChatTraffic", "Tool", "ToolEvent", "DEFAULT_TOOLS", "EVENT_KINDS", "MAX_BLOCKS",
+           "MAX_REQUESTS", "MAX_SYSTEM_TOKENS", "TraceTooLarge", "events_path", "expected_requests", "generate",
+           "read_tool_events", "write", "write_files"]
+
+MAX_REQUESTS = 1_000_000
+"""Most LLM calls one generated trace holds (about 1 KiB of memory each while generating,
+a few hundred bytes each on disk)."""
+
+MAX_SYSTEM_TOKENS = 1 << 20
+"""Longest shared system prompt (tokens): more than any model's context window."""
+
+MAX_BLOCKS = 50_000_000
+"""Most block ids one generated trace holds, summed over its requests' ``hash_ids`` (8 to
+36 bytes of memory each while generating)."""
+
+
+class TraceTooLarge(ValueError):
+    """A workload would make more than :data:`MAX_REQUESTS` requests or :data:`MAX_BLOCKS`
+    block ids; the message says which and by which options."""
+
+
+def _finite(name: str, value: float, low: float, *, open_low: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a finite number >= ``low`` (> with ``open_low``)."""
+    if not (low < value if open_low else low <= value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number {'>' if open_low else '>='} {low:g}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +115,12 @@ class Tool:
     observation_median_tokens: float
     observation_sigma: float
     weight: float
+
+    def __post_init__(self) -> None:
+        for name in ("duration_median_s", "observation_median_tokens", "weight"):
+            _finite(f"tool {self.name!r}: {name}", getattr(self, name), 0, open_low=True)
+        for name in ("duration_sigma", "observation_sigma"):
+            _finite(f"tool {self.name!r}: {name}", getattr(self, name), 0)
 
 
 DEFAULT_TOOLS: tuple[Tool, ...] = (
@@ -119,8 +150,9 @@ class ChatTraffic:
     output_median_tokens: float = 350.0
 
     def __post_init__(self) -> None:
-        if self.sessions_per_s < 0 or not 0 <= self.continue_prob < 1:
-            raise ValueError("chat: sessions_per_s must be >= 0 and continue_prob in [0, 1)")
+        if not 0 <= self.sessions_per_s < math.inf or not 0 <= self.continue_prob < 1:
+            raise ValueError(f"chat: sessions_per_s must be a finite number >= 0 (got {self.sessions_per_s}) and "
+                             f"continue_prob in [0, 1) (got {self.continue_prob})")
 
 
 @dataclass(frozen=True)
@@ -149,10 +181,16 @@ class AgentWorkload:
     def __post_init__(self) -> None:
         if self.agents < 1:
             raise ValueError(f"agents must be >= 1, got {self.agents}")
-        if self.duration_s <= 0:
-            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
-        if self.mean_turns < 1 or self.max_turns < 1:
-            raise ValueError("mean_turns and max_turns must be >= 1")
+        _finite("duration_s", self.duration_s, 0, open_low=True)
+        for name in ("pause_mean_s", "prefill_tps", "message_median_tokens", "task_median_tokens"):
+            _finite(name, getattr(self, name), 0, open_low=True)
+        for name in ("tpot_s", "message_sigma", "task_sigma"):
+            _finite(name, getattr(self, name), 0)
+        if not 0 < self.system_tokens <= MAX_SYSTEM_TOKENS:
+            raise ValueError(f"system_tokens must be in [1, {MAX_SYSTEM_TOKENS}], got {self.system_tokens}")
+        if not 1 <= self.mean_turns < math.inf or self.max_turns < 1:
+            raise ValueError(f"mean_turns (a finite number) and max_turns must be >= 1, got {self.mean_turns} "
+                             f"and {self.max_turns}")
         if not self.tools or any(t.weight <= 0 or t.duration_median_s <= 0 for t in self.tools):
             raise ValueError("tools need positive weights and durations")
         if not 0 <= self.abandon_prob < 1 or not 0 <= self.abandon_hint_prob <= 1:
@@ -180,6 +218,7 @@ class _Generator:
         self.w = w
         self.rng = random.Random(w.seed)
         self.next_id = 0
+        self.blocks = 0                # block ids in self.requests (<= MAX_BLOCKS)
         self.requests: list[dict] = []
         self.events: list[ToolEvent] = []
         self.queue: list[tuple[float, int, str]] = []   # (time, seq, session id)
@@ -223,6 +262,14 @@ class _Generator:
         """Emit one LLM call; returns (time its decode ends, its stored full-block ids)."""
         bt = self.w.block_tokens
         n_full = s.tokens // bt
+        if len(self.requests) >= MAX_REQUESTS:
+            raise TraceTooLarge(f"the workload makes more than {MAX_REQUESTS} requests by t={t:.0f} s: give a "
+                                f"shorter duration, fewer agents or less chat traffic")
+        self.blocks += n_full + (1 if s.tokens % bt else 0)
+        if self.blocks > MAX_BLOCKS:
+            raise TraceTooLarge(f"the workload's prompts hold more than {MAX_BLOCKS} blocks in all by t={t:.0f} s "
+                                f"(a prompt of {s.tokens} tokens): give a shorter duration, fewer agents or "
+                                f"smaller tool observations")
         while len(s.full_ids) < n_full:
             s.full_ids.extend(self.new_ids(1))
         ids = s.full_ids[:n_full] + (self.new_ids(1) if s.tokens % bt else [])
@@ -299,16 +346,45 @@ class _Generator:
 def generate(w: AgentWorkload) -> tuple[list[dict], list[ToolEvent]]:
     """Simulate the agents and chat traffic; returns (Mooncake request dicts sorted by
     time, events sorted by time). Deterministic for a given ``w`` (one
-    ``random.Random(w.seed)``; sessions interleave by a time-ordered queue)."""
+    ``random.Random(w.seed)``; sessions interleave by a time-ordered queue). Raises
+    TraceTooLarge past :data:`MAX_REQUESTS` requests or :data:`MAX_BLOCKS` block ids."""
     return _Generator(w).run()
 
 
+def expected_requests(w: AgentWorkload) -> float:
+    """About how many requests :func:`generate` makes for ``w`` (the mean; one run differs,
+    as tool durations are heavy-tailed): each agent makes one call per decode (output
+    tokens x ``tpot_s``) plus, on all turns but the last, a mean tool call, plus the pause
+    between episodes spread over ``mean_turns`` calls; chat conversations arrive at their
+    rate with ``1 / (1 - continue_prob)`` calls each. Prefill time is left out (the estimate
+    errs high)."""
+    def mean(median: float, sigma: float) -> float:      # of a log-normal; capped before exp overflows
+        return median * math.exp(min(sigma * sigma / 2, 700.0))
+
+    weight = sum(t.weight for t in w.tools)
+    tool_s = sum(t.weight * mean(t.duration_median_s, t.duration_sigma) for t in w.tools) / weight
+    turn_s = (mean(w.message_median_tokens, w.message_sigma) * w.tpot_s + tool_s * (1 - 1 / w.mean_turns)
+              + w.pause_mean_s / w.mean_turns)
+    rate = w.agents / turn_s if turn_s > 0 else math.inf
+    if w.chat is not None:
+        rate += w.chat.sessions_per_s / (1 - w.chat.continue_prob)
+    return w.duration_s * rate
+
+
 def write(w: AgentWorkload, out: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, int, int]:
-    """Generate and write the trace and its events. Returns (trace, events, #requests, #events)."""
-    requests, events = generate(w)
+    """Generate and write the trace and its events (:func:`write_files`). Returns
+    (trace, events, #requests, #events). Raises TraceTooLarge as :func:`generate`, OSError
+    as :func:`write_files`."""
+    return write_files(*generate(w), out)
+
+
+def write_files(requests: list[dict], events: list[ToolEvent],
+                out: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, int, int]:
+    """Write ``requests`` to ``out`` and ``events`` next to it (:func:`events_path`).
+    Returns (trace, events, #requests, #events). Raises OSError when a file cannot be
+    written; a missing folder is not created."""
     out = pathlib.Path(out)
     ev = events_path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         for r in requests:
             f.write(json.dumps(r) + "\n")
@@ -316,51 +392,3 @@ def write(w: AgentWorkload, out: str | pathlib.Path) -> tuple[pathlib.Path, path
         for e in events:
             f.write(e.to_json() + "\n")
     return out, ev, len(requests), len(events)
-
-
-def _load_tools(path: str) -> tuple[Tool, ...]:
-    try:
-        data = json.loads(pathlib.Path(path).read_text())
-        return tuple(Tool(**d) for d in data)
-    except (OSError, ValueError, TypeError, RecursionError) as e:
-        raise SystemExit(f"kvstore gen-agent-trace: bad --tools file {path}: {e}")
-
-
-def cmd_gen_agent_trace(args: argparse.Namespace) -> int:
-    tools = _load_tools(args.tools) if args.tools else DEFAULT_TOOLS
-    try:
-        chat = ChatTraffic(sessions_per_s=args.chat_rate) if args.chat_rate > 0 else None
-        w = AgentWorkload(agents=args.agents, duration_s=args.duration, seed=args.seed,
-                          mean_turns=args.mean_turns, system_tokens=args.system_tokens, tools=tools,
-                          abandon_prob=args.abandon, chat=chat)
-    except ValueError as e:
-        print(f"kvstore gen-agent-trace: {e}", file=sys.stderr)
-        return 2
-    try:
-        trace, ev, n_req, n_ev = write(w, args.out)
-    except OSError as e:
-        print(f"kvstore gen-agent-trace: cannot write {args.out}: {e.strerror or e}"
-              + (" (it is a folder: give a file name, e.g. agents.jsonl)" if pathlib.Path(args.out).is_dir() else ""),
-              file=sys.stderr)
-        return 2
-    print(f"wrote {n_req} requests to {trace} and {n_ev} tool-call and session events to {ev}")
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gen-agent-trace", help="write a synthetic agent trace with tool-call and session events",
-                       description="Generate a Mooncake-format trace of N concurrent ReAct agents plus competing "
-                                   "chat traffic, and a .events.jsonl file of ToolCallStart/Resume/session-end "
-                                   "hints (seeded). Distributions and their sources: kvstore/tools/agent_trace.py.")
-    p.add_argument("out", help="trace file to write, e.g. agents.jsonl (events go to agents.events.jsonl)")
-    p.add_argument("--agents", type=positive_int, default=32, help="concurrent agents (default 32)")
-    p.add_argument("--duration", type=positive_float, default=1800.0, help="seconds of traffic (default 1800)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--mean-turns", type=positive_float, default=12.0, help="mean LLM calls per episode (default 12)")
-    p.add_argument("--system-tokens", type=positive_int, default=2048, help="shared system prompt tokens (default 2048)")
-    p.add_argument("--abandon", type=float, default=0.03,
-                   help="probability a trajectory is abandoned during a tool call (default 0.03)")
-    p.add_argument("--chat-rate", type=float, default=0.1,
-                   help="competing chat conversations per second (default 0.1; 0: none)")
-    p.add_argument("--tools", help="JSON file: list of tools (fields of kvstore.tools.agent_trace.Tool)")
-    p.set_defaults(func=cmd_gen_agent_trace)

@@ -9,6 +9,9 @@ A prompt file is JSON: a list of token ids, or an object with ``tokens`` (token 
 gives the namespace of prompts that have none. With one prompt and ``--target`` the
 daemon answers from its state (evicted when, from which tier, by which policy; refused
 at admission; never stored); that needs a daemon with the Explain RPC.
+
+A prompt shorter than one block holds no full block: nothing of it is stored or looked
+up, so there is no miss to explain; the command says so (exit status 0) and asks no daemon.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Callable, Sequence
 from kvstore.common.errors import KVStoreError
 from kvstore.service.explain import Explanation, Prompt, explain_pair
 from kvstore.common.keys import Namespace
+from kvstore.tools.cliargs import address, non_empty_path
 from kvstore.tools.trace import loads_json, not_json
 
 
@@ -100,6 +104,15 @@ def explain_remote(prompt: Prompt, target: str) -> Explanation:
         return client.explain(keys)
 
 
+def no_full_block(path: str, prompt: Prompt) -> str:
+    """The answer for a prompt without a full block (:meth:`Prompt.block_keys` is empty)."""
+    if prompt.tokens is None:
+        return f"{path} holds no block key: nothing to look up, so no miss to explain"
+    bt = prompt.namespace.block_tokens if prompt.namespace is not None else "?"
+    return (f"{path} holds no full block ({len(prompt.tokens)} tokens, blocks of {bt}): nothing of it is "
+            f"stored or looked up, so no miss to explain")
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     try:
         default_ns = None
@@ -109,12 +122,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise PromptError(f"cannot read namespace {args.namespace}: {e}") from None
         prompts = [load_prompt(p, default_ns) for p in args.prompts]
+        if len(prompts) > 2 or len(prompts) == 1 and not args.target:
+            raise PromptError("give two prompts, or one prompt and --target ADDR")
+        for path, prompt in zip(args.prompts, prompts):
+            if not prompt.block_keys():
+                print(no_full_block(path, prompt))
+                return 0
         if len(prompts) == 2:
             result = explain_pair(prompts[0], prompts[1], window=args.window, decode=_decoder(args.tokenizer))
-        elif args.target:
-            result = explain_remote(prompts[0], args.target)
         else:
-            raise PromptError("give two prompts, or one prompt and --target ADDR")
+            result = explain_remote(prompts[0], args.target)
     except (PromptError, ValueError, KVStoreError) as e:
         print(f"kvstore explain: {e}", file=sys.stderr)
         return 2
@@ -127,8 +144,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Compare two prompts (token ids or block keys), or one prompt with a daemon's "
                                    "state, and name the first block that misses and why.")
     p.add_argument("prompts", nargs="+", metavar="PROMPT.json", help="one or two prompt files")
-    p.add_argument("--namespace", help="a JSON file holding the namespace (model, dtype, layout, block_tokens, ...) of prompts that carry none")
-    p.add_argument("--target", help="daemon address, with one prompt")
+    p.add_argument("--namespace", type=non_empty_path,
+                   help="a JSON file holding the namespace (model, dtype, layout, block_tokens, ...) of prompts "
+                        "that carry none")
+    p.add_argument("--target", type=address, help="daemon address, with one prompt")
     p.add_argument("--window", type=int, default=8, help="tokens shown on each side of a difference (default 8)")
     p.add_argument("--tokenizer", help="show token windows as text: 'bytes' (UTF-8 byte ids) or a "
                                        "Hugging Face tokenizer name or path")

@@ -13,13 +13,17 @@ same request hit too; block ``i`` counts ``block_tokens`` tokens except the last
 which counts ``input_length - block_tokens * (n - 1)``. On the conversation trace
 an infinite cache reaches a token hit rate of 0.3736 (``../shared/data/README.md``);
 more than that means a counting bug.
+
+A block the daemon does not store (no tier has room for it, no admission policy wants it,
+its key is stored with another size) is one put failure, counted with its reason. The
+command refuses blocks larger than the largest tier of a daemon before it starts, and
+exits 1 when no block at all could be put.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
@@ -29,16 +33,25 @@ from typing import Sequence
 
 from tiers.base import TierKind
 
-from kvstore.tools.cliargs import non_negative_float, non_negative_int, positive_float, positive_int
+from kvstore.tools.cliargs import (address, non_empty_path, non_negative_float, non_negative_int, output_error,
+                                   positive_float, positive_int)
 from kvstore.client.client import KVStoreClient
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS, block_key
-from kvstore.common.errors import InvalidRequest, KVStoreError, TierFull
+from kvstore.common.errors import InvalidRequest, KVStoreError, StoreUnavailable, TierFull, Unauthenticated
 from kvstore.common.units import format_size
 
 
 
 MAX_REPLAY_BLOCK_BYTES = 1 << 30
-"""Largest block payload a replay makes (bytes): 2 MiB per token, six times a 70B model's KV."""
+"""Largest block payload a replay makes (bytes): 2 MiB per token, six times a 70B model's KV.
+The replay's own limit; a daemon's tiers may hold less (:func:`largest_tier`)."""
+
+MAX_FAILURE_REASONS = 10
+"""Distinct put-failure reasons a report keeps; more are counted under :data:`OTHER_REASONS`."""
+
+OTHER_REASONS = "(other reasons)"
+NOT_ADMITTED = "not admitted: no tier's admission policy wanted the block"
+SIZE_CONFLICT = "size conflict: the key is stored with another size"
 
 INTERRUPTED = "interrupted (Ctrl-C)"
 """``ReplayReport.error`` of a replay stopped by KeyboardInterrupt."""
@@ -88,11 +101,23 @@ class ReplayReport:
     bytes_got: int = 0
     corrupt_blocks: int = 0
     lookup_get_disagreements: int = 0   # blocks looked up as hits that the Get then missed
-    put_failures: int = 0
+    put_failures: int = 0               # blocks the daemon did not store, one each
+    put_failure_reasons: dict[str, int] = field(default_factory=dict)   # why (error text or kind) -> blocks
     error: str = ""                     # why the replay stopped early ("" when it finished)
     seconds: float = 0.0
     bytes_per_token: int = 0
     block_tokens: int = TRACE_BLOCK_TOKENS
+
+    def count_put_failures(self, reason: str, blocks: int = 1) -> None:
+        """Count ``blocks`` blocks not stored, for ``reason`` (at most
+        :data:`MAX_FAILURE_REASONS` distinct reasons are kept)."""
+        if blocks <= 0:
+            return
+        reasons = self.put_failure_reasons
+        if reason not in reasons and len(reasons) >= MAX_FAILURE_REASONS:
+            reason = OTHER_REASONS
+        self.put_failures += blocks
+        reasons[reason] = reasons.get(reason, 0) + blocks
 
     def finish(self) -> "ReplayReport":
         self.token_hit_rate = self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
@@ -117,8 +142,10 @@ class ReplayReport:
                            f"{self.bytes_got / secs / 1e9:.2f} GB/s over the run)"),
             ("corrupt blocks", f"{self.corrupt_blocks}"),
             ("put failures", f"{self.put_failures}"),
-            ("seconds", f"{self.seconds:.1f} ({self.requests / secs:.0f} requests/s)"),
         ]
+        rows += [(f"  {n} refused", reason)
+                 for reason, n in sorted(self.put_failure_reasons.items(), key=lambda kv: -kv[1])]
+        rows.append(("seconds", f"{self.seconds:.1f} ({self.requests / secs:.0f} requests/s)"))
         if self.error:
             rows.append(("STOPPED EARLY", self.error))
         width = max(len(r[0]) for r in rows)
@@ -134,7 +161,11 @@ def replay(requests: Sequence, client: KVStoreClient | Sequence[KVStoreClient], 
     interrupted (Ctrl-C), the report of the requests done so far with ``error`` set. Raises ValueError for a request whose block
     count does not match its length, InvalidRequest (before anything is sent) when the
     node's ``[blocks] block_tokens`` is set to another block size.
-    A Put refused with RESOURCE_EXHAUSTED is counted in ``put_failures``, not raised.
+    A block the daemon does not store (a Put refused with RESOURCE_EXHAUSTED, or not
+    admitted, or a size conflict) is counted in ``put_failures`` with its reason in
+    ``put_failure_reasons``, not raised; after a refused Put of several blocks they are
+    put one at a time to count each (a block the refused Put stored then counts as
+    already present).
     """
     from tqdm import tqdm
 
@@ -188,16 +219,64 @@ def _replay_requests(bar, clients: list[KVStoreClient], rep: ReplayReport, by_ti
         rep.hit_tokens += sum(tokens[:served])
         missing = keys[served:]
         if missing:
-            try:
-                res = client.put((k, payload_for(k, block_bytes)) for k in missing)
-            except TierFull:
-                rep.put_failures += 1
-            else:
-                rep.blocks_put += res.stored
-                rep.blocks_already_present += res.already_present
-                rep.bytes_put += res.bytes_stored
+            _put_blocks(client, missing, block_bytes, rep)
         if progress and rep.requests % 200 == 0:
             bar.set_postfix(hit=f"{rep.hit_tokens / max(rep.input_tokens, 1):.3f}")
+
+
+def _put_blocks(client: KVStoreClient, keys: list[bytes], block_bytes: int, rep: ReplayReport) -> None:
+    """Put ``keys`` (their :func:`payload_for` payloads) and count the outcome per block in
+    ``rep``; a refused Put of several blocks is done again block by block."""
+    try:
+        results = [client.put([(k, payload_for(k, block_bytes)) for k in keys])]
+    except TierFull as e:
+        if len(keys) == 1:
+            rep.count_put_failures(str(e))
+            return
+        results = []
+        for k in keys:
+            try:
+                results.append(client.put([(k, payload_for(k, block_bytes))]))
+            except TierFull as one:
+                rep.count_put_failures(str(one))
+    for res in results:
+        rep.blocks_put += res.stored
+        rep.blocks_already_present += res.already_present
+        rep.bytes_put += res.bytes_stored
+        rep.count_put_failures(NOT_ADMITTED, res.not_admitted)
+        rep.count_put_failures(SIZE_CONFLICT, res.size_conflicts)
+
+
+def largest_tier(client: KVStoreClient) -> tuple[str, int] | None:
+    """The name and capacity (bytes) of the daemon's largest tier that takes a put's first
+    copy (a remote tier does not), from its Stats: no block larger than that capacity can
+    be stored. None when it has no such tier. Raises as :meth:`KVStoreClient.stats`."""
+    tiers = [(t["capacity_bytes"], t["name"]) for t in client.stats()["tiers"] if t["tier"] != "remote"]
+    if not tiers:
+        return None
+    capacity, name = max(tiers)
+    return name, capacity
+
+
+def _too_large_for(client: KVStoreClient, block_bytes: int, bytes_per_token: int) -> str | None:
+    """Why ``block_bytes``-byte blocks cannot be stored on ``client``'s daemon, or None."""
+    largest = largest_tier(client)
+    if largest is None or block_bytes <= largest[1]:
+        return None
+    name, capacity = largest
+    return (f"--bytes-per-token {bytes_per_token} makes {TRACE_BLOCK_TOKENS}-token blocks of "
+            f"{format_size(block_bytes)}, larger than the largest tier of the daemon at {client.target} "
+            f"({name}, {format_size(capacity)} in all): give a smaller --bytes-per-token")
+
+
+def _hint(error: KVStoreError, targets: list[str], token: str) -> str:
+    """What to check after ``error`` reaching the daemons: whether one runs only when none
+    answered; the token on an authentication error."""
+    if isinstance(error, StoreUnavailable):
+        return f" (is `kvstore serve` running on {', '.join(targets)}?)"
+    if isinstance(error, Unauthenticated):
+        return " (the --token given is not the daemon's)" if token else " (the daemon needs --token)"
+    return ""
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -205,20 +284,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if args.bytes_per_token * TRACE_BLOCK_TOKENS > MAX_REPLAY_BLOCK_BYTES:
         print(f"kvstore replay: --bytes-per-token {args.bytes_per_token} makes {TRACE_BLOCK_TOKENS}-token blocks of "
-              f"{format_size(args.bytes_per_token * TRACE_BLOCK_TOKENS)}; at most "
+              f"{format_size(args.bytes_per_token * TRACE_BLOCK_TOKENS)}; a replay makes blocks of at most "
               f"{format_size(MAX_REPLAY_BLOCK_BYTES)} (--bytes-per-token "
-              f"{MAX_REPLAY_BLOCK_BYTES // TRACE_BLOCK_TOKENS})", file=sys.stderr)
+              f"{MAX_REPLAY_BLOCK_BYTES // TRACE_BLOCK_TOKENS}), and the daemon's tiers may hold less",
+              file=sys.stderr)
         return 2
-    if args.json:   # fail now, not after a long replay (and leave no empty file behind)
-        existed = os.path.exists(args.json)
-        try:
-            with open(args.json, "a"):
-                pass
-        except OSError as e:
-            print(f"kvstore replay: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
-            return 2
-        if not existed:
-            os.unlink(args.json)
+    why = output_error(args.json) if args.json else None   # now, not after a long replay (no empty file left)
+    if why:
+        print(f"kvstore replay: cannot write --json {args.json}: {why}", file=sys.stderr)
+        return 2
     try:
         requests = read_mooncake_trace(args.trace)
     except (OSError, ValueError) as e:
@@ -235,23 +309,38 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for target in targets:
             clients.append(KVStoreClient(target, timeout=args.timeout, auth_token=args.token))
             clients[-1].wait_ready(timeout=args.wait)
+            too_large = _too_large_for(clients[-1], args.bytes_per_token * TRACE_BLOCK_TOKENS, args.bytes_per_token)
+            if too_large:
+                print(f"kvstore replay: {too_large}", file=sys.stderr)
+                return 2
         report = replay(requests, clients, bytes_per_token=args.bytes_per_token, progress=not args.quiet)
     except InvalidRequest as e:       # the node is configured for another block size
         print(f"kvstore replay: {e}", file=sys.stderr)
         return 2
     except KVStoreError as e:
-        print(f"kvstore replay: {e} (is `kvstore serve` running on {', '.join(targets)}?)", file=sys.stderr)
+        print(f"kvstore replay: {e}{_hint(e, targets, args.token)}", file=sys.stderr)
         return 1
     finally:
         for c in clients:
             c.close()
     print(report.table())
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(asdict(report), indent=2, sort_keys=True) + "\n")
+        try:
+            pathlib.Path(args.json).write_text(json.dumps(asdict(report), indent=2, sort_keys=True) + "\n")
+        except OSError as e:       # checked before the replay; gone since (a folder removed, a full disk)
+            print(f"kvstore replay: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 1
         print(f"wrote {args.json}")
     if report.error == INTERRUPTED:
         return 130
-    return 1 if report.error else 0
+    if report.error:
+        return 1
+    if report.put_failures and not report.blocks_put:
+        reason = max(report.put_failure_reasons.items(), key=lambda kv: kv[1])[0]
+        print(f"kvstore replay: no block could be put ({report.put_failures} refused; most often: {reason})",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -260,14 +349,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "output_length, hash_ids per 512-token block) through a daemon, "
                                    "in timestamp order, as fast as possible.")
     p.add_argument("trace", type=pathlib.Path, help="trace file, e.g. ../shared/data/traces/mooncake_conversation_trace.jsonl")
-    p.add_argument("--target", action="append", default=None,
+    p.add_argument("--target", type=address, action="append", default=None,
                    help="daemon address (default unix:kvstore-data/kvstore.sock); give it again for more "
                         "daemons of one cluster: requests go to them round robin")
     p.add_argument("--bytes-per-token", type=positive_int, default=16,
                    help="payload bytes per token (block payload = 512 x this); default 16")
     p.add_argument("--limit", type=non_negative_int, default=0,
                    help="replay only the first N requests (0: all)")
-    p.add_argument("--json", default=None, help="write the report as JSON to this file")
+    p.add_argument("--json", type=non_empty_path, default=None,
+                   help="write the report as JSON to this file (the folder must exist)")
     p.add_argument("--token", default="", help="bearer token, when the daemon requires one")
     p.add_argument("--timeout", type=positive_float, default=60.0, help="per-call deadline, seconds")
     p.add_argument("--wait", type=non_negative_float, default=10.0, help="how long to wait for the daemon to answer, seconds")

@@ -3,7 +3,9 @@
 Starts it with :func:`kvstore.service.startup.start_server`, prints what it serves (tiers,
 recovered blocks, metrics and event endpoints, the same-node path) and runs until
 SIGINT/SIGTERM, then stops it (blocks held only in memory are copied to NVMe first).
-A config that cannot be served is logged and exits with status 2.
+A config that cannot be served is logged and exits with status 2; so is an empty
+``--listen`` or ``--config`` (refused as ``listen = ""`` is, rather than taken to mean the
+default).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvstore import config as config_mod
 from kvstore.common.errors import ConfigError
 from kvstore.service.startup import Daemon, start_server
 from kvstore.common.units import format_size
+from kvstore.tools.cliargs import address, non_empty_path
 from kvstore.tools.serve_summary import data_lines
 
 log = logging.getLogger("kvstore.service.startup")
@@ -49,7 +52,7 @@ def _describe(daemon: Daemon) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = config_mod.load(args.config)
-        if args.listen:
+        if args.listen is not None:
             cfg = config_mod.replace(cfg, server=dataclasses.replace(cfg.server, listen=args.listen))
         daemon = start_server(cfg)
     except ConfigError as e:
@@ -85,6 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground",
                        description="Run the kvstore daemon. Without --config, a built-in default "
                                    "(1 GiB host tier + 16 GiB NVMe tier under ./kvstore-data) is used.")
-    p.add_argument("--config", type=pathlib.Path, default=None, help="TOML config file")
-    p.add_argument("--listen", default=None, help="override [server] listen, e.g. 127.0.0.1:50051")
+    p.add_argument("--config", type=lambda text: pathlib.Path(non_empty_path(text)), default=None,
+                   help="TOML config file")
+    p.add_argument("--listen", type=address, default=None,
+                   help="override [server] listen, e.g. 127.0.0.1:50051 or unix:/run/kvstore.sock")
     p.set_defaults(func=cmd_serve)

@@ -4,7 +4,9 @@ Prints one line per configuration (hit rate per tier and total, OPT at the same
 capacity and the ratio), optionally JSON and a plot. ``--hints MODEL`` adds
 simulated session hints (:mod:`kvstore.tools.sim_hints`: ``realistic``, ``finish-only``,
 ``continue-only``, or the oracle ``noisy:P,F``, a bound); ``--measure`` counts one half
-of the trace only (``second-half`` is where tuned parameters are reported).
+of the trace only (``second-half`` is where tuned parameters are reported). The ``--json``
+and ``--plot`` files are checked before the runs (a missing folder, a file that cannot be
+written, no matplotlib: exit status 2 at once, not after the work).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Iterable, Sequence
 
 from kvstore import config as config_mod
 from kvstore.common.errors import ConfigError
-from kvstore.tools.cliargs import positive_int
+from kvstore.tools.cliargs import non_empty_path, output_error, positive_int
 from kvstore.tools.sim_hints import derive, parse_hints_spec
 from kvstore.tools.simulate import (
     DEFAULT_BLOCK_BYTES,
@@ -96,9 +98,23 @@ def print_table(results: Sequence[SimResult], out=None) -> None:
                       f"of {e['resumes']}, {e['not_waited']} not waited for (counted not ready)", file=out)
 
 
-def plot(results: Sequence[SimResult], path: str) -> None:
-    """Hit rate vs first-tier capacity per policy, OPT dashed. Needs matplotlib."""
-    plot_points([(r.label, r.tiers[0]["capacity_blocks"], r.hit_rate, r.opt_hit_rate) for r in results], path)
+def plot(results: Sequence[SimResult], out: str) -> None:
+    """Hit rate vs first-tier capacity per policy, OPT dashed, as a PNG at ``out``. Needs matplotlib."""
+    plot_points([(r.label, r.tiers[0]["capacity_blocks"], r.hit_rate, r.opt_hit_rate) for r in results], out)
+
+
+def _outputs_error(args: argparse.Namespace) -> str | None:
+    """Why the ``--json`` or ``--plot`` output cannot be made, or None (checked before the runs)."""
+    for flag, out in (("--json", args.json), ("--plot", args.plot)):
+        why = output_error(out) if out else None
+        if why:
+            return f"cannot write {flag} {out}: {why}"
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - only whether it is there
+        except ImportError:
+            return "--plot needs matplotlib (pip install matplotlib)"
+    return None
 
 
 def plot_points(points: Iterable[tuple[str, int, float, float | None]], path: str) -> None:
@@ -133,6 +149,10 @@ def plot_points(points: Iterable[tuple[str, int, float, float | None]], path: st
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    why = _outputs_error(args)
+    if why:
+        print(f"kvstore simulate: {why}", file=sys.stderr)
+        return 2
     try:
         cfg = config_mod.load(args.config)
         requests = read_mooncake_trace(args.trace)
@@ -213,10 +233,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"kvstore simulate: {e}", file=sys.stderr)
         return 2
     print_table(results)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2, default=str))
-    if args.plot:
-        plot(results, args.plot)
+    try:
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2, default=str))
+        if args.plot:
+            plot(results, args.plot)
+    except OSError as e:      # checked before the runs; gone since (a folder removed, a full disk)
+        print(f"kvstore simulate: cannot write {e.filename or args.json or args.plot}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -227,8 +252,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "report token hit rates per tier and total, and Belady's OPT at the same capacity. "
                     "With a tool-call events file (X.events.jsonl next to X.jsonl) also report the "
                     "resume-HBM-ready rate, prefetch waste and resume-time prediction error.")
-    p.add_argument("trace", help="Mooncake-format JSONL trace")
-    p.add_argument("--config", help="node TOML config (tiers, policies, prefetch); default: built-in")
+    p.add_argument("trace", type=non_empty_path, help="Mooncake-format JSONL trace")
+    p.add_argument("--config", type=non_empty_path,
+                   help="node TOML config (tiers, policies, prefetch); default: built-in")
     p.add_argument("--block-bytes", type=positive_int, default=DEFAULT_BLOCK_BYTES,
                    help="bytes per 512-token trace block (default 1 MiB: a '1500MiB' tier holds 1500 blocks)")
     p.add_argument("--capacity", type=positive_int, help="capacity of the fastest tier, in blocks (overrides the config)")
@@ -239,7 +265,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       f"{','.join(ONLINE_POLICIES)} (default: the config's)")
     p.add_argument("--unbounded", action="store_true", help="make every tier unbounded (ideal hit rate check)")
     p.add_argument("--no-opt", action="store_true", help="skip the OPT (Belady) ceiling")
-    p.add_argument("--events", help="tool-call events file (default: TRACE with .events.jsonl, if present)")
+    p.add_argument("--events", type=non_empty_path,
+                   help="tool-call events file (default: TRACE with .events.jsonl, if present)")
     p.add_argument("--prefetch", choices=("config", "on", "off", "both"), default="config",
                    help="with events: run with prefetch as configured, on, off, or both (default config)")
     p.add_argument("--bandwidth", action="append", metavar="SRC:DST=GBPS",
@@ -260,7 +287,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measure", choices=("all", "first-half", "second-half"), default="all",
                    help="count only these requests (all still drive the caches); default all")
     p.add_argument("--limit", type=positive_int, help="only the first N requests")
-    p.add_argument("--json", help="write all results as JSON here")
-    p.add_argument("--plot", help="write hit rate vs capacity (PNG) here; needs matplotlib")
+    p.add_argument("--json", type=non_empty_path, help="write all results as JSON here (the folder must exist)")
+    p.add_argument("--plot", type=non_empty_path, help="write hit rate vs capacity (PNG) here; needs matplotlib")
     p.add_argument("--verbose-runs", action="store_true", help="print each run as it finishes")
     p.set_defaults(func=cmd_simulate)

@@ -7,6 +7,9 @@ interval), which tiers served the reads, put and movement rates, and the daemon'
 Rates are differences of the daemon's counters between two Stats calls divided by the
 time between them, so the first frame has none. On a terminal each frame replaces the last
 (ANSI clear); piped, frames follow one another. ``--count N`` stops after N frames.
+
+Errors go to stderr, exit status 1: the hint that no daemon may be running only when none
+answered (StoreUnavailable); a missing or wrong ``--token`` says so, and ends a live view.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import time
 from typing import TextIO
 
 from kvstore.client.client import KVStoreClient
-from kvstore.common.errors import KVStoreError, StoreUnavailable
+from kvstore.common.errors import KVStoreError, StoreUnavailable, Unauthenticated
 from kvstore.common.units import format_size
-from kvstore.tools.cliargs import positive_float, positive_int
+from kvstore.tools.cliargs import address, positive_float, positive_int
 
 CLEAR = "\x1b[H\x1b[J"           # cursor home, erase to the end of the screen
 DEFAULT_WATCH_S = 2.0
@@ -35,11 +38,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             if args.wait:
                 c.wait_ready(timeout=args.timeout)
             stats = c.stats()
-    except StoreUnavailable as e:
-        print(f"kvstore stats: {e} (is `kvstore serve` running, listening on {args.target}?)")
-        return 1
     except KVStoreError as e:
-        print(f"kvstore stats: {e}")
+        print(f"kvstore stats: {e}{_hint(e, args.target, args.token)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -54,6 +54,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for problem in stats["problems"]:          # e.g. "remote: not connected to the Mooncake master ..."
         print(f"  problem: {problem}")
     return 0
+
+
+def _hint(error: KVStoreError, target: str, token: str) -> str:
+    """What to check after ``error``: whether a daemon runs only when none answered; the
+    token on an authentication error; nothing otherwise."""
+    if isinstance(error, StoreUnavailable):
+        return f" (is `kvstore serve` running, listening on {target}?)"
+    if isinstance(error, Unauthenticated):
+        return " (the --token given is not the daemon's)" if token else " (the daemon needs --token)"
+    return ""
 
 
 # ------------------------------------------------------------------ the live view
@@ -149,7 +159,9 @@ def watch(target: str, interval_s: float, *, count: int | None = None, token: st
     """Redraw :func:`render` every ``interval_s`` seconds until Ctrl-C (or ``count`` frames).
 
     A daemon that stops answering shows as one line per frame; the view goes on and picks
-    up again when it is back. Returns 0 (Ctrl-C or ``count`` reached).
+    up again when it is back (another error shows the same way, without the "not
+    answering"). Returns 0 (Ctrl-C or ``count`` reached), or 1 when the daemon refuses the
+    token (said on stderr: waiting cannot mend it).
     """
     out = sys.stdout if out is None else out
     redraw = out.isatty()
@@ -163,8 +175,14 @@ def watch(target: str, interval_s: float, *, count: int | None = None, token: st
                     cur = Sample(client.stats(timeout=timeout), time.monotonic())
                     frame = render(target, cur, prev, clock=clock)
                     prev = cur
-                except KVStoreError as e:
+                except Unauthenticated as e:
+                    print(f"kvstore stats: {e}{_hint(e, target, token)}", file=sys.stderr)
+                    return 1
+                except StoreUnavailable as e:
                     frame = f"kvstore at {target}  {clock}  not answering: {e}"
+                    prev = None
+                except KVStoreError as e:
+                    frame = f"kvstore at {target}  {clock}  error: {e}"
                     prev = None
                 out.write((CLEAR if redraw else "") + frame + "\n" + ("" if redraw else "\n"))
                 out.flush()
@@ -178,9 +196,9 @@ def watch(target: str, interval_s: float, *, count: int | None = None, token: st
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stats", help="show a running daemon's tiers and counters")
-    p.add_argument("--target", default="unix:kvstore-data/kvstore.sock", help="daemon address")
+    p.add_argument("--target", type=address, default="unix:kvstore-data/kvstore.sock", help="daemon address")
     p.add_argument("--token", default="", help="bearer token, when the daemon requires one")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    p.add_argument("--timeout", type=positive_float, default=10.0, help="per-call deadline, seconds (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--wait", action="store_true", help="wait up to --timeout for the daemon to come up")
     p.add_argument("--watch", nargs="?", type=positive_float, const=DEFAULT_WATCH_S, default=None,
