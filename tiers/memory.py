@@ -150,18 +150,49 @@ def hugetlb_free_bytes() -> int:
     return free * size if size == HUGE_PAGE_BYTES else 0
 
 
-def available_bytes() -> int | None:
-    """Bytes of memory a new allocation can have now without swapping or the kernel's
-    out-of-memory killer: ``MemAvailable`` plus the free pages of the hugetlb pool
-    (``/proc/meminfo``); None where that is not known (not Linux)."""
+CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+"""This process's cgroup (v2) memory limit and use, where it has one."""
+
+
+def _meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes by field (``{}`` where it cannot be read)."""
+    out = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 + hugetlb_free_bytes()
-    except (OSError, ValueError, IndexError):
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def memory_limits() -> tuple[int, int] | None:
+    """``(total, available)``: bytes of memory this process may have in all, and now
+    without swapping or the out-of-memory killer. ``MemTotal`` and ``MemAvailable`` plus
+    the free pages of the hugetlb pool (``/proc/meminfo``), both capped by the cgroup's
+    ``memory.max`` (available: less its ``memory.current``) where one is set. None where
+    the system does not say (not Linux).
+
+    ``MemAvailable`` leaves out shared memory still mapped: the arena of a stopped daemon
+    that a client has not unmapped yet counts as used."""
+    info = _meminfo()
+    if "MemTotal" not in info or "MemAvailable" not in info:
+        return None
+    huge = hugetlb_free_bytes()
+    total, available = info["MemTotal"] + huge, info["MemAvailable"] + huge
+    try:
+        with open(CGROUP_FILES[0]) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open(CGROUP_FILES[1]) as f:
+                used = int(f.read().strip())
+            total, available = min(total, int(limit)), min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
         pass
-    return None
+    return total, available
 
 
 def _allocate_shared(nbytes: int, alignment: int, pinned: bool, name: str, huge_pages: str) -> HostBuffer:

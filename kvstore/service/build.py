@@ -10,6 +10,7 @@ knows nothing of the parts.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Any
 
@@ -22,6 +23,8 @@ from kvstore.common.units import format_size
 from kvstore.config.node import Config, PrefetchConfig, RemoteConfig, SessionsConfig
 from kvstore.policy import make_policy
 from kvstore.store.manager import TierManager
+
+log = logging.getLogger("kvstore.service.build")
 
 SETUP_HINT = "run scripts/setup-mooncake.sh (installs libibverbs1 and the Mooncake wheel)"
 
@@ -77,14 +80,24 @@ def cluster_options(r: RemoteConfig) -> ClusterOptions | None:
 
 
 def check_host_memory(capacity: int) -> None:
-    """Refuse a host tier larger than the memory the machine has free now: its arena is
-    populated when it is made, so such a tier got the daemon (or a process beside it)
-    killed by the kernel's out-of-memory killer instead of a message. Raises ConfigError."""
-    from tiers.memory import available_bytes
-    free = available_bytes()
-    if free is not None and capacity > free:
+    """A host tier's arena is populated when it is made: refuse one larger than the memory
+    this machine (or its cgroup) has in all, which got the daemon or a process beside it
+    killed by the kernel's out-of-memory killer instead of a message (ConfigError), and
+    warn of one larger than what is available now (it may still fit: a stopped daemon's
+    arena that a client has not unmapped yet is freed when the client lets go)."""
+    from tiers.memory import memory_limits
+    limits = memory_limits()
+    if limits is None:
+        return
+    total, available = limits
+    if capacity > total:
         raise ConfigError(f"tiers.host.capacity: {format_size(capacity)} of host memory asked, but this machine "
-                          f"has {format_size(free)} available now (MemAvailable); lower it")
+                          f"has {format_size(total)} in all; lower it")
+    if capacity > available:
+        log.warning("tiers.host.capacity: %s of host memory asked and %s available now: the arena is populated "
+                    "at start, so the kernel may kill this daemon or a process beside it; lower it or free memory "
+                    "(a client still mapping a stopped daemon's arena holds that memory until it lets go)",
+                    format_size(capacity), format_size(available))
 
 
 def build_tiers(cfg: Config) -> list[tuple[str, Tier]]:

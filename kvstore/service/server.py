@@ -202,13 +202,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         space = self._space(context)
         keys = check_keys(request.keys)
         ranges = check_byte_ranges((r.offset, r.length) for r in request.ranges)
-        step = self.max_chunk_bytes
+        step = asked = self.max_chunk_bytes
         if request.max_chunk_bytes:
-            asked = int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1))
-            step = min(step, max(asked, MIN_CHUNK_BYTES))
+            asked = min(step, int(check_number(request.max_chunk_bytes, "max_chunk_bytes", low=1)))
+            step = max(asked, min(step, MIN_CHUNK_BYTES))
         # a message holds one piece and its framing: it fits the client's limit whenever
-        # the client asks for pieces FRAMING_BYTES below it (kvstore.common.transport)
-        limit = min(self.max_message_bytes, step + FRAMING_BYTES)
+        # the client asks for pieces FRAMING_BYTES below it (kvstore.common.transport); a
+        # piece raised to MIN_CHUNK_BYTES still fits (FRAMING_BYTES is larger)
+        limit = min(self.max_message_bytes, asked + FRAMING_BYTES)
         return GetPlan(self.manager, keys, space.internal, ranges, request.stop_at_miss, step, limit)
 
     @_streaming

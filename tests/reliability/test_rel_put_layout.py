@@ -174,3 +174,15 @@ def test_get_chunks_are_at_least_4_kib(node):
         step = max(asked, MIN_CHUNK_BYTES)
         assert [len(c.data) for c in chunks] == [min(step, len(data) - o) for o in range(0, len(data), step)]
         assert b"".join(c.data for c in chunks) == data
+
+
+def test_the_chunk_floor_keeps_frames_within_a_small_clients_limit(node):
+    """The floor raises pieces, not the frame limit: a client whose messages are limited to
+    17 KiB (chunk_bytes 1 KiB) still gets every block (frames of several small blocks had
+    grown to the floor plus framing, past its limit)."""
+    d, _, _ = node
+    blocks = [(key(i, "small-limit"), bytes([i]) * 3000) for i in range(8)] + [(key(99, "small-limit"), b"z" * 9000)]
+    with KVStoreClient(d.address, shared_memory=False) as c:
+        assert c.put(blocks).stored == len(blocks)
+    with KVStoreClient(d.address, shared_memory=False, max_message_bytes=17 << 10) as c:
+        assert [bytes(g.data) for g in c.get([k for k, _ in blocks])] == [v for _, v in blocks]
