@@ -19,9 +19,10 @@ as it ends (one slow write holds up no other): in the tier policy's order while 
 dirty block is near the front
 (:data:`CLEAN_SCAN`), else the least recently used dirty block (the placement's dirty
 list), so a tier whose coldest blocks are all clean already costs no scan per cleaned
-block. A put into a full tier then evicts a clean block, which costs a free and no I/O;
-it waits for a demotion only when no clean block is left (a burst faster than the
-disk), bounded by ``transfer_timeout_s``. The last tier's victims leave the store, which
+block. A put into a full tier then evicts a clean block near the policy's front (within
+:data:`CLEAN_SCAN` blocks, so a put never scans the tier), which costs a free and no I/O;
+it waits for a demotion only when no clean block is there (a burst faster than the
+disk, or clean blocks hit since and now behind dirty ones), bounded by ``transfer_timeout_s``. The last tier's victims leave the store, which
 costs a free (no copy), so they are evicted when a put needs the room and the last tier
 keeps its whole capacity. Without ``async_moves`` (the simulator) every eviction runs
 inline, in pure policy order.
@@ -189,12 +190,12 @@ class Room:
             victim = None
             if redundant is not None:
                 try:
-                    victim = policy.victim(redundant, incoming=incoming, now=now)
+                    victim = self._near_front(policy, redundant, incoming, now)
                 except NoVictim:
                     redundant = None
             if victim is None and clean is not None:
                 try:
-                    victim = policy.victim(clean, incoming=incoming, now=now)
+                    victim = self._near_front(policy, clean, incoming, now)
                 except NoVictim:
                     if self.needs_cleaning(i):
                         # the cleaner demotes several blocks at once: wait for one to be
@@ -208,6 +209,24 @@ class Room:
             if victim is None:
                 victim = policy.victim(self.evictable, incoming=incoming, now=now)
             self.evict_locked(i, victim)
+
+    @staticmethod
+    def _near_front(policy, wanted: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes:
+        """The policy's victim among the blocks ``wanted`` says yes to, looking at no more
+        than :data:`CLEAN_SCAN` blocks from its front (bounded as :meth:`dirty_victim` is).
+        Raises NoVictim when none of those is wanted: a clean block behind many dirty ones
+        (blocks hit since they were cleaned) is not worth a scan of the whole tier under the
+        store's lock, for every put (a host tier of 40,000 blocks: 4 ms a put)."""
+        looked = 0
+
+        def near(key: bytes) -> bool:
+            nonlocal looked
+            looked += 1
+            return looked > CLEAN_SCAN or wanted(key)
+        victim = policy.victim(near, incoming=incoming, now=now)
+        if looked > CLEAN_SCAN:
+            raise NoVictim(f"none of the {CLEAN_SCAN} blocks at the policy's front qualifies")
+        return victim
 
     def reserve_locked(self, i: int, key: bytes, nbytes: int, incoming: bytes | None) -> None:
         """Make room in tier ``i`` and reserve ``nbytes`` for ``key`` (a few tries: room made
