@@ -6,7 +6,8 @@ import argparse
 import uuid
 
 from engine_adapter.reference.demo import MODEL_SIZES, DemoOptions, run_demo
-from kvstore.tools.cliargs import address, non_empty_path, non_negative_float, positive_float, positive_int
+from kvstore.tools.cliargs import (MAX_WAIT_S, address, at_most, non_empty_path, non_negative_float, positive_float,
+                                   positive_int)
 
 
 def cmd_agent_demo(args: argparse.Namespace) -> int:
@@ -41,9 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system-tokens", type=positive_int, default=2048, help="system prompt tokens")
     p.add_argument("--observation-tokens", type=positive_int, default=256, help="tool observation tokens per turn")
     p.add_argument("--answer-tokens", type=positive_int, default=16, help="tokens generated per turn")
-    p.add_argument("--tool-wait-s", type=non_negative_float, default=0.0, help="simulated tool call between turns, seconds")
-    p.add_argument("--store-timeout-s", type=positive_float, default=10.0, help="deadline of each store call")
-    p.add_argument("--lookup-timeout-s", type=positive_float, default=0.05,
+    p.add_argument("--tool-wait-s", type=at_most(non_negative_float, MAX_WAIT_S), default=0.0, help="simulated tool call between turns, seconds")
+    p.add_argument("--store-timeout-s", type=at_most(positive_float, MAX_WAIT_S), default=10.0, help="deadline of each store call")
+    p.add_argument("--lookup-timeout-s", type=at_most(positive_float, MAX_WAIT_S), default=0.05,
                    help="deadline of the lookup before each prefill, seconds (default 0.05: a slow store "
                         "costs a turn at most this, then a recompute)")
     p.set_defaults(func=cmd_agent_demo)

@@ -99,10 +99,14 @@ class TraceTooLarge(ValueError):
     block ids; the message says which and by which options."""
 
 
-def _finite(name: str, value: float, low: float, *, open_low: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a finite number >= ``low`` (> with ``open_low``)."""
-    if not (low < value if open_low else low <= value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number {'>' if open_low else '>='} {low:g}, got {value}")
+MAX_TOOL_DURATION_S, MAX_SIGMA = 7 * 86400.0, 5.0   # a tool's median duration (a week), a log-normal's sigma
+
+
+def _finite(name: str, value: float, low: float, *, open_low: bool = False, high: float = math.inf) -> None:
+    """Raise ValueError unless ``value`` is a finite number >= ``low`` (> with ``open_low``), <= ``high``."""
+    if not (low < value if open_low else low <= value) or not math.isfinite(value) or value > high:
+        raise ValueError(f"{name} must be a finite number {'>' if open_low else '>='} {low:g}"
+                         f"{f' and <= {high:g}' if high < math.inf else ''}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,10 @@ class Tool:
 
     def __post_init__(self) -> None:
         for name in ("duration_median_s", "observation_median_tokens", "weight"):
-            _finite(f"tool {self.name!r}: {name}", getattr(self, name), 0, open_low=True)
+            _finite(f"tool {self.name!r}: {name}", getattr(self, name), 0, open_low=True,
+                    high=MAX_TOOL_DURATION_S if name == "duration_median_s" else math.inf)
         for name in ("duration_sigma", "observation_sigma"):
-            _finite(f"tool {self.name!r}: {name}", getattr(self, name), 0)
+            _finite(f"tool {self.name!r}: {name}", getattr(self, name), 0, high=MAX_SIGMA)
 
 
 DEFAULT_TOOLS: tuple[Tool, ...] = (

@@ -7,7 +7,8 @@ exit code). This file lists the modules and runs the chosen one.
 Exit status: what the command returns (0 done, 1 failed, 2 bad input); 130 after Ctrl-C;
 141 (128 + SIGPIPE, as a shell reports a program a closed pipe killed) when the reader of
 the output went away, e.g. ``kvstore stats | head -1``: the rest of the output is
-dropped, with no traceback.
+dropped, with no traceback. (``--help`` prints through argparse, which exits 0 itself
+before any of this: ``kvstore --help | head -0`` exits 0.)
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _drop_output() -> None:
-    """Point stdout and stderr at /dev/null: what is still buffered for a closed pipe goes
-    nowhere, and the interpreter's flush at exit cannot fail again."""
+    """Point stdout at /dev/null: what is still buffered for a closed pipe goes nowhere, and
+    the interpreter's flush at exit cannot fail again. stderr is kept: errors still show."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout,):
         try:
             os.dup2(devnull, stream.fileno())
         except (OSError, ValueError, AttributeError):    # no file descriptor (a test's capture)

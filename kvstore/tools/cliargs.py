@@ -5,6 +5,26 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Callable
+
+MAX_WAIT_S = 86400.0
+"""Longest timeout, deadline, wait or interval (seconds) an option takes: one day."""
+
+MAX_BLOCK_BYTES = 1 << 30
+"""Largest block (bytes) ``replay`` and ``simulate`` make: 1 GiB."""
+
+
+def at_most(kind: Callable[[str], float], high: float) -> Callable[[str], float]:
+    """``kind`` (one of the types here) and at most ``high``: a huge number is refused with
+    one line (exit status 2), not an OverflowError or an instant deadline later."""
+    def check(text: str) -> float:
+        value = kind(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {text}" if isinstance(high, float)
+                                             else f"must be at most {high}, got {text}")
+        return value
+    check.__name__ = kind.__name__
+    return check
 
 
 def positive_int(text: str) -> int:
@@ -83,5 +103,5 @@ def output_error(target: str | os.PathLike[str]) -> str | None:
     return None
 
 
-__all__ = ["address", "non_negative_float", "non_negative_int", "non_empty_path", "output_error", "positive_float",
+__all__ = ["MAX_BLOCK_BYTES", "MAX_WAIT_S", "address", "at_most", "non_negative_float", "non_negative_int", "non_empty_path", "output_error", "positive_float",
            "positive_int", "probability_below_one"]

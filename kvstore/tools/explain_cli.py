@@ -11,7 +11,9 @@ daemon answers from its state (evicted when, from which tier, by which policy; r
 at admission; never stored); that needs a daemon with the Explain RPC.
 
 A prompt shorter than one block holds no full block: nothing of it is stored or looked
-up, so there is no miss to explain; the command says so (exit status 0) and asks no daemon.
+up. When no prompt given has a full block there is no miss to explain; the command says
+so (exit status 0) and asks no daemon. When only one of two prompts has full blocks they
+are compared as usual (a namespace that differs, block 0 in only one prompt).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Callable, Sequence
 from kvstore.common.errors import KVStoreError
 from kvstore.service.explain import Explanation, Prompt, explain_pair
 from kvstore.common.keys import Namespace
-from kvstore.tools.cliargs import address, non_empty_path
+from kvstore.tools.cliargs import address, non_empty_path, non_negative_int
 from kvstore.tools.trace import loads_json, not_json
 
 
@@ -124,10 +126,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         prompts = [load_prompt(p, default_ns) for p in args.prompts]
         if len(prompts) > 2 or len(prompts) == 1 and not args.target:
             raise PromptError("give two prompts, or one prompt and --target ADDR")
-        for path, prompt in zip(args.prompts, prompts):
-            if not prompt.block_keys():
-                print(no_full_block(path, prompt))
-                return 0
+        if not any(prompt.block_keys() for prompt in prompts):   # else compare: the other has blocks
+            print(no_full_block(args.prompts[0], prompts[0]) if len(prompts) == 1
+                  else "; ".join(no_full_block(path, prompt) for path, prompt in zip(args.prompts, prompts)))
+            return 0
         if len(prompts) == 2:
             result = explain_pair(prompts[0], prompts[1], window=args.window, decode=_decoder(args.tokenizer))
         else:
@@ -148,7 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a JSON file holding the namespace (model, dtype, layout, block_tokens, ...) of prompts "
                         "that carry none")
     p.add_argument("--target", type=address, help="daemon address, with one prompt")
-    p.add_argument("--window", type=int, default=8, help="tokens shown on each side of a difference (default 8)")
+    p.add_argument("--window", type=non_negative_int, default=8, help="tokens shown on each side of a difference (default 8)")
     p.add_argument("--tokenizer", help="show token windows as text: 'bytes' (UTF-8 byte ids) or a "
                                        "Hugging Face tokenizer name or path")
     p.set_defaults(func=cmd_explain)

@@ -14,6 +14,8 @@ import argparse
 from tiers.errors import MediaIOError
 from tiers.nvme.repair import repair_index
 
+from kvstore.tools.cliargs import non_empty_path
+
 
 def cmd_repair_index(args: argparse.Namespace) -> int:
     try:
@@ -27,5 +29,5 @@ def cmd_repair_index(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("repair-index", help="rebuild an NVMe tier's index from its block files (daemon stopped)")
-    p.add_argument("path", help="the NVMe tier folder ([tiers.nvme] path in the config)")
+    p.add_argument("path", type=non_empty_path, help="the NVMe tier folder ([tiers.nvme] path in the config)")
     p.set_defaults(func=cmd_repair_index)

@@ -33,16 +33,17 @@ from typing import Sequence
 
 from tiers.base import TierKind
 
-from kvstore.tools.cliargs import (address, non_empty_path, non_negative_float, non_negative_int, output_error,
+from kvstore.tools.cliargs import (MAX_BLOCK_BYTES, MAX_WAIT_S, address, at_most, non_empty_path, non_negative_float, non_negative_int, output_error,
                                    positive_float, positive_int)
 from kvstore.client.client import KVStoreClient
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS, block_key
-from kvstore.common.errors import InvalidRequest, KVStoreError, StoreUnavailable, TierFull, Unauthenticated
+from kvstore.common.errors import (InvalidRequest, KVStoreError, SizeConflict, StoreUnavailable, TierFull,
+                                   Unauthenticated)
 from kvstore.common.units import format_size
 
 
 
-MAX_REPLAY_BLOCK_BYTES = 1 << 30
+MAX_REPLAY_BLOCK_BYTES = MAX_BLOCK_BYTES
 """Largest block payload a replay makes (bytes): 2 MiB per token, six times a 70B model's KV.
 The replay's own limit; a daemon's tiers may hold less (:func:`largest_tier`)."""
 
@@ -227,16 +228,20 @@ def _replay_requests(bar, clients: list[KVStoreClient], rep: ReplayReport, by_ti
 def _put_blocks(client: KVStoreClient, keys: list[bytes], block_bytes: int, rep: ReplayReport) -> None:
     """Put ``keys`` (their :func:`payload_for` payloads) and count the outcome per block in
     ``rep``; a refused Put of several blocks is done again block by block."""
+    results = []
     try:
-        results = [client.put([(k, payload_for(k, block_bytes)) for k in keys])]
+        results.append(client.put([(k, payload_for(k, block_bytes)) for k in keys]))
+    except SizeConflict as e:
+        _count_size_conflict(e, len(keys), results, rep)
     except TierFull as e:
         if len(keys) == 1:
             rep.count_put_failures(str(e))
             return
-        results = []
         for k in keys:
             try:
                 results.append(client.put([(k, payload_for(k, block_bytes))]))
+            except SizeConflict as one:
+                _count_size_conflict(one, 1, results, rep)
             except TierFull as one:
                 rep.count_put_failures(str(one))
     for res in results:
@@ -245,6 +250,17 @@ def _put_blocks(client: KVStoreClient, keys: list[bytes], block_bytes: int, rep:
         rep.bytes_put += res.bytes_stored
         rep.count_put_failures(NOT_ADMITTED, res.not_admitted)
         rep.count_put_failures(SIZE_CONFLICT, res.size_conflicts)
+
+
+def _count_size_conflict(error: SizeConflict, blocks: int, results: list, rep: ReplayReport) -> None:
+    """A Put of ``blocks`` blocks refused with a size conflict: its ``.result`` (what the
+    other blocks did, its ``size_conflicts`` included) joins ``results``; without one, every
+    block counts as a size conflict."""
+    result = getattr(error, "result", None)
+    if result is None:
+        rep.count_put_failures(SIZE_CONFLICT, blocks)
+    else:
+        results.append(result)
 
 
 def largest_tier(client: KVStoreClient) -> tuple[str, int] | None:
@@ -359,7 +375,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=non_empty_path, default=None,
                    help="write the report as JSON to this file (the folder must exist)")
     p.add_argument("--token", default="", help="bearer token, when the daemon requires one")
-    p.add_argument("--timeout", type=positive_float, default=60.0, help="per-call deadline, seconds")
-    p.add_argument("--wait", type=non_negative_float, default=10.0, help="how long to wait for the daemon to answer, seconds")
+    p.add_argument("--timeout", type=at_most(positive_float, MAX_WAIT_S), default=60.0, help="per-call deadline, seconds (at most a day)")
+    p.add_argument("--wait", type=at_most(non_negative_float, MAX_WAIT_S), default=10.0, help="how long to wait for the daemon to answer, seconds (at most a day)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_replay)

@@ -14,8 +14,10 @@ import argparse
 import dataclasses
 import itertools
 import logging
+import os
 import pathlib
 import signal
+import sys
 import threading
 
 from kvstore import config as config_mod
@@ -58,7 +60,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return 2
-    print(_describe(daemon), *data_lines(cfg, args.config), sep="\n", flush=True)
+    try:
+        _say(_describe(daemon), *data_lines(cfg, args.config))
+        _wait_and_stop(daemon, cfg)
+    finally:
+        daemon.stop(0)      # no-op after the graceful stop; stops it on any error before
+    _say("kvstore stopped")
+    return 0
+
+
+def _say(*lines: str) -> None:
+    """Print to stdout; a closed stdout (``kvstore serve | true``) is logged, not fatal:
+    the daemon goes on serving and stops gracefully on a signal."""
+    try:
+        print(*lines, sep="\n", flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        log.warning("stdout is closed: the daemon's messages go only to the log")
+
+
+def _wait_and_stop(daemon: Daemon, cfg) -> None:
+    """Wait for SIGTERM/SIGINT, then stop ``daemon`` gracefully."""
     done, hurry = threading.Event(), threading.Event()
     signals = itertools.count()     # next() is one C call: a handler run inside another still counts right
 
@@ -80,8 +104,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     # then up to [store] stop_persist_s copying blocks to NVMe, cut short by a second signal
     daemon.stop(grace=cfg.server.stop_grace_s, cancel_persist=hurry.is_set)
-    print("kvstore stopped", flush=True)
-    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -50,6 +50,8 @@ from kvstore.agent.sessions import SessionHint, SessionState
 from kvstore.tools.trace import TRACE_BLOCK_TOKENS, Request
 
 MODELS = ("realistic", "finish-only", "continue-only", "noisy")
+MAX_SIGMA = 10.0
+"""Largest return-time error sigma of a hint model (a factor e^(10 N(0,1)), beyond any use)."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,8 @@ class HintModel:
             raise ValueError(f"misjudged-continuation rate must be in [0, 1], got {self.misjudge}")
         if not self.factor >= 1.0 or not math.isfinite(self.factor):
             raise ValueError(f"return-time error factor must be a finite number >= 1, got {self.factor}")
-        if not self.sigma >= 0.0 or not math.isfinite(self.sigma):
-            raise ValueError(f"return-time error sigma must be a finite number >= 0, got {self.sigma}")
+        if not 0.0 <= self.sigma <= MAX_SIGMA:
+            raise ValueError(f"return-time error sigma must be a number in [0, {MAX_SIGMA:g}], got {self.sigma}")
 
     @property
     def label(self) -> str:
@@ -154,7 +156,7 @@ def parse_hints_spec(text: str, seed: int = 0) -> HintModel:
             else:
                 raise ValueError(f"unknown option {item!r}")
         return HintModel(**args)
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:      # OverflowError: e^1000
         raise ValueError(f"bad hints spec {text!r}: {e} (formats: {_FORMATS})") from None
 
 

@@ -6,7 +6,8 @@ simulated session hints (:mod:`kvstore.tools.sim_hints`: ``realistic``, ``finish
 ``continue-only``, or the oracle ``noisy:P,F``, a bound); ``--measure`` counts one half
 of the trace only (``second-half`` is where tuned parameters are reported). The ``--json``
 and ``--plot`` files are checked before the runs (a missing folder, a file that cannot be
-written, no matplotlib: exit status 2 at once, not after the work).
+written, no matplotlib, a plot suffix matplotlib cannot write: exit status 2 at once, not
+after the work).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Iterable, Sequence
 
 from kvstore import config as config_mod
 from kvstore.common.errors import ConfigError
-from kvstore.tools.cliargs import non_empty_path, output_error, positive_int
+from kvstore.tools.cliargs import MAX_BLOCK_BYTES, at_most, non_empty_path, output_error, positive_int
 from kvstore.tools.sim_hints import derive, parse_hints_spec
 from kvstore.tools.simulate import (
     DEFAULT_BLOCK_BYTES,
@@ -111,9 +112,14 @@ def _outputs_error(args: argparse.Namespace) -> str | None:
             return f"cannot write {flag} {out}: {why}"
     if args.plot:
         try:
-            import matplotlib  # noqa: F401 - only whether it is there
+            from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
             return "--plot needs matplotlib (pip install matplotlib)"
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        suffix = pathlib.PurePath(args.plot).suffix[1:].lower()
+        if suffix and suffix not in kinds:     # no suffix: matplotlib's default format (PNG)
+            return (f"cannot write --plot {args.plot}: matplotlib does not write .{suffix} files "
+                    f"(give one of .{', .'.join(sorted(kinds))})")
     return None
 
 
@@ -255,8 +261,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", type=non_empty_path, help="Mooncake-format JSONL trace")
     p.add_argument("--config", type=non_empty_path,
                    help="node TOML config (tiers, policies, prefetch); default: built-in")
-    p.add_argument("--block-bytes", type=positive_int, default=DEFAULT_BLOCK_BYTES,
-                   help="bytes per 512-token trace block (default 1 MiB: a '1500MiB' tier holds 1500 blocks)")
+    p.add_argument("--block-bytes", type=at_most(positive_int, MAX_BLOCK_BYTES), default=DEFAULT_BLOCK_BYTES,
+                   help="bytes per 512-token trace block (default 1 MiB: a '1500MiB' tier holds 1500 blocks; at most 1 GiB)")
     p.add_argument("--capacity", type=positive_int, help="capacity of the fastest tier, in blocks (overrides the config)")
     p.add_argument("--sweep", type=_parse_blocks_list,
                    help="comma-separated capacities of the fastest tier, in blocks, e.g. 1500,6000,12000 "

@@ -24,7 +24,7 @@ from typing import TextIO
 from kvstore.client.client import KVStoreClient
 from kvstore.common.errors import KVStoreError, StoreUnavailable, Unauthenticated
 from kvstore.common.units import format_size
-from kvstore.tools.cliargs import address, positive_float, positive_int
+from kvstore.tools.cliargs import MAX_WAIT_S, address, at_most, positive_float, positive_int
 
 CLEAR = "\x1b[H\x1b[J"           # cursor home, erase to the end of the screen
 DEFAULT_WATCH_S = 2.0
@@ -198,10 +198,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stats", help="show a running daemon's tiers and counters")
     p.add_argument("--target", type=address, default="unix:kvstore-data/kvstore.sock", help="daemon address")
     p.add_argument("--token", default="", help="bearer token, when the daemon requires one")
-    p.add_argument("--timeout", type=positive_float, default=10.0, help="per-call deadline, seconds (default 10)")
+    p.add_argument("--timeout", type=at_most(positive_float, MAX_WAIT_S), default=10.0,
+                   help="per-call deadline, seconds (default 10, at most a day)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--wait", action="store_true", help="wait up to --timeout for the daemon to come up")
-    p.add_argument("--watch", nargs="?", type=positive_float, const=DEFAULT_WATCH_S, default=None,
+    p.add_argument("--watch", nargs="?", type=at_most(positive_float, MAX_WAIT_S), const=DEFAULT_WATCH_S, default=None,
                    metavar="SECONDS", help=f"redraw a live view every SECONDS (default {DEFAULT_WATCH_S:g}) "
                                            "until Ctrl-C: tiers, hit rate, rates per second")
     p.add_argument("--count", type=positive_int, default=None, metavar="N",

@@ -55,7 +55,7 @@ def test_a_tools_file_with_a_non_finite_duration_is_refused(tmp_path, capsys, no
                                   "observation_median_tokens": 100, "observation_sigma": 0.5, "weight": 1.0}]))
     assert main(["gen-agent-trace", str(tmp_path / "g.jsonl"), "--tools", str(tools)]) == 2
     err = capsys.readouterr().err
-    assert "bad --tools file" in err and "duration_median_s must be a finite number > 0, got inf" in err
+    assert "bad --tools file" in err and "duration_median_s must be a finite number > 0 and <= 604800, got inf" in err
 
 
 def test_a_missing_folder_is_not_created(tmp_path, capsys, no_generation):
