@@ -135,19 +135,12 @@ def thp_shmem_allowed() -> bool:
     return chosen in ("advise", "always", "within_size", "force")
 
 
-def hugetlb_free_bytes() -> int:
-    """Bytes of free 2 MiB pages in the kernel's hugetlb pool (``/proc/meminfo``)."""
-    free = size = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("HugePages_Free:"):
-                    free = int(line.split()[1])
-                elif line.startswith("Hugepagesize:"):
-                    size = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 0
-    return free * size if size == HUGE_PAGE_BYTES else 0
+def hugetlb_free_bytes(info: dict[str, int] | None = None) -> int:
+    """Bytes of free 2 MiB pages in the kernel's hugetlb pool (``/proc/meminfo``, or
+    ``info`` as :func:`_meminfo` reads it)."""
+    info = _meminfo() if info is None else info
+    size = info.get("Hugepagesize", 0)
+    return info.get("HugePages_Free", 0) * size if size == HUGE_PAGE_BYTES else 0
 
 
 CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
@@ -155,7 +148,8 @@ CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
 
 
 def _meminfo() -> dict[str, int]:
-    """``/proc/meminfo`` in bytes by field (``{}`` where it cannot be read)."""
+    """``/proc/meminfo`` by field: sizes in bytes, counts (``HugePages_Free``) as they are;
+    ``{}`` where it cannot be read."""
     out = {}
     try:
         with open("/proc/meminfo") as f:
@@ -181,7 +175,7 @@ def memory_limits() -> tuple[int, int] | None:
     info = _meminfo()
     if "MemTotal" not in info or "MemAvailable" not in info:
         return None
-    huge = hugetlb_free_bytes()
+    huge = hugetlb_free_bytes(info)
     total, available = info["MemTotal"] + huge, info["MemAvailable"] + huge
     try:
         with open(CGROUP_FILES[0]) as f:

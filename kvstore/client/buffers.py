@@ -278,6 +278,8 @@ class BlockBuffers:
         is known before anything is read (``get_into`` with ``ranges``, a leased read's
         stages; 0: nothing to check). Raises InvalidRequest as :meth:`slot` for the first
         block that does not fit."""
+        if nbytes <= 0:
+            return
         if self._per_block is not None:
             room = [v.array.size for v in self._per_block]
         elif self.offsets is None:

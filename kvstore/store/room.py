@@ -213,7 +213,9 @@ class Room:
     @staticmethod
     def _near_front(policy, wanted: Callable[[bytes], bool], incoming: bytes | None, now: float) -> bytes:
         """The policy's victim among the blocks ``wanted`` says yes to, looking at no more
-        than :data:`CLEAN_SCAN` blocks from its front (bounded as :meth:`dirty_victim` is).
+        than :data:`CLEAN_SCAN` blocks from its front. The scan is bounded without an
+        exception inside the policy: the predicate answers yes to the first block past the
+        budget, which ends the policy's scan there, and that answer is set aside.
         Raises NoVictim when none of those is wanted: a clean block behind many dirty ones
         (blocks hit since they were cleaned) is not worth a scan of the whole tier under the
         store's lock, for every put (a host tier of 40,000 blocks: 4 ms a put)."""
@@ -367,34 +369,19 @@ class Room:
     def dirty_victim(self, i: int, skip: set[bytes]) -> bytes | None:
         """The cleaner's next block of tier ``i`` to copy down (lock held): the policy's
         coldest dirty block, unpinned and not in ``skip``, while one is within
-        :data:`CLEAN_SCAN` blocks of the policy's front; past that, the least recently
-        used such block of the placement's dirty list. None when there is none.
-
-        The policy's scan is bounded without an exception: the predicate answers yes
-        to the first block past the budget, which ends the policy's scan there, and
-        that answer is then set aside for the dirty list's.
-        """
+        :data:`CLEAN_SCAN` blocks of the policy's front (:meth:`_near_front`); past that,
+        the least recently used such block of the placement's dirty list. None when there
+        is none."""
         raw = self.cat.raw
 
         def dirty(key: bytes) -> bool:
             e = raw(key)
             return e is not None and e.pins == 0 and not e.deleted and e.tiers[-1] == i and key not in skip
 
-        looked = 0
-        budget = CLEAN_SCAN
-
-        def dirty_near_front(key: bytes) -> bool:
-            nonlocal looked
-            looked += 1
-            return looked > budget or dirty(key)
-
         try:
-            victim = self.policies[i].victim(dirty_near_front, incoming=None, now=self.clock())
-        except NoVictim:
-            return None
-        if looked > budget:               # the policy's coldest blocks are clean already
+            return self._near_front(self.policies[i], dirty, None, self.clock())
+        except NoVictim:                  # the policy's coldest blocks are clean already
             return next((k for k in self.placement.dirty_keys(i) if dirty(k)), None)
-        return victim
 
 
 __all__ = ["CLEAN_SCAN", "CLEAN_WAIT_S", "Room"]
